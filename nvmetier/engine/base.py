@@ -1,0 +1,104 @@
+"""The I/O engine interface: positioned reads and writes between one memory
+buffer (the primary tier's region) and a set of open files.
+
+Owns: nothing but the mechanics of moving bytes. It knows no keys, slots or
+jobs. An *op* moves ``length`` bytes between ``buffer[buf_offset:]`` and
+``files[file_idx]`` at ``file_offset``; every op also yields an XXH3-64
+checksum of the bytes moved (seeded by ``seed``), computed by the engine off the
+caller's thread, so the store never touches chunk bytes itself.
+
+Threads: ``submit`` is called by the scheduler thread and by the store's
+completion thread (never blocks: it only enqueues). ``wait_completions`` is
+called by exactly one thread, the store's completion thread, and blocks up to
+``timeout_s``. ``close`` is called once, after the last op completed or after
+``wait_idle``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+OP_READ = 0
+OP_WRITE = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Op:
+    """One positioned read or write.
+
+    Attributes:
+        op_id: caller's identifier, echoed in the completion.
+        kind: OP_READ (file -> buffer) or OP_WRITE (buffer -> file).
+        file_idx: index into the engine's file list.
+        file_offset: byte offset in the file (aligned for O_DIRECT).
+        buf_offset: byte offset in the engine's buffer.
+        length: bytes to move.
+        seed: XXH3-64 seed for the checksum of the moved bytes.
+    """
+
+    op_id: int
+    kind: int
+    file_idx: int
+    file_offset: int
+    buf_offset: int
+    length: int
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Completion:
+    """The outcome of one op.
+
+    Attributes:
+        op_id: the op's identifier.
+        result: bytes moved (== length on success), or ``-errno`` on failure.
+            A short transfer is reported as ``-EIO`` by every engine.
+        checksum: XXH3-64 (with the op's seed) of the bytes moved; 0 on failure.
+    """
+
+    op_id: int
+    result: int
+    checksum: int
+
+
+class IoEngine(abc.ABC):
+    """Moves bytes for ops; see the module docstring for the thread rules."""
+
+    name: str = "abstract"
+
+    @abc.abstractmethod
+    def submit(self, ops: Sequence[Op]) -> None:
+        """Queue ops for execution. Never blocks on I/O.
+
+        Raises:
+            EngineClosedError: after ``close``.
+        """
+
+    @abc.abstractmethod
+    def wait_completions(self, timeout_s: float) -> list[Completion]:
+        """Return completed ops, waiting up to ``timeout_s`` for the first one.
+
+        Returns an empty list on timeout. Only one thread may call this.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop the engine's threads and release its resources.
+
+        Ops still queued are completed with ``-ECANCELED``; ops already
+        running finish first (a half-done transfer would corrupt data).
+        Completions remain available from ``wait_completions``. Idempotent.
+        """
+
+    def describe(self) -> dict[str, object]:
+        """Facts for ``config_info`` and ``nvmetier info``."""
+        return {"engine": self.name}
+
+
+def xxh3_seeded(data: memoryview | bytes, seed: int) -> int:
+    """XXH3-64 of ``data`` with ``seed``, the checksum every engine computes."""
+    import xxhash
+
+    return xxhash.xxh3_64_intdigest(data, seed)

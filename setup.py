@@ -1,0 +1,68 @@
+"""Build hook for the optional native io_uring extension (``nvmetier._uring``).
+
+The extension is optional: when liburing or a C compiler is missing, the build
+prints one warning and the package installs without it (the thread engine is
+then used). liburing is linked statically where ``liburing.a`` exists, so an
+installed wheel needs nothing at run time.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+def _uring_link_args() -> tuple[list[str], list[str]]:
+    for pattern in ("/usr/lib/*/liburing.a", "/usr/lib/liburing.a", "/usr/local/lib/liburing.a"):
+        found = sorted(glob.glob(pattern))
+        if found:
+            return [found[0]], []
+    return [], ["uring"]
+
+
+class OptionalBuildExt(build_ext):
+    """build_ext that tolerates a failed optional extension."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # compiler missing
+            self._warn(exc)
+
+    def build_extension(self, ext: Extension) -> None:
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # liburing missing, compile error
+            if os.environ.get("NVMETIER_REQUIRE_NATIVE") == "1":
+                raise
+            self._warn(exc)
+
+    @staticmethod
+    def _warn(exc: BaseException) -> None:
+        sys.stderr.write(
+            f"WARNING: nvmetier's io_uring extension was not built ({exc}); "
+            "the thread engine will be used. Install liburing-dev and a C compiler to build it.\n"
+        )
+
+
+extra_objects, libraries = _uring_link_args()
+native_sources = sorted(glob.glob("native/*.c"))
+ext_modules = []
+if native_sources:
+    ext_modules.append(
+        Extension(
+            "nvmetier._uring",
+            sources=native_sources,
+            include_dirs=["native"],
+            extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],
+            extra_objects=extra_objects,
+            libraries=libraries,
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})
