@@ -1,0 +1,133 @@
+/*
+ * nvt_engine: positioned reads and writes between one memory buffer and a set
+ * of open files, driven by one io_uring owned by one native I/O thread.
+ *
+ * This layer knows nothing of Python: the binding (nvt_module.c) converts
+ * objects to nvt_op and back. An op's `op_id` is an opaque pointer that the
+ * engine only copies; it comes back in exactly one nvt_completion.
+ *
+ * Threads and locks:
+ *   - nvt_engine_open/close/free are called by one owner thread; open and
+ *     close block (ring setup and buffer registration; joining the I/O thread).
+ *   - nvt_engine_submit may be called from any thread, concurrently with
+ *     everything but nvt_engine_free. It takes `lock` briefly and never waits
+ *     for the kernel.
+ *   - nvt_engine_wait may be called from any thread; it blocks up to its
+ *     timeout on `done_cv`.
+ *   - The I/O thread alone touches the ring, the in-flight slots and the
+ *     in-flight counters. It takes `lock` only to move ops out of the pending
+ *     queue and completions into the done queue; it never holds it while
+ *     hashing or in a syscall.
+ *   - No function here needs the Python GIL; the binding releases it around
+ *     every call that can block.
+ */
+#ifndef NVT_ENGINE_H
+#define NVT_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define NVT_OP_READ 0
+#define NVT_OP_WRITE 1
+
+/* The kernel refuses registered buffers larger than 1 GiB each. */
+#define NVT_MAX_REGISTER_CHUNK_BYTES (1ULL << 30)
+
+typedef struct nvt_engine nvt_engine;
+
+/* One positioned transfer, as submitted. Signed fields are validated by
+ * nvt_engine_submit, so callers may pass whatever the user gave them. */
+typedef struct {
+    void *op_id;          /* opaque, echoed in the completion */
+    int64_t file_offset;  /* byte offset in the file */
+    int64_t buf_offset;   /* byte offset in the buffer */
+    int64_t length;       /* bytes to move */
+    int64_t file_idx;     /* index into the engine's fd list */
+    uint64_t seed;        /* XXH3-64 seed */
+    int kind;             /* NVT_OP_READ or NVT_OP_WRITE */
+} nvt_op;
+
+/* The outcome of one op: result = length or -errno (a short transfer is -EIO);
+ * checksum = XXH3-64(seed) of the bytes moved, 0 on failure. */
+typedef struct {
+    void *op_id;
+    int64_t result;
+    uint64_t checksum;
+} nvt_completion;
+
+/* A growable array of completions owned by whoever holds it. */
+typedef struct {
+    nvt_completion *items;
+    size_t len;
+    size_t cap;
+} nvt_completion_batch;
+
+typedef struct {
+    unsigned queue_depth;           /* ops in the ring at once, >= 1 */
+    uint64_t max_inflight_bytes;    /* bytes in the ring at once (one op may exceed it) */
+    int register_buffers;           /* try READ_FIXED/WRITE_FIXED */
+    int fixed_files;                /* try registered files */
+    uint64_t register_chunk_bytes;  /* bytes per registered iovec, <= 1 GiB */
+} nvt_config;
+
+/* What nvt_engine_open achieved; fixed for the engine's life. */
+typedef struct {
+    int registered_buffers;  /* 1 if READ_FIXED/WRITE_FIXED are used */
+    int buffers_errno;       /* why registration failed (0: not tried or ok) */
+    int fixed_files;         /* 1 if the fds are registered */
+    int files_errno;         /* why file registration failed */
+    unsigned ring_entries;   /* SQ size */
+    unsigned setup_flags;    /* IORING_SETUP_* the ring was created with */
+} nvt_engine_info;
+
+/*
+ * Create the engine: start the I/O thread, which creates the ring and
+ * registers the buffer and files (falling back to unregistered on failure).
+ * `buf` and `fds` are borrowed and must outlive nvt_engine_close; `fds` is
+ * copied. Blocks until the ring is ready.
+ *
+ * Returns 0 and sets *out, or -errno (ring setup failed, out of memory,
+ * thread creation failed) with nothing left behind.
+ */
+int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
+                    unsigned nfds, const nvt_config *cfg);
+
+void nvt_engine_get_info(const nvt_engine *e, nvt_engine_info *info);
+
+/*
+ * Queue `n` ops. Ops that fail validation (bad file_idx -> -EBADF, range
+ * outside the buffer -> -EFAULT, negative file offset or bad kind -> -EINVAL)
+ * and zero-length ops complete at once without I/O. Never blocks on I/O.
+ *
+ * Returns 0, -ESHUTDOWN after nvt_engine_close began (nothing queued), or
+ * -ENOMEM (nothing queued).
+ */
+int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n);
+
+/*
+ * Wait up to `timeout_s` (<= 0: do not wait) for at least one completion, then
+ * swap the engine's done queue with `batch` (whose len must be 0): the caller
+ * owns every completion now in `batch`. Returns at once with nothing once the
+ * engine is closed and drained.
+ */
+void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch);
+
+/*
+ * Stop: queued ops complete with -ECANCELED, ops in the ring finish, the I/O
+ * thread exits (closing the ring, which unregisters everything). Blocks until
+ * then. Idempotent and safe to call from several threads. Completions stay
+ * available to nvt_engine_wait.
+ */
+void nvt_engine_close(nvt_engine *e);
+
+/* Free a closed engine. Completions not yet taken are dropped: take them
+ * first with nvt_engine_wait(e, 0, ...) if their op_ids own resources. */
+void nvt_engine_free(nvt_engine *e);
+
+/*
+ * Check that io_uring works: create a tiny ring and run one NOP.
+ * Returns 0, or -errno with *stage naming the step that failed.
+ */
+int nvt_probe(const char **stage);
+
+#endif /* NVT_ENGINE_H */

@@ -1,0 +1,197 @@
+"""Tier configuration: parsing, defaults and validation.
+
+Owns: ``TierConfig`` and the parsing of sizes such as ``"500GiB"``. Pure
+functions, no I/O, no threads. Every bad or unknown key raises one
+``ConfigError`` that names the key, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from nvmetier.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1000,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1000**2,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1000**3,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1000**4,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, key: str = "size") -> int:
+    """Parse a byte count: an int, or a string like ``"500GiB"``, ``"1.5TB"``.
+
+    Binary units (KiB, MiB, GiB, TiB, and the bare K/M/G/T) are powers of 1024;
+    KB/MB/GB/TB are powers of 1000.
+
+    Raises:
+        ConfigError: naming ``key`` when the value is not a positive size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a size; use bytes or a string like '500GiB'")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(
+                f"{key}={value!r} is not a size; use bytes or a number with a unit "
+                "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '500GiB'"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ConfigError(
+            f"{key}={value!r} ({type(value).__name__}) is not a size; "
+            "use bytes or a string like '500GiB'"
+        )
+    if n <= 0:
+        raise ConfigError(f"{key}={value!r} must be greater than zero")
+    return n
+
+
+def format_size(n: int) -> str:
+    """``1073741824`` -> ``"1.00 GiB"``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} B" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclasses.dataclass(frozen=True)
+class TierConfig:
+    """Validated configuration of one tier (one store per layout identity).
+
+    Attributes:
+        root_dir: one directory per drive; slots are striped across them.
+        capacity_bytes: the hard bound on disk usage (data files + index),
+            summed over all root_dir entries, fixed when the store is created.
+        io_engine: ``auto`` (io_uring if usable, else threads), ``threads``
+            or ``uring``.
+        io_threads: worker threads of the thread engine.
+        queue_depth: ops in flight in the io_uring engine.
+        ways: slots per hash set (associativity of the slot index).
+        verify_checksums: verify the XXH3 checksum of every chunk loaded.
+        o_direct: ``auto`` (probe, fall back to buffered with one warning),
+            ``True`` (fail if refused) or ``False`` (buffered I/O).
+        enable_kv_events: emit stored/removed KV events.
+        max_inflight_bytes: bytes handed to the engine at once.
+        max_queued_bytes: stores beyond this many queued bytes are dropped
+            (counted) instead of stalling the engine.
+        admit_after_lookups: store a chunk only once it was looked up this
+            many times (0: store everything).
+        persist: keep the store at shutdown (False removes it).
+        locality: ``local``/``remote`` (read by vLLM, passed through).
+    """
+
+    root_dir: tuple[str, ...]
+    capacity_bytes: int
+    io_engine: str = "auto"
+    io_threads: int = 16
+    queue_depth: int = 64
+    ways: int = 16
+    verify_checksums: bool = True
+    o_direct: str | bool = "auto"
+    enable_kv_events: bool = False
+    max_inflight_bytes: int = 64 << 20
+    max_queued_bytes: int = 1 << 30
+    admit_after_lookups: int = 0
+    persist: bool = True
+    locality: str | None = None
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> TierConfig:
+        """Build and validate a config from user-facing keys.
+
+        Raises:
+            ConfigError: an unknown key (with the closest known one), a missing
+                required key, or a bad value.
+        """
+        known = cls.keys()
+        for key in raw:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ConfigError(
+                    f"unknown nvmetier config key {key!r}{hint}; accepted keys: {', '.join(known)}"
+                )
+        for key in ("root_dir", "capacity_bytes"):
+            if key not in raw or raw[key] is None:
+                raise ConfigError(
+                    f"nvmetier config key {key!r} is required, e.g. "
+                    '{"root_dir": "/mnt/nvme/kv", "capacity_bytes": "500GiB"}'
+                )
+        values = dict(raw)
+        values["root_dir"] = _parse_roots(raw["root_dir"])
+        values["capacity_bytes"] = parse_size(raw["capacity_bytes"], "capacity_bytes")
+        for key in ("max_inflight_bytes", "max_queued_bytes"):
+            if key in raw:
+                values[key] = parse_size(raw[key], key)
+        cfg = cls(**values)
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        if self.io_engine not in ("auto", "threads", "uring"):
+            raise ConfigError(
+                f"io_engine={self.io_engine!r} is not an engine; use 'auto', 'threads' or 'uring'"
+            )
+        for key, lo, hi in (
+            ("io_threads", 1, 256),
+            ("queue_depth", 1, 4096),
+            ("ways", 1, 1024),
+            ("admit_after_lookups", 0, 1 << 20),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise ConfigError(f"{key}={value!r} must be an integer from {lo} to {hi}")
+        for key in ("verify_checksums", "enable_kv_events", "persist"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
+        if self.o_direct not in ("auto", True, False):
+            raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")
+        if self.locality not in (None, "local", "remote", "LOCAL", "REMOTE"):
+            raise ConfigError(f"locality={self.locality!r} must be 'local' or 'remote'")
+
+
+def _parse_roots(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        roots: list[object] = [value]
+    elif isinstance(value, (list, tuple)):
+        roots = list(value)
+    else:
+        raise ConfigError(
+            f"root_dir={value!r} must be a path or a list of paths (one per drive)"
+        )
+    if not roots:
+        raise ConfigError("root_dir=[] must name at least one directory")
+    out: list[str] = []
+    for r in roots:
+        if not isinstance(r, str) or not r.strip():
+            raise ConfigError(f"root_dir entry {r!r} must be a non-empty path string")
+        out.append(r)
+    if len(set(out)) != len(out):
+        raise ConfigError(f"root_dir={out!r} names the same directory twice")
+    return tuple(out)

@@ -1,0 +1,295 @@
+"""On-disk layout: the superblock and the index records. No I/O.
+
+Owns: the byte-level format (see docs/format.md), ``FORMAT_VERSION``, and
+pack/unpack/verify helpers. Pure functions, callable from any thread.
+
+A store directory holds:
+
+- ``superblock``: a versioned header with the store geometry and the layout
+  identity (a JSON object), checksummed as a whole;
+- ``index``: ``n_slots`` fixed-size records, one per slot, each with its own
+  checksum (``RECORD_BYTES`` each, slot ``s`` at offset ``s * RECORD_BYTES``);
+- ``data`` (in each root directory): the slots, ``slot_bytes`` each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from typing import Any
+
+import xxhash
+
+from nvmetier.errors import FormatError
+
+# Changing any layout below requires bumping FORMAT_VERSION.
+FORMAT_VERSION = 1
+MAGIC = b"NVMETIER"
+ALIGN_BYTES = 4096
+
+# --- superblock -------------------------------------------------------------
+_SB_HEAD = struct.Struct("<8sIIQQQIIIIQQII")
+SB_HEAD_BYTES = _SB_HEAD.size
+assert SB_HEAD_BYTES == 80, SB_HEAD_BYTES
+SB_CHECKSUM_BYTES = 8
+SB_FLAG_CLEAN = 1
+
+# --- index record -----------------------------------------------------------
+RECORD_BYTES = 128
+RECORD_MAGIC = 0x5254564E  # "NVTR" little-endian
+KEY_MAX_BYTES = 88
+_REC = struct.Struct("<IBBHQQII88s")
+assert _REC.size == RECORD_BYTES - 8, _REC.size
+_REC_SUM = struct.Struct("<Q")
+STATE_EMPTY = 0
+STATE_VALID = 1
+EMPTY_RECORD = bytes(RECORD_BYTES)
+
+
+def align_up(n: int, align: int = ALIGN_BYTES) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclasses.dataclass(frozen=True)
+class Superblock:
+    """The store's geometry and identity.
+
+    Attributes:
+        chunk_bytes: bytes of one chunk (one primary row).
+        slot_bytes: bytes one slot occupies in a data file (aligned).
+        n_slots: total slots over all data files.
+        ways: slots per hash set.
+        n_paths: data files (one per root directory); slot ``s`` lives in file
+            ``s % n_paths`` at offset ``(s // n_paths) * slot_bytes``.
+        created_ns: creation time (unix ns).
+        identity: the layout identity; data is served only to the same one.
+        clean: set at orderly shutdown, cleared while the store is open.
+    """
+
+    chunk_bytes: int
+    slot_bytes: int
+    n_slots: int
+    ways: int
+    n_paths: int
+    created_ns: int
+    identity: dict[str, Any]
+    clean: bool = False
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def n_sets(self) -> int:
+        return self.n_slots // self.ways
+
+    @property
+    def slots_per_path(self) -> int:
+        return self.n_slots // self.n_paths
+
+    @property
+    def data_file_bytes(self) -> int:
+        return self.slots_per_path * self.slot_bytes
+
+    @property
+    def index_bytes(self) -> int:
+        return self.n_slots * RECORD_BYTES
+
+    def identity_json(self) -> bytes:
+        return identity_json(self.identity)
+
+    @property
+    def superblock_bytes(self) -> int:
+        return align_up(SB_HEAD_BYTES + len(self.identity_json()) + SB_CHECKSUM_BYTES)
+
+    def slot_location(self, slot: int) -> tuple[int, int]:
+        """``(file index, byte offset)`` of ``slot``."""
+        return slot % self.n_paths, (slot // self.n_paths) * self.slot_bytes
+
+
+def identity_json(identity: dict[str, Any]) -> bytes:
+    """Canonical JSON of a layout identity (sorted keys, no spaces)."""
+    return json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+
+
+def identity_digest(identity: dict[str, Any]) -> int:
+    return xxhash.xxh3_64_intdigest(identity_json(identity))
+
+
+def pack_superblock(sb: Superblock) -> bytes:
+    ident = sb.identity_json()
+    size = sb.superblock_bytes
+    head = _SB_HEAD.pack(
+        MAGIC,
+        sb.format_version,
+        size,
+        sb.chunk_bytes,
+        sb.slot_bytes,
+        sb.n_slots,
+        sb.ways,
+        RECORD_BYTES,
+        sb.n_paths,
+        SB_FLAG_CLEAN if sb.clean else 0,
+        sb.created_ns,
+        xxhash.xxh3_64_intdigest(ident),
+        len(ident),
+        0,
+    )
+    body = bytearray(size)
+    body[:SB_HEAD_BYTES] = head
+    body[SB_HEAD_BYTES : SB_HEAD_BYTES + len(ident)] = ident
+    body[-SB_CHECKSUM_BYTES:] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(body[:-8])))
+    return bytes(body)
+
+
+def unpack_superblock(data: bytes, where: str = "superblock") -> Superblock:
+    """Parse and verify a superblock.
+
+    Raises:
+        FormatError: bad magic, unknown version, bad checksum or geometry.
+    """
+    if len(data) < SB_HEAD_BYTES + SB_CHECKSUM_BYTES:
+        raise FormatError(f"{where}: truncated superblock ({len(data)} bytes)")
+    (
+        magic,
+        version,
+        size,
+        chunk_bytes,
+        slot_bytes,
+        n_slots,
+        ways,
+        record_bytes,
+        n_paths,
+        flags,
+        created_ns,
+        ident_hash,
+        ident_len,
+        _reserved,
+    ) = _SB_HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise FormatError(f"{where}: not an nvmetier store (bad magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise FormatError(
+            f"{where}: store format version {version}, this nvmetier reads version "
+            f"{FORMAT_VERSION}; remove the store directory to start a new cache"
+        )
+    if size > len(data) or size % ALIGN_BYTES:
+        raise FormatError(f"{where}: superblock size {size} does not match the file")
+    (stored_sum,) = struct.unpack_from("<Q", data, size - 8)
+    if stored_sum != xxhash.xxh3_64_intdigest(data[: size - 8]):
+        raise FormatError(f"{where}: superblock checksum mismatch (corrupted header)")
+    ident = data[SB_HEAD_BYTES : SB_HEAD_BYTES + ident_len]
+    if xxhash.xxh3_64_intdigest(ident) != ident_hash:
+        raise FormatError(f"{where}: identity checksum mismatch")
+    if record_bytes != RECORD_BYTES or ways == 0 or n_paths == 0 or n_slots % (ways * n_paths):
+        raise FormatError(
+            f"{where}: inconsistent geometry (slots={n_slots}, ways={ways}, paths={n_paths})"
+        )
+    if slot_bytes < chunk_bytes or slot_bytes % ALIGN_BYTES:
+        raise FormatError(f"{where}: slot_bytes {slot_bytes} invalid for chunk {chunk_bytes}")
+    return Superblock(
+        chunk_bytes=chunk_bytes,
+        slot_bytes=slot_bytes,
+        n_slots=n_slots,
+        ways=ways,
+        n_paths=n_paths,
+        created_ns=created_ns,
+        identity=json.loads(ident),
+        clean=bool(flags & SB_FLAG_CLEAN),
+        format_version=version,
+    )
+
+
+def geometry(
+    capacity_bytes: int, chunk_bytes: int, ways: int, n_paths: int, identity: dict[str, Any]
+) -> tuple[int, int]:
+    """``(slot_bytes, n_slots)`` that fit ``capacity_bytes`` in total.
+
+    Disk usage = superblock + index (``RECORD_BYTES`` per slot) + data files,
+    never more than ``capacity_bytes``. ``n_slots`` is a multiple of
+    ``ways * n_paths`` so every set is whole and every drive holds as many.
+
+    Raises:
+        FormatError: when not even one set fits (the caller turns it into a
+            ConfigError naming capacity_bytes).
+    """
+    slot_bytes = align_up(chunk_bytes)
+    overhead = align_up(SB_HEAD_BYTES + len(identity_json(identity)) + SB_CHECKSUM_BYTES)
+    unit = ways * n_paths
+    usable = capacity_bytes - overhead
+    n_slots = max(0, usable // (slot_bytes + RECORD_BYTES)) // unit * unit
+    # The index file is rounded up to whole pages so it can be mapped.
+    while n_slots and overhead + align_up(n_slots * RECORD_BYTES) + n_slots * slot_bytes > (
+        capacity_bytes
+    ):
+        n_slots -= unit
+    if n_slots == 0:
+        need = overhead + align_up(unit * RECORD_BYTES) + unit * slot_bytes
+        raise FormatError(
+            f"capacity of {capacity_bytes} bytes holds no complete set: one set of {ways} ways "
+            f"over {n_paths} path(s) of {slot_bytes}-byte slots needs at least {need} bytes"
+        )
+    return slot_bytes, n_slots
+
+
+def key_seed(key: bytes) -> int:
+    """The checksum seed of a chunk: XXH3-64 of its key.
+
+    Seeding the payload checksum with the key means bytes stored for one key
+    never verify as another key's, even if an index record points at them.
+    """
+    return xxhash.xxh3_64_intdigest(key)
+
+
+def record_checksum(body: bytes | memoryview, slot: int) -> int:
+    """Checksum of a record body (first 120 bytes), bound to its slot number."""
+    return xxhash.xxh3_64_intdigest(body, slot)
+
+
+def pack_record(slot: int, key: bytes, payload_checksum: int, stored_ns: int) -> bytes:
+    """The 128-byte record of a valid slot."""
+    if len(key) > KEY_MAX_BYTES:
+        raise ValueError(f"key of {len(key)} bytes exceeds {KEY_MAX_BYTES}")
+    body = _REC.pack(
+        RECORD_MAGIC, STATE_VALID, len(key), 0, payload_checksum, stored_ns, 0, slot, key
+    )
+    return body + _REC_SUM.pack(record_checksum(body, slot))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    slot: int
+    key: bytes
+    payload_checksum: int
+    stored_ns: int
+
+
+class RecordError(ValueError):
+    """A record that is neither empty nor valid (torn, flipped, misplaced)."""
+
+
+def unpack_record(data: bytes | memoryview, slot: int) -> Record | None:
+    """Parse the record of ``slot``: ``None`` for an empty record.
+
+    Raises:
+        RecordError: the record is not all zeros and does not verify.
+    """
+    if len(data) != RECORD_BYTES:
+        raise RecordError(f"record of {len(data)} bytes")
+    body = data[: RECORD_BYTES - 8]
+    magic, state, key_len, _r, payload, stored_ns, _r2, rec_slot, key = _REC.unpack_from(body)
+    if magic == 0 and state == STATE_EMPTY and bytes(data) == EMPTY_RECORD:
+        return None
+    (stored_sum,) = _REC_SUM.unpack_from(data, RECORD_BYTES - 8)
+    if magic != RECORD_MAGIC:
+        raise RecordError(f"slot {slot}: bad record magic {magic:#x}")
+    if stored_sum != record_checksum(body, slot):
+        raise RecordError(f"slot {slot}: record checksum mismatch")
+    if state != STATE_VALID:
+        raise RecordError(f"slot {slot}: unknown state {state}")
+    if rec_slot != slot or key_len > KEY_MAX_BYTES:
+        raise RecordError(f"slot {slot}: record belongs to slot {rec_slot}")
+    return Record(slot, key[:key_len], payload, stored_ns)
+
+
+def set_of(key: bytes, n_sets: int) -> int:
+    """The hash set of ``key``: XXH3-64 of the key modulo the set count."""
+    return xxhash.xxh3_64_intdigest(key) % n_sets
