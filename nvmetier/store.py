@@ -123,7 +123,7 @@ class BlockStore:
     ) -> None:
         self.config = config
         self.row_bytes = row_bytes
-        self._buf = memoryview(buffer).cast("B") if memoryview(buffer).ndim != 1 else buffer
+        self._buf = memoryview(buffer).cast("B")
         self._n_rows = len(self._buf) // row_bytes
         engine_name, self.engine_reason = (
             (engine, "forced") if engine else resolve_engine_name(config.io_engine)
@@ -541,6 +541,8 @@ class BlockStore:
         self.release_holds()
         self.engine.close()
         self.files.close(clean=True)
+        # Drop our export of the primary region so its owner can unmap it.
+        self._buf.release()
         keep = self.config.persist if persist is None else persist
         if not keep:
             self.files.remove()

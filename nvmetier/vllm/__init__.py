@@ -1,0 +1,290 @@
+"""The vLLM adapter: ``NvmeTierManager``, a ``SecondaryTierManager``.
+
+This subpackage is the only code of nvmetier that imports vLLM. Used as::
+
+    {"type": "NvmeTierManager", "module_path": "nvmetier.vllm",
+     "root_dir": "/mnt/nvme/kv", "capacity_bytes": "500GiB"}
+
+in ``secondary_tiers`` of ``TieringOffloadingSpec`` (or ``{"type": "nvme", ...}``
+once the plugin registered the short name).
+
+Threads: every tier method runs under the orchestrator's lock on the
+scheduler thread (or its tier-poll thread) and never blocks on disk, except
+``drain_jobs`` (waits for in-flight I/O, by contract) and ``shutdown``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from typing_extensions import override
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    ConfigInfoMapping,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingCounterMetadata,
+    OffloadingEvent,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from nvmetier import format as fmt
+from nvmetier.config import TierConfig
+from nvmetier.errors import ConfigError
+from nvmetier.store import BlockStore
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadingSpec
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "vllm:nvmetier_"
+# name -> (kind, documentation); counters are reported as deltas per get_stats.
+METRICS: dict[str, tuple[str, str]] = {
+    "bytes_written": ("counter", "Bytes written to the NVMe tier's data files."),
+    "bytes_read": ("counter", "Bytes read from the NVMe tier and verified."),
+    "ops_written": ("counter", "Chunks written to the NVMe tier."),
+    "ops_read": ("counter", "Chunks read from the NVMe tier and verified."),
+    "hits": ("counter", "Lookups answered HIT by the NVMe tier."),
+    "misses": ("counter", "Lookups answered MISS by the NVMe tier."),
+    "evictions": ("counter", "Chunks evicted from the NVMe tier to make room."),
+    "checksum_failures": (
+        "counter",
+        "Chunks whose checksum did not verify on load (served as a miss, invalidated).",
+    ),
+    "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
+    "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
+    "stores_dropped_queue_full": (
+        "counter",
+        "Chunk stores dropped because max_queued_bytes were already queued.",
+    ),
+    "stores_dropped_set_busy": (
+        "counter",
+        "Chunk stores dropped because every way of the chunk's set was busy.",
+    ),
+    "stores_not_admitted": (
+        "counter",
+        "Chunk stores skipped by admit_after_lookups (SSD wear limit).",
+    ),
+    "stores_skipped_present": ("counter", "Chunk stores skipped: already on disk."),
+    "ops_outstanding": ("gauge", "Chunk reads and writes queued or in flight."),
+    "bytes_in_flight": ("gauge", "Bytes handed to the I/O engine and not yet completed."),
+    "bytes_queued": ("gauge", "Bytes waiting for the I/O engine (admission bound)."),
+    "bytes_used": ("gauge", "Bytes of the data files holding chunks."),
+    "capacity_bytes": ("gauge", "Bytes of the data files (the capacity bound)."),
+    "slots_used": ("gauge", "Slots holding a chunk."),
+}
+
+
+def layout_identity(spec: OffloadingSpec, chunk_bytes: int) -> dict[str, Any]:
+    """The layout identity of a spec: what must match for data to be reused.
+
+    vLLM's ``FileMapper`` fields (model, dtype, tokens per hash, blocks per
+    chunk, KV groups, parallel layout unless vLLM certifies it portable) plus
+    the chunk size and our format version.
+    """
+    from vllm.v1.kv_offload.file_mapper import FileMapper
+
+    mapper = FileMapper.from_offloading_spec(
+        root_dir="",
+        offloading_spec=spec,
+        blocks_per_file=spec.blocks_per_chunk,
+        parallel_agnostic=True,
+    )
+    identity = dict(mapper.get_run_config())
+    identity["chunk_bytes"] = chunk_bytes
+    identity["nvmetier_format"] = fmt.FORMAT_VERSION
+    return identity
+
+
+def store_name(identity: dict[str, Any], dp_index: int = 0, dp_size: int = 1) -> str:
+    """``<model>_<sha256 prefix>[_dp<i>]``: one store per identity and DP replica."""
+    digest = hashlib.sha256(fmt.identity_json(identity)).hexdigest()[:12]
+    model = str(identity.get("model_name", "model")).replace("/", "_") or "model"
+    name = f"{model}_{digest}"
+    return f"{name}_dp{dp_index}" if dp_size > 1 else name
+
+
+class NvmeTierManager(SecondaryTierManager):
+    """A persistent, bounded, checksummed NVMe secondary tier.
+
+    Every key of the tier config other than ``type``/``module_path``/
+    ``backpressure`` arrives as a keyword argument; see ``TierConfig`` for the
+    accepted ones. An unknown key raises ``ConfigError`` naming it.
+    """
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    # Completions are applied under the manager lock, whichever thread holds it.
+    tolerates_off_thread_polling: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        **tier_config: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.config = TierConfig.from_dict(tier_config)
+        if self.config.locality is not None:
+            self.locality = Locality(self.config.locality.upper())
+        chunk_bytes = self.block_size_bytes
+        if chunk_bytes % fmt.ALIGN_BYTES:
+            raise ConfigError(
+                f"the primary tier's chunk size {chunk_bytes} is not a multiple of "
+                f"{fmt.ALIGN_BYTES}; nvmetier needs page-aligned chunks"
+            )
+        self.identity = layout_identity(offloading_spec, chunk_bytes)
+        parallel = offloading_spec.config.parallel
+        self.store_name = store_name(
+            self.identity, parallel.data_parallel_index, parallel.data_parallel_size
+        )
+        self._events_enabled = self.config.enable_kv_events
+        if self._events_enabled and not offloading_spec.kv_events_config.enable_kv_cache_events:
+            logger.warning(
+                "nvmetier: enable_kv_events is set on tier '%s' but KV cache events are "
+                "disabled globally; the tier will not emit events",
+                tier_type,
+            )
+            self._events_enabled = False
+        if self._events_enabled != self.config.enable_kv_events:
+            import dataclasses
+
+            self.config = dataclasses.replace(self.config, enable_kv_events=False)
+        self.store = BlockStore(
+            self.config,
+            store_name=self.store_name,
+            identity=self.identity,
+            buffer=primary_kv_view,
+            row_bytes=chunk_bytes,
+        )
+        self._reported: dict[str, int] = {}
+
+    # ------------------------------------------------------------ lookups
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        return LookupResult.HIT if self.store.lookup(key) else LookupResult.MISS
+
+    @override
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.store.touch(keys)
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        return
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        # Promotions of this step were submitted before this hook runs; a HIT
+        # that was not promoted (primary full) stops protecting its slot.
+        self.store.release_holds()
+
+    # ------------------------------------------------------------ transfers
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self.store.submit_store(
+            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+        )
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self.store.submit_load(
+            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+        )
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        return [
+            JobResult(
+                job_id=o.job_id,
+                success=o.success,
+                successful_keys=o.successful_keys if o.successful_keys else None,
+                transfer_time=o.transfer_time_s,
+                transfer_bytes=o.transfer_bytes,
+            )
+            for o in self.store.poll()
+        ]
+
+    @override
+    def has_pending_work(self) -> bool:
+        return self.store.has_pending_work()
+
+    @override
+    def drain_jobs(self) -> None:
+        while not self.store.wait_idle(timeout_s=5.0):
+            logger.warning("nvmetier: drain_jobs still waiting for in-flight I/O after 5 s")
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        for removed, keys in self.store.take_events():
+            yield OffloadingEvent(
+                keys=list(keys), medium=Medium.STORAGE, removed=removed, locality=self.locality
+            )
+
+    @override
+    def shutdown(self) -> None:
+        self.store.close()
+
+    # ------------------------------------------------------------ metrics
+    @classmethod
+    @override
+    def build_metric_definitions(
+        cls, extra_config: dict[str, Any]
+    ) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {}
+        for name, (kind, doc) in METRICS.items():
+            meta_cls = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
+            defs[METRIC_PREFIX + name] = meta_cls(documentation=doc)
+        return defs
+
+    @override
+    def get_stats(self) -> OffloadingConnectorStats | None:
+        now = self.store.stats()
+        stats = OffloadingConnectorStats()
+        for name, (kind, _doc) in METRICS.items():
+            value = now.get(name, 0)
+            if kind == "gauge":
+                stats.set_gauge(METRIC_PREFIX + name, value)
+                continue
+            delta = value - self._reported.get(name, 0)
+            if delta:
+                stats.increase_counter(METRIC_PREFIX + name, delta)
+                self._reported[name] = value
+        return stats
+
+    @classmethod
+    @override
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        return ("nvmetier_engine", "nvmetier_o_direct", "nvmetier_capacity_bytes", "nvmetier_ways")
+
+    @override
+    def config_info(self) -> ConfigInfoMapping:
+        d = self.store.describe()
+        return {
+            "nvmetier_engine": str(d["engine"]),
+            "nvmetier_o_direct": bool(d["o_direct"]),
+            "nvmetier_capacity_bytes": int(self.store.sb.n_slots * self.store.sb.slot_bytes),
+            "nvmetier_ways": int(self.store.sb.ways),
+        }
+
+    def describe(self) -> str:
+        return json.dumps({"store": self.store_name, **self.store.describe()}, default=str)

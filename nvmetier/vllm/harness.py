@@ -1,0 +1,223 @@
+"""A simulated vLLM engine around the real tiering orchestrator.
+
+Owns: one ``TieringOffloadingSpec`` -> ``CPUPrimaryTierOffloadingManager`` ->
+``TieringOffloadingManager`` stack built from an ``OffloadingConfig``, exactly
+as vLLM's scheduler builds it, and a stand-in for the GPU worker that writes
+chunk bytes into the primary region and reads them back. Used by the demo,
+the vLLM tests and the benchmarks. Single-threaded; ``wait_*`` methods block
+(they step the engine until the tiers finish).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+_END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+
+def make_config(
+    secondary_tiers: list[dict[str, Any]],
+    *,
+    chunk_bytes: int = 64 << 10,
+    cpu_chunks: int = 64,
+    model: str = "nvmetier/test-model",
+    dtype: str = "float16",
+    tp_size: int = 1,
+    dp_index: int = 0,
+    dp_size: int = 1,
+    engine_id: str | None = None,
+    enable_kv_cache_events: bool = False,
+    extra: dict[str, Any] | None = None,
+) -> OffloadingConfig:
+    """An ``OffloadingConfig`` whose primary rows are ``chunk_bytes`` each."""
+    extra_config: dict[str, Any] = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": chunk_bytes * cpu_chunks,
+        "secondary_tiers": secondary_tiers,
+    }
+    extra_config.update(extra or {})
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("model.layers.0.attn",), 0),),
+        worker_kv_bytes_per_block=chunk_bytes // tp_size,
+        enable_kv_cache_events=enable_kv_cache_events,
+        extra_config=extra_config,
+        engine_id=engine_id or f"nvmetier-{uuid.uuid4().hex[:12]}",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=tp_size,
+            tp_size=tp_size,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=dp_index,
+            data_parallel_size=dp_size,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def key_of(i: int, group: int = 0) -> bytes:
+    """A deterministic 32-byte block hash -> OffloadKey for integer ``i``."""
+    return make_offload_key(int(i).to_bytes(8, "little") * 4, group)
+
+
+def payload_of(key: bytes, n: int) -> np.ndarray:
+    """Deterministic bytes for ``key`` (what the GPU worker would have written)."""
+    seed = int.from_bytes(key[:8], "little") ^ int.from_bytes(key[-4:], "little")
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 1 << 63, size=n // 8, dtype=np.uint64).view(np.uint8)
+
+
+class SimulatedEngine:
+    """Drives the orchestrator the way the scheduler and GPU worker do."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        self.spec = TieringOffloadingSpec(config)
+        self.manager = self.spec.get_manager()
+        self.primary = self.manager.primary_tier
+        view = self.primary.get_kv_memoryview()
+        self.rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape)
+        self.chunk_bytes = int(view.strides[0])
+        self._req_ids = itertools.count()
+        self.tiers = self.manager.secondary_tiers
+
+    # ------------------------------------------------------------ plumbing
+    def _req(self, prefix: str) -> ReqContext:
+        ctx = ReqContext(req_id=f"{prefix}-{next(self._req_ids)}")
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def step(self) -> None:
+        with self.manager.lock:
+            self.manager.on_schedule_end(_END)
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        """Step until no tier has work in flight."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.step()
+            with self.manager.lock:
+                if not self.manager.has_pending_work():
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError("tiers still busy after %.0fs" % timeout_s)
+            time.sleep(0.0002)
+
+    # ------------------------------------------------------------ store
+    def store(self, keys: Sequence[bytes], payloads: Sequence[np.ndarray] | None = None) -> int:
+        """GPU -> primary store of ``keys`` (the cascade to the tiers follows).
+
+        Returns the number of keys the primary accepted.
+        """
+        ctx = self._req("store")
+        with self.manager.lock:
+            out = self.manager.prepare_store(list(keys), ctx)
+        if out is None:
+            with self.manager.lock:
+                self.manager.on_request_finished(ctx)
+            return 0
+        chunk_ids = out.store_spec.chunk_ids  # type: ignore[attr-defined]
+        index = {k: i for i, k in enumerate(keys)}
+        for key, cid in zip(out.keys_to_store, chunk_ids, strict=True):
+            data = payloads[index[key]] if payloads is not None else payload_of(key, self.chunk_bytes)
+            self.rows[int(cid)] = data
+        with self.manager.lock:
+            if out.keys_to_store:
+                self.manager.complete_store(out.keys_to_store, ctx)
+            self.manager.on_request_finished(ctx)
+        return len(out.keys_to_store)
+
+    def store_all(self, keys: Sequence[bytes], batch: int = 16) -> None:
+        """Store many keys, waiting for room in the primary tier as needed."""
+        for i in range(0, len(keys), batch):
+            part = keys[i : i + batch]
+            while self.store(part) == 0 and any(not self.primary_has(k) for k in part):
+                self.step()
+                time.sleep(0.0002)
+        self.wait_idle()
+
+    def primary_has(self, key: bytes) -> bool:
+        ctx = ReqContext(req_id="probe")
+        with self.manager.lock:
+            return self.primary.lookup(key, ctx) is LookupResult.HIT
+
+    def reset_primary(self) -> None:
+        """Empty the primary tier (vLLM's reset_cache), so loads hit the tiers."""
+        with self.manager.lock:
+            self.manager.reset_cache()
+            self.manager.on_reset_flushed()
+
+    # ------------------------------------------------------------ load
+    def promote(self, keys: Sequence[bytes], timeout_s: float = 60.0) -> dict[bytes, LookupResult]:
+        """Look ``keys`` up until each is HIT or MISS (promoting from the tiers).
+
+        Returns the final lookup result per key.
+        """
+        ctx = self._req("load")
+        result: dict[bytes, LookupResult] = {}
+        pending = list(keys)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            still = []
+            with self.manager.lock:
+                for key in pending:
+                    r = self.manager.lookup(key, ctx)
+                    if r in (LookupResult.HIT, LookupResult.MISS):
+                        result[key] = r
+                    else:
+                        still.append(key)
+                self.manager.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))
+            pending = still
+            if pending:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(pending)} keys still pending")
+                time.sleep(0.0002)
+        with self.manager.lock:
+            self.manager.on_request_finished(ctx)
+        return result
+
+    def read_primary(self, keys: Sequence[bytes]) -> list[np.ndarray]:
+        """Bytes of ``keys`` in the primary tier (what the GPU would load)."""
+        ctx = ReqContext(req_id=f"read-{next(self._req_ids)}")
+        with self.manager.lock:
+            spec = self.manager.prepare_load(list(keys), ctx)
+        out = [self.rows[int(c)].copy() for c in spec.chunk_ids]  # type: ignore[attr-defined]
+        with self.manager.lock:
+            self.manager.complete_load(list(keys), ctx)
+        return out
+
+    def verify(self, keys: Sequence[bytes]) -> int:
+        """Count keys whose primary bytes equal their expected payload."""
+        got = self.read_primary(keys)
+        return sum(
+            bool(np.array_equal(g, payload_of(k, self.chunk_bytes)))
+            for k, g in zip(keys, got, strict=True)
+        )
+
+    def shutdown(self) -> None:
+        # Drop the numpy export of the primary region before it is unmapped.
+        del self.rows
+        self.manager.shutdown()
