@@ -33,7 +33,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,8 @@ class BlockStore:
         row_bytes: bytes of one row = one chunk.
         engine: force an engine name (``threads``/``uring``) instead of
             resolving ``config.io_engine`` (tests, benchmarks).
+        engine_wrapper: wraps the engine once built (fault injection in
+            tests: an engine that fails ops on command).
 
     Raises:
         ConfigError, StoreLockedError, StoreSpaceError, FormatError,
@@ -120,6 +122,7 @@ class BlockStore:
         buffer: memoryview,
         row_bytes: int,
         engine: str | None = None,
+        engine_wrapper: Callable[[IoEngine], IoEngine] | None = None,
     ) -> None:
         self.config = config
         self.row_bytes = row_bytes
@@ -153,6 +156,8 @@ class BlockStore:
                 io_threads=config.io_threads,
                 queue_depth=config.queue_depth,
             )
+            if engine_wrapper is not None:
+                self.engine = engine_wrapper(self.engine)
         except BaseException:
             self.files.close(clean=False)
             raise
