@@ -57,8 +57,13 @@ if native_sources:
         Extension(
             "nvmetier._uring",
             sources=native_sources,
+            depends=sorted(glob.glob("native/*.h")),
             include_dirs=["native"],
-            extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11"],
+            # Hidden visibility (and, for the static liburing, --exclude-libs) so
+            # only PyInit__uring is exported: another liburing.so loaded in the
+            # process cannot interpose on the one this module was built with.
+            extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11", "-fvisibility=hidden"],
+            extra_link_args=["-Wl,--exclude-libs,ALL"] if extra_objects else [],
             extra_objects=extra_objects,
             libraries=libraries,
             optional=True,

@@ -236,7 +236,7 @@ class BlockStore:
     def lookup(self, key: bytes) -> bool:
         """Whether ``key`` is READY. A hit is held (not evictable) until
         ``submit_load`` takes it or ``release_holds`` is called. Never blocks."""
-        slot = self.index._slot_of.get(key)
+        slot = self.index.find(key)
         if slot is not None and self.index.state[slot] == SlotState.READY:
             self.index.pins[slot] += 1
             self._holds[key] = self._holds.get(key, 0) + 1

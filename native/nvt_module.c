@@ -1,0 +1,405 @@
+/*
+ * nvmetier._uring: the CPython binding of nvt_engine (io_uring I/O engine).
+ *
+ * Owns the conversion between Python objects and nvt_op / nvt_completion, and
+ * the reference to the caller's buffer (held from construction to close()).
+ * The engine's I/O thread never touches Python objects: an op_id is passed
+ * through as a strong reference that submit() takes and wait() hands to the
+ * returned tuple.
+ *
+ * Threads: any Python thread may call submit(), wait() and close(). The GIL
+ * is released while the constructor sets up the ring, while wait() blocks and
+ * while close() joins the I/O thread; submit() holds it (it only takes a
+ * mutex that the I/O thread holds for a few instructions).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <string.h>
+
+#include "nvt_engine.h"
+
+/* wait() blocks in slices this long so Ctrl-C reaches the main thread. */
+#define NVT_WAIT_SLICE_S 0.1
+#define NVT_STACK_OPS 64
+
+typedef struct {
+    PyObject_HEAD
+    nvt_engine *eng;
+    Py_buffer view;
+    int have_view;
+    nvt_engine_info info;
+    nvt_config cfg;
+    nvt_completion_batch spare; /* reused by wait(); guarded by the GIL */
+    int spare_busy;
+} NvtEngineObject;
+
+/* Interned attribute names of base.Op; set at module init. */
+static PyObject *nvt_str_op_id, *nvt_str_kind, *nvt_str_file_idx, *nvt_str_file_offset,
+    *nvt_str_buf_offset, *nvt_str_length, *nvt_str_seed;
+
+static PyObject *nvt_getattr_or_item(PyObject *obj, int is_tuple, Py_ssize_t i, PyObject *name) {
+    if (is_tuple) {
+        PyObject *v = PyTuple_GET_ITEM(obj, i);
+        Py_INCREF(v);
+        return v;
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
+static int nvt_get_i64(PyObject *obj, int is_tuple, Py_ssize_t i, PyObject *name, int64_t *out) {
+    PyObject *v = nvt_getattr_or_item(obj, is_tuple, i, name);
+    if (!v)
+        return -1;
+    long long x = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)x;
+    return 0;
+}
+
+/* Fill `op` from a base.Op (or a 7-tuple in Op's field order). On success the
+ * op owns a new reference to op_id. */
+static int nvt_parse_op(PyObject *obj, nvt_op *op) {
+    int is_tuple = PyTuple_CheckExact(obj);
+    int64_t kind;
+    if (is_tuple && PyTuple_GET_SIZE(obj) != 7) {
+        PyErr_SetString(PyExc_TypeError, "an op tuple must have 7 fields (op_id, kind, file_idx, "
+                                         "file_offset, buf_offset, length, seed)");
+        return -1;
+    }
+    if (nvt_get_i64(obj, is_tuple, 1, nvt_str_kind, &kind) || nvt_get_i64(obj, is_tuple, 2, nvt_str_file_idx, &op->file_idx) ||
+        nvt_get_i64(obj, is_tuple, 3, nvt_str_file_offset, &op->file_offset) ||
+        nvt_get_i64(obj, is_tuple, 4, nvt_str_buf_offset, &op->buf_offset) ||
+        nvt_get_i64(obj, is_tuple, 5, nvt_str_length, &op->length))
+        return -1;
+    op->kind = (kind == NVT_OP_READ || kind == NVT_OP_WRITE) ? (int)kind : -1;
+    PyObject *seed = nvt_getattr_or_item(obj, is_tuple, 6, nvt_str_seed);
+    if (!seed)
+        return -1;
+    op->seed = PyLong_AsUnsignedLongLong(seed);
+    Py_DECREF(seed);
+    if (op->seed == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    op->op_id = nvt_getattr_or_item(obj, is_tuple, 0, nvt_str_op_id);
+    return op->op_id ? 0 : -1;
+}
+
+static void nvt_drop_completions(nvt_completion_batch *b) {
+    for (size_t i = 0; i < b->len; i++)
+        Py_DECREF((PyObject *)b->items[i].op_id);
+    b->len = 0;
+}
+
+static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"buffer", "fds", "queue_depth", "max_inflight_bytes", "register_buffers",
+                             "fixed_files", "register_chunk_bytes", NULL};
+    PyObject *buffer, *fds_obj;
+    int queue_depth = 64, register_buffers = 1, fixed_files = 1;
+    long long max_inflight_bytes = 64LL << 20, chunk_bytes = (long long)NVT_MAX_REGISTER_CHUNK_BYTES;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppL", kwlist, &buffer, &fds_obj, &queue_depth,
+                                     &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes))
+        return NULL;
+    if (queue_depth < 1 || queue_depth > 32767) {
+        PyErr_Format(PyExc_ValueError, "queue_depth must be in 1..32767, got %d", queue_depth);
+        return NULL;
+    }
+    if (max_inflight_bytes < 1) {
+        PyErr_Format(PyExc_ValueError, "max_inflight_bytes must be >= 1, got %lld", max_inflight_bytes);
+        return NULL;
+    }
+    if (chunk_bytes < 4096 || chunk_bytes > (long long)NVT_MAX_REGISTER_CHUNK_BYTES || chunk_bytes % 4096) {
+        PyErr_Format(PyExc_ValueError,
+                     "register_chunk_bytes must be a multiple of 4096 in 4096..%llu, got %lld",
+                     (unsigned long long)NVT_MAX_REGISTER_CHUNK_BYTES, chunk_bytes);
+        return NULL;
+    }
+
+    PyObject *fds_seq = PySequence_Fast(fds_obj, "fds must be a sequence of file descriptors");
+    if (!fds_seq)
+        return NULL;
+    Py_ssize_t nfds = PySequence_Fast_GET_SIZE(fds_seq);
+    int *fds = PyMem_Malloc((nfds ? nfds : 1) * sizeof(int));
+    if (!fds) {
+        Py_DECREF(fds_seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < nfds; i++) {
+        fds[i] = PyObject_AsFileDescriptor(PySequence_Fast_GET_ITEM(fds_seq, i));
+        if (fds[i] < 0) {
+            PyMem_Free(fds);
+            Py_DECREF(fds_seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(fds_seq);
+
+    NvtEngineObject *self = (NvtEngineObject *)type->tp_alloc(type, 0);
+    if (!self) {
+        PyMem_Free(fds);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(buffer, &self->view, PyBUF_WRITABLE) < 0) {
+        PyMem_Free(fds);
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->have_view = 1;
+    self->cfg.queue_depth = (unsigned)queue_depth;
+    self->cfg.max_inflight_bytes = (uint64_t)max_inflight_bytes;
+    self->cfg.register_buffers = register_buffers;
+    self->cfg.fixed_files = fixed_files;
+    self->cfg.register_chunk_bytes = (uint64_t)chunk_bytes;
+
+    int ret;
+    nvt_engine *eng = NULL;
+    /* Registration pins the whole buffer: seconds for a large one. */
+    Py_BEGIN_ALLOW_THREADS
+    ret = nvt_engine_open(&eng, self->view.buf, (size_t)self->view.len, fds, (unsigned)nfds, &self->cfg);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(fds);
+    if (ret < 0) {
+        errno = -ret;
+        PyErr_SetFromErrno(PyExc_OSError);
+        Py_DECREF(self);
+        return NULL;
+    }
+    self->eng = eng;
+    nvt_engine_get_info(eng, &self->info);
+    return (PyObject *)self;
+}
+
+static void NvtEngine_dealloc(NvtEngineObject *self) {
+    if (self->eng) {
+        nvt_completion_batch left = {0};
+        Py_BEGIN_ALLOW_THREADS
+        nvt_engine_close(self->eng);
+        Py_END_ALLOW_THREADS
+        nvt_engine_wait(self->eng, 0, &left);
+        nvt_drop_completions(&left);
+        free(left.items);
+        nvt_engine_free(self->eng);
+        self->eng = NULL;
+    }
+    if (self->have_view) {
+        self->have_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+    free(self->spare.items);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(submit_doc, "submit(ops) -> bool\n\n"
+                         "Queue ops (base.Op objects or 7-tuples). Returns False, queuing nothing,\n"
+                         "once close() has begun. Never blocks on I/O.");
+
+static PyObject *NvtEngine_submit(NvtEngineObject *self, PyObject *ops) {
+    nvt_op stack_ops[NVT_STACK_OPS];
+    PyObject *seq = PySequence_Fast(ops, "ops must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    nvt_op *arr = n <= NVT_STACK_OPS ? stack_ops : PyMem_Malloc(n * sizeof(nvt_op));
+    if (!arr) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t parsed = 0;
+    for (; parsed < n; parsed++) {
+        if (nvt_parse_op(PySequence_Fast_GET_ITEM(seq, parsed), &arr[parsed]) < 0)
+            break;
+    }
+    int ret = parsed == n ? nvt_engine_submit(self->eng, arr, (size_t)n) : -EINVAL;
+    if (ret != 0) {
+        for (Py_ssize_t i = 0; i < parsed; i++)
+            Py_DECREF((PyObject *)arr[i].op_id);
+    }
+    if (arr != stack_ops)
+        PyMem_Free(arr);
+    Py_DECREF(seq);
+    if (ret == -EINVAL)
+        return NULL; /* the parse error is set */
+    if (ret == -ENOMEM)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(ret == 0);
+}
+
+PyDoc_STRVAR(wait_doc, "wait(timeout_s) -> list[tuple[op_id, result, checksum]]\n\n"
+                       "Wait up to timeout_s (<= 0: poll) for completions, releasing the GIL.\n"
+                       "Returns [] on timeout, and at once once the engine is closed and drained.");
+
+static PyObject *NvtEngine_wait(NvtEngineObject *self, PyObject *arg) {
+    double timeout_s = PyFloat_AsDouble(arg);
+    if (timeout_s == -1.0 && PyErr_Occurred())
+        return NULL;
+
+    nvt_completion_batch batch = {0};
+    int own_spare = !self->spare_busy;
+    if (own_spare) {
+        batch = self->spare;
+        self->spare_busy = 1;
+    }
+    batch.len = 0;
+
+    if (timeout_s <= 0) {
+        /* A poll takes the engine mutex for a few instructions: keep the GIL. */
+        nvt_engine_wait(self->eng, 0, &batch);
+    } else {
+        double left = timeout_s;
+        while (!batch.len && left > 0) {
+            double slice = left < NVT_WAIT_SLICE_S ? left : NVT_WAIT_SLICE_S;
+            Py_BEGIN_ALLOW_THREADS
+            nvt_engine_wait(self->eng, slice, &batch);
+            Py_END_ALLOW_THREADS
+            left -= slice;
+            if (!batch.len && left > 0 && PyErr_CheckSignals() < 0)
+                break;
+        }
+    }
+
+    PyObject *list = NULL;
+    if (!PyErr_Occurred())
+        list = PyList_New((Py_ssize_t)batch.len);
+    size_t i = 0;
+    if (list) {
+        for (; i < batch.len; i++) {
+            nvt_completion *c = &batch.items[i];
+            PyObject *t = PyTuple_New(3);
+            PyObject *res = PyLong_FromLongLong(c->result);
+            PyObject *sum = PyLong_FromUnsignedLongLong(c->checksum);
+            if (!t || !res || !sum) {
+                Py_XDECREF(t);
+                Py_XDECREF(res);
+                Py_XDECREF(sum);
+                Py_CLEAR(list);
+                break;
+            }
+            PyTuple_SET_ITEM(t, 0, (PyObject *)c->op_id); /* steals the op's reference */
+            PyTuple_SET_ITEM(t, 1, res);
+            PyTuple_SET_ITEM(t, 2, sum);
+            PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+        }
+    }
+    /* Out of memory or interrupted: these completions are lost with the error. */
+    for (; i < batch.len; i++)
+        Py_DECREF((PyObject *)batch.items[i].op_id);
+    batch.len = 0;
+
+    if (own_spare) {
+        self->spare = batch;
+        self->spare_busy = 0;
+    } else {
+        free(batch.items);
+    }
+    return list;
+}
+
+PyDoc_STRVAR(close_doc, "close()\n\n"
+                        "Cancel queued ops (-ECANCELED), let ops in the ring finish, join the I/O\n"
+                        "thread, close the ring and release the buffer. Idempotent.");
+
+static PyObject *NvtEngine_close(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    Py_BEGIN_ALLOW_THREADS
+    nvt_engine_close(self->eng);
+    Py_END_ALLOW_THREADS
+    /* The I/O thread is gone: nothing touches the buffer any more. */
+    if (self->have_view) {
+        self->have_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(info_doc, "info() -> dict\n\nWhat the engine set up: registration, ring size, limits.");
+
+static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K}", "registered_buffers",
+                         self->info.registered_buffers ? Py_True : Py_False, "buffers_errno",
+                         self->info.buffers_errno, "fixed_files", self->info.fixed_files ? Py_True : Py_False,
+                         "files_errno", self->info.files_errno, "queue_depth", self->cfg.queue_depth,
+                         "ring_entries", self->info.ring_entries, "setup_flags", self->info.setup_flags,
+                         "max_inflight_bytes", (unsigned long long)self->cfg.max_inflight_bytes,
+                         "register_chunk_bytes", (unsigned long long)self->cfg.register_chunk_bytes);
+}
+
+static PyMethodDef NvtEngine_methods[] = {
+    {"submit", (PyCFunction)NvtEngine_submit, METH_O, submit_doc},
+    {"wait", (PyCFunction)NvtEngine_wait, METH_O, wait_doc},
+    {"close", (PyCFunction)NvtEngine_close, METH_NOARGS, close_doc},
+    {"info", (PyCFunction)NvtEngine_info, METH_NOARGS, info_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(engine_doc,
+             "Engine(buffer, fds, *, queue_depth=64, max_inflight_bytes=64 MiB,\n"
+             "       register_buffers=True, fixed_files=True, register_chunk_bytes=1 GiB)\n\n"
+             "An io_uring driven by its own native thread over a writable buffer and open fds.\n"
+             "Registration failures fall back to unregistered I/O (see info()). Raises OSError\n"
+             "if the ring cannot be created.");
+
+static PyTypeObject NvtEngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "nvmetier._uring.Engine",
+    .tp_basicsize = sizeof(NvtEngineObject),
+    .tp_dealloc = (destructor)NvtEngine_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = engine_doc,
+    .tp_methods = NvtEngine_methods,
+    .tp_new = NvtEngine_new,
+};
+
+PyDoc_STRVAR(probe_doc, "probe() -> tuple[int, str | None]\n\n"
+                        "Create a tiny ring and run one NOP. Returns (0, None) when io_uring works,\n"
+                        "else (errno, stage) naming the step that failed. Never raises OSError.");
+
+static PyObject *nvt_py_probe(PyObject *module, PyObject *Py_UNUSED(ignored)) {
+    const char *stage = NULL;
+    int ret;
+    Py_BEGIN_ALLOW_THREADS
+    ret = nvt_probe(&stage);
+    Py_END_ALLOW_THREADS
+    if (ret == 0)
+        return Py_BuildValue("(iO)", 0, Py_None);
+    return Py_BuildValue("(is)", -ret, stage);
+}
+
+static PyMethodDef nvt_module_methods[] = {
+    {"probe", nvt_py_probe, METH_NOARGS, probe_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef nvt_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "nvmetier._uring",
+    .m_doc = "io_uring I/O engine core of nvmetier (see nvmetier/engine/uring.py).",
+    .m_size = -1,
+    .m_methods = nvt_module_methods,
+};
+
+PyMODINIT_FUNC PyInit__uring(void) {
+    if (!(nvt_str_op_id = PyUnicode_InternFromString("op_id")) ||
+        !(nvt_str_kind = PyUnicode_InternFromString("kind")) ||
+        !(nvt_str_file_idx = PyUnicode_InternFromString("file_idx")) ||
+        !(nvt_str_file_offset = PyUnicode_InternFromString("file_offset")) ||
+        !(nvt_str_buf_offset = PyUnicode_InternFromString("buf_offset")) ||
+        !(nvt_str_length = PyUnicode_InternFromString("length")) ||
+        !(nvt_str_seed = PyUnicode_InternFromString("seed")))
+        return NULL;
+    if (PyType_Ready(&NvtEngineType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&nvt_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&NvtEngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&NvtEngineType) < 0 ||
+        PyModule_AddIntConstant(m, "OP_READ", NVT_OP_READ) < 0 ||
+        PyModule_AddIntConstant(m, "OP_WRITE", NVT_OP_WRITE) < 0) {
+        Py_DECREF(&NvtEngineType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,197 @@
+"""io_uring I/O engine: the ``IoEngine`` over the native ``nvmetier._uring``.
+
+Owns: one io_uring and the native I/O thread that drives it (both inside the
+extension), plus a reference to the caller's buffer from construction to
+``close``. The files are borrowed (the store opens and closes them; they must
+stay open until ``close`` returns).
+
+Threads: ``submit`` is called by the scheduler and completion threads; it
+only appends to a native queue under a mutex and, when the I/O thread is idle,
+writes an eventfd — it never waits for the kernel. The native I/O thread runs
+without the GIL: it hashes write payloads before submitting them, reaps
+completions, hashes read payloads, continues short transfers and queues the
+results. ``wait_completions`` blocks up to ``timeout_s`` with the GIL released.
+``close`` blocks until the ops in the ring finish.
+
+Importing this module raises ``ImportError`` when the extension was not built;
+``nvmetier.engine.uring_status`` turns that into a reason string.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Sequence
+
+from nvmetier import _uring
+from nvmetier.engine.base import Completion, IoEngine, Op
+from nvmetier.errors import EngineClosedError
+
+__all__ = ["DEFAULT_MAX_INFLIGHT_BYTES", "DEFAULT_QUEUE_DEPTH", "UringEngine", "probe"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_QUEUE_DEPTH = 64
+DEFAULT_MAX_INFLIGHT_BYTES = 64 << 20
+# The kernel's limit on one registered buffer; larger buffers are split.
+MAX_REGISTER_CHUNK_BYTES = 1 << 30
+
+_IO_URING_DISABLED = "/proc/sys/kernel/io_uring_disabled"
+
+
+def probe() -> tuple[bool, str]:
+    """Whether io_uring can run in this process: a tiny ring and one NOP.
+
+    Returns:
+        ``(True, "io_uring works")``, or ``(False, reason)`` where the reason
+        names the failed step, the error and its usual cause (a seccomp filter
+        such as Docker's default, or ``kernel.io_uring_disabled``).
+        Never raises.
+    """
+    try:
+        err, stage = _uring.probe()
+    except Exception as exc:  # never raise from a probe
+        return False, f"io_uring probe failed: {exc!r}"
+    if err == 0:
+        return True, "io_uring works"
+    reason = f"{stage} failed: {os.strerror(err)}"
+    hint = _probe_hint(err)
+    return False, f"{reason} ({hint})" if hint else reason
+
+
+def _probe_hint(err: int) -> str:
+    disabled = ""
+    try:
+        with open(_IO_URING_DISABLED, encoding="ascii") as f:
+            disabled = f.read().strip()
+    except OSError:
+        pass
+    if err in (errno.EPERM, errno.EACCES):
+        if disabled == "2":
+            return "kernel.io_uring_disabled=2 turns io_uring off for every process"
+        if disabled == "1":
+            return "kernel.io_uring_disabled=1 and this process is not in kernel.io_uring_group"
+        return "blocked by seccomp or kernel.io_uring_disabled"
+    if err == errno.ENOSYS:
+        return "kernel without io_uring, or blocked by seccomp"
+    if err == errno.ENOMEM:
+        return "RLIMIT_MEMLOCK too small for the ring"
+    return ""
+
+
+class UringEngine(IoEngine):
+    """An ``IoEngine`` on one io_uring driven by a native thread.
+
+    Up to ``queue_depth`` ops and ``max_inflight_bytes`` bytes are in the
+    ring at once (a single larger op still runs, alone); the rest wait in
+    FIFO order in a native queue. With ``register_buffers`` the buffer is
+    registered with the kernel (in pieces of at most 1 GiB) and ops use
+    READ_FIXED/WRITE_FIXED; with ``fixed_files`` the fds are registered.
+    When registration fails (RLIMIT_MEMLOCK, a file-backed buffer the kernel
+    will not pin, ...) the engine logs one warning and uses plain
+    READ/WRITE; ``describe()`` says which.
+
+    A short transfer is continued with the remaining bytes; a continuation
+    that moves nothing or fails ends the op with ``-EIO``.
+
+    Args:
+        buffer: writable, C-contiguous memory the ops address by byte offset.
+            Held (its exports count) until ``close``.
+        fds: open file descriptors the ops address by index; they must stay
+            open until ``close`` returns.
+        queue_depth: ops in the ring at once, 1..32767.
+        max_inflight_bytes: bytes in the ring at once, >= 1.
+        register_buffers: try registered (fixed) buffers; False forces the
+            unregistered path.
+        fixed_files: try registered files; False forces plain fds.
+        register_chunk_bytes: bytes per registered buffer piece, a multiple of
+            4096 up to 1 GiB (the kernel's limit). Ops crossing a piece
+            boundary are split there. Smaller values exist for tests.
+
+    Raises:
+        ValueError: an argument is out of range, or ``buffer`` is not
+            writable and contiguous (``BufferError``/``TypeError`` from the
+            buffer protocol).
+        OSError: the ring cannot be created (see ``probe``).
+    """
+
+    name = "uring"
+
+    def __init__(
+        self,
+        buffer: memoryview,
+        fds: Sequence[int],
+        *,
+        queue_depth: int = DEFAULT_QUEUE_DEPTH,
+        max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
+        register_buffers: bool = True,
+        fixed_files: bool = True,
+        register_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES,
+    ) -> None:
+        self._native = _uring.Engine(
+            buffer,
+            list(fds),
+            queue_depth=queue_depth,
+            max_inflight_bytes=max_inflight_bytes,
+            register_buffers=register_buffers,
+            fixed_files=fixed_files,
+            register_chunk_bytes=register_chunk_bytes,
+        )
+        info = self._native.info()
+        self._registered_buffers = bool(info["registered_buffers"])
+        self._fixed_files = bool(info["fixed_files"])
+        self._queue_depth = int(info["queue_depth"])
+        self._max_inflight_bytes = int(info["max_inflight_bytes"])
+        failed = []
+        if register_buffers and not self._registered_buffers and info["buffers_errno"]:
+            failed.append(f"buffer registration: {os.strerror(info['buffers_errno'])}")
+        if fixed_files and not self._fixed_files and info["files_errno"]:
+            failed.append(f"file registration: {os.strerror(info['files_errno'])}")
+        if failed:
+            logger.warning(
+                "io_uring %s; using unregistered I/O (more CPU per byte). "
+                "Raise RLIMIT_MEMLOCK (ulimit -l) to register the buffer.",
+                "; ".join(failed),
+            )
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        """Queue ops; never blocks on I/O.
+
+        Ops with a bad ``file_idx`` (``-EBADF``), a range outside the buffer
+        (``-EFAULT``), a negative file offset or unknown kind (``-EINVAL``)
+        complete at once without I/O.
+
+        Raises:
+            EngineClosedError: after ``close`` began; no op was queued.
+        """
+        if not self._native.submit(ops):
+            raise EngineClosedError("the I/O engine is closed")
+
+    def wait_completions(self, timeout_s: float) -> list[Completion]:
+        """Return completed ops, waiting up to ``timeout_s`` for the first.
+
+        The GIL is released while waiting; ``timeout_s <= 0`` only polls.
+        Returns ``[]`` on timeout, and at once when the engine is closed and
+        every completion was returned.
+        """
+        return [Completion(op_id, result, checksum) for op_id, result, checksum in self._native.wait(timeout_s)]
+
+    def close(self) -> None:
+        """Cancel queued ops, finish ops in the ring, stop the I/O thread.
+
+        Ops not yet in the ring complete with ``-ECANCELED``; ops in the ring
+        finish normally (a half-done transfer would corrupt data). The ring,
+        its registrations and the buffer reference are released. Completions
+        remain available from ``wait_completions``. Idempotent; blocks.
+        """
+        self._native.close()
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "engine": self.name,
+            "registered_buffers": self._registered_buffers,
+            "fixed_files": self._fixed_files,
+            "queue_depth": self._queue_depth,
+            "max_inflight_bytes": self._max_inflight_bytes,
+        }

@@ -1,0 +1,106 @@
+"""TierConfig parsing and validation (no disk)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvmetier.config import TierConfig, format_size, parse_size
+from nvmetier.errors import ConfigError
+
+BASE = {"root_dir": "/mnt/nvme/kv", "capacity_bytes": "1GiB"}
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("500GiB", 500 << 30),
+        ("1.5TB", 1_500_000_000_000),
+        ("64MiB", 64 << 20),
+        ("64M", 64 << 20),
+        ("4096", 4096),
+        (4096, 4096),
+        (" 2 gib ", 2 << 30),
+    ],
+)
+def test_parse_size_accepts_units(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "10XB", "-5GiB", 0, -1, True, 1.5, None])
+def test_parse_size_rejects_with_key_and_value(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_size(bad, "capacity_bytes")
+    assert "capacity_bytes" in str(info.value)
+
+
+def test_format_size_is_human_readable() -> None:
+    assert format_size(1 << 30) == "1.00 GiB"
+    assert format_size(10) == "10 B"
+
+
+def test_defaults_apply() -> None:
+    cfg = TierConfig.from_dict(BASE)
+    assert cfg.root_dir == ("/mnt/nvme/kv",)
+    assert cfg.capacity_bytes == 1 << 30
+    assert cfg.io_engine == "auto"
+    assert cfg.verify_checksums is True
+    assert cfg.o_direct == "auto"
+    assert cfg.persist is True
+
+
+def test_unknown_key_names_it_and_suggests_the_closest() -> None:
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({**BASE, "capacity_byte": "1GiB"})
+    msg = str(info.value)
+    assert "'capacity_byte'" in msg
+    assert "did you mean 'capacity_bytes'" in msg
+    assert "accepted keys" in msg
+
+
+@pytest.mark.parametrize("missing", ["root_dir", "capacity_bytes"])
+def test_missing_required_key_is_named(missing: str) -> None:
+    raw = dict(BASE)
+    del raw[missing]
+    with pytest.raises(ConfigError, match=missing):
+        TierConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("io_engine", "spdk"),
+        ("io_threads", 0),
+        ("io_threads", "8"),
+        ("ways", 0),
+        ("ways", True),
+        ("queue_depth", 100000),
+        ("verify_checksums", "yes"),
+        ("o_direct", "maybe"),
+        ("enable_kv_events", 1),
+        ("persist", None),
+        ("admit_after_lookups", -1),
+        ("locality", "mars"),
+        ("max_inflight_bytes", "lots"),
+    ],
+)
+def test_bad_value_names_key_and_value(key: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({**BASE, key: value})
+    assert key in str(info.value)
+    assert repr(value) in str(info.value) or str(value) in str(info.value)
+
+
+def test_root_dir_list_is_one_path_per_drive() -> None:
+    cfg = TierConfig.from_dict({**BASE, "root_dir": ["/a", "/b"]})
+    assert cfg.root_dir == ("/a", "/b")
+
+
+@pytest.mark.parametrize("roots", [[], ["/a", "/a"], [""], 5])
+def test_bad_root_dir_list_is_rejected(roots: object) -> None:
+    with pytest.raises(ConfigError, match="root_dir"):
+        TierConfig.from_dict({**BASE, "root_dir": roots})
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        TierConfig.from_dict({**BASE, "ways": -3})
