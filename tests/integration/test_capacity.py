@@ -1,0 +1,83 @@
+"""The capacity bound holds under churn; eviction keeps recent chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nvmetier.config import parse_size
+from tests.integration.helpers import (
+    ROW,
+    disk_usage_bytes,
+    fill_rows,
+    key,
+    load_keys,
+    make_store,
+    run,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_disk_usage_stays_within_capacity_under_2x_churn(tmp_path, buffer) -> None:
+    capacity = parse_size("8MiB")
+    store = make_store(str(tmp_path), buffer, capacity_bytes=capacity, ways=4)
+    n_slots = store.sb.n_slots
+    assert disk_usage_bytes(str(tmp_path)) <= capacity
+    total = 2 * n_slots
+    for start in range(0, total, 32):
+        keys = [key(i) for i in range(start, min(start + 32, total))]
+        rows = list(range(len(keys)))
+        fill_rows(buffer, keys, rows)
+        store.submit_store(start, keys, rows)
+        assert all(o.success for o in run(store))
+        assert store.stats()["slots_used"] <= n_slots
+        assert disk_usage_bytes(str(tmp_path)) <= capacity
+    stats = store.stats()
+    assert stats["evictions"] >= total - n_slots
+    assert stats["bytes_used"] <= stats["capacity_bytes"] <= capacity
+    # The newest chunks of each set survive; whatever is present loads correctly.
+    present = [key(i) for i in range(total) if store.contains(key(i))]
+    assert len(present) == stats["slots_ready"]
+    recent = [key(i) for i in range(total - 32, total)]
+    assert sum(store.contains(k) for k in recent) >= 24
+    outcome, good = load_keys(store, buffer, present[:60])
+    assert outcome.success and len(good) == len(present[:60])
+    store.close()
+
+
+def test_recently_touched_chunk_survives_eviction(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, capacity_bytes="4MiB", ways=4)
+    hot = key(0)
+    fill_rows(buffer, [hot], [0])
+    store.submit_store(0, [hot], [0])
+    run(store)
+    for start in range(1, 4 * store.sb.n_slots, 16):
+        keys = [key(i) for i in range(start, start + 16)]
+        fill_rows(buffer, keys, list(range(16)))
+        store.submit_store(start, keys, list(range(16)))
+        run(store)
+        store.touch([hot])
+    assert store.contains(hot)
+    store.close()
+
+
+def test_capacity_too_small_is_a_config_error(tmp_path, buffer) -> None:
+    from nvmetier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        make_store(str(tmp_path), buffer, capacity_bytes=ROW * 2, ways=16)
+
+
+def test_changed_capacity_is_refused_not_wiped(tmp_path, buffer) -> None:
+    from nvmetier.errors import ConfigError
+
+    store = make_store(str(tmp_path), buffer, capacity_bytes="8MiB")
+    fill_rows(buffer, [key(1)], [0])
+    store.submit_store(1, [key(1)], [0])
+    run(store)
+    store.close()
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        make_store(str(tmp_path), buffer, capacity_bytes="16MiB")
+    store = make_store(str(tmp_path), buffer, capacity_bytes="8MiB")
+    assert store.contains(key(1))
+    store.close()

@@ -1,0 +1,166 @@
+"""Round trips on real files, parametrized over O_DIRECT on and off."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from nvmetier.errors import ConfigError
+from tests.integration.helpers import ROW, key, load_keys, make_store, run, store_keys
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=[True, False], ids=["odirect", "buffered"])
+def o_direct(request: pytest.FixtureRequest) -> bool:
+    return request.param
+
+
+def test_stored_chunks_load_back_byte_for_byte(tmp_path, buffer, o_direct) -> None:
+    store = make_store(str(tmp_path), buffer, o_direct=o_direct)
+    keys = [key(i) for i in range(40)]
+    (outcome,) = store_keys(store, buffer, keys)
+    assert outcome.success and outcome.transfer_bytes == 40 * ROW
+    assert all(store.contains(k) for k in keys)
+    loaded, good = load_keys(store, buffer, keys)
+    assert loaded.success and loaded.successful_keys is None
+    assert good == keys
+    assert store.describe()["o_direct"] is o_direct
+    store.close()
+
+
+def test_store_of_a_present_key_skips_the_write(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    keys = [key(i) for i in range(4)]
+    store_keys(store, buffer, keys)
+    written = store.stats()["ops_written"]
+    (again,) = store_keys(store, buffer, keys, job_id=5)
+    assert again.success and again.job_id == 5
+    assert store.stats()["ops_written"] == written
+    assert store.stats()["stores_skipped_present"] == 4
+    store.close()
+
+
+def test_missing_key_fails_only_that_key(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    keys = [key(i) for i in range(4)]
+    store_keys(store, buffer, keys)
+    outcome, good = load_keys(store, buffer, [*keys[:2], key(99), keys[3]])
+    assert not outcome.success
+    assert outcome.successful_keys == [keys[0], keys[1], keys[3]]
+    assert good == [keys[0], keys[1], keys[3]]
+    store.close()
+
+
+def test_reopen_is_warm(tmp_path, buffer) -> None:
+    keys = [key(i) for i in range(30)]
+    store = make_store(str(tmp_path), buffer)
+    store_keys(store, buffer, keys)
+    store.close()
+    store = make_store(str(tmp_path), buffer)
+    assert store.stats()["slots_ready"] == 30
+    outcome, good = load_keys(store, buffer, keys)
+    assert outcome.success and good == keys
+    store.close()
+
+
+def test_files_are_private(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    store.close()
+    store_dir = tmp_path / "store"
+    assert (store_dir.stat().st_mode & 0o777) == 0o700
+    for f in store_dir.iterdir():
+        assert (f.stat().st_mode & 0o777) == 0o600, f
+
+
+def test_o_direct_refused_falls_back_with_one_warning(tmp_path, buffer, monkeypatch, caplog):
+    monkeypatch.setattr(
+        "nvmetier.files.probe_o_direct", lambda d: (False, "Invalid argument (errno 22)")
+    )
+    with caplog.at_level(logging.WARNING):
+        store = make_store(str(tmp_path), buffer)
+    warnings = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert len(warnings) == 1
+    assert store.describe()["o_direct"] is False
+    keys = [key(i) for i in range(3)]
+    store_keys(store, buffer, keys)
+    assert load_keys(store, buffer, keys)[1] == keys
+    store.close()
+
+
+def test_o_direct_true_fails_fast_when_refused(tmp_path, buffer, monkeypatch) -> None:
+    monkeypatch.setattr("nvmetier.files.probe_o_direct", lambda d: (False, "Invalid argument"))
+    with pytest.raises(ConfigError, match="o_direct"):
+        make_store(str(tmp_path), buffer, o_direct=True)
+
+
+def test_checksum_mismatch_is_a_miss_and_invalidates(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, o_direct=False)
+    keys = [key(i) for i in range(3)]
+    store_keys(store, buffer, keys)
+    slot = store.index.find(keys[1])
+    file_idx, offset = store.sb.slot_location(slot)
+    fd = store.files.data_fds[file_idx]
+    os.pwrite(fd, b"\xff" * 16, offset + 100)
+    outcome, good = load_keys(store, buffer, keys)
+    assert not outcome.success
+    assert outcome.successful_keys == [keys[0], keys[2]]
+    assert good == [keys[0], keys[2]]
+    assert store.stats()["checksum_failures"] == 1
+    assert not store.contains(keys[1])
+    assert not store.lookup(keys[1])
+    store.close()
+
+
+def test_close_waits_for_ops_in_flight(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    keys = [key(i) for i in range(64)]
+    store.submit_store(1, keys, list(range(64)))
+    store.close()  # must not abort mid-flight writes
+    store = make_store(str(tmp_path), buffer)
+    assert store.stats()["slots_ready"] >= 1
+    store.close()
+
+
+def test_drain_leaves_results_for_the_next_poll(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    keys = [key(i) for i in range(32)]
+    store.submit_store(1, keys, list(range(32)))
+    store.submit_store(2, [key(100)], [40])
+    assert store.wait_idle(30)
+    assert store.stats()["ops_outstanding"] == 0
+    assert sorted(o.job_id for o in run(store)) == [1, 2]
+    store.close()
+
+
+def test_queue_bound_drops_stores_instead_of_stalling(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, max_queued_bytes=4 * ROW)
+    keys = [key(i) for i in range(32)]
+    (outcome,) = store_keys(store, buffer, keys)
+    assert outcome.success
+    stats = store.stats()
+    assert stats["stores_dropped_queue_full"] == 28
+    assert stats["ops_written"] == 4
+    store.close()
+
+
+def test_admission_after_lookups(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, admit_after_lookups=2)
+    k = key(1)
+    store_keys(store, buffer, [k])
+    assert not store.contains(k)
+    assert not store.lookup(k)
+    assert not store.lookup(k)
+    store_keys(store, buffer, [k], job_id=2)
+    assert store.contains(k)
+    assert store.stats()["stores_not_admitted"] == 1
+    store.close()
+
+
+def test_ephemeral_store_is_removed_at_close(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, persist=False)
+    store_keys(store, buffer, [key(1)])
+    store.close()
+    assert not (tmp_path / "store").exists()

@@ -1,0 +1,39 @@
+"""Several drives: slots striped over one data file per root."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.integration.helpers import ROW, key, load_keys, make_store, payload, store_keys
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_slots_stripe_over_every_root(tmp_path, buffer) -> None:
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    store = make_store(roots, buffer, capacity_bytes="16MiB")
+    keys = [key(i) for i in range(40)]
+    store_keys(store, buffer, keys)
+    per_root = [0, 0]
+    for k in keys:
+        file_idx, offset = store.sb.slot_location(store.index.find(k))
+        with open(os.path.join(roots[file_idx], "store", "data"), "rb") as f:
+            f.seek(offset)
+            assert f.read(ROW) == payload(k)
+        per_root[file_idx] += 1
+    assert min(per_root) >= 10
+    assert os.path.exists(os.path.join(roots[0], "store", "index"))
+    outcome, good = load_keys(store, buffer, keys)
+    assert outcome.success and good == keys
+    store.close()
+
+
+def test_capacity_is_the_total_over_roots(tmp_path, buffer) -> None:
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    store = make_store(roots, buffer, capacity_bytes="16MiB")
+    sizes = [os.path.getsize(os.path.join(r, "store", "data")) for r in roots]
+    assert sizes[0] == sizes[1]
+    assert sum(sizes) <= 16 << 20
+    store.close()
