@@ -381,6 +381,7 @@ static void io_run(nvt_engine *e) {
 
 static void *io_main(void *arg) {
     nvt_engine *e = arg;
+    pthread_setname_np(pthread_self(), "nvmetier-uring");
     int err = io_setup(e);
 
     pthread_mutex_lock(&e->lock);

@@ -146,6 +146,7 @@ class BlockStore:
         self._checksums = np.zeros(self.sb.n_slots, dtype=np.uint64)
         self._stats: collections.Counter[str] = collections.Counter()
         self._events: list[tuple[bool, list[bytes]]] = []
+        self._stored: list[bytes] = []
         try:
             self._recover()
             self.open_time_s = time.monotonic() - t0
@@ -366,6 +367,11 @@ class BlockStore:
         while done:
             info, comp = done.popleft()
             self._apply(info, comp)
+        if self._stored:
+            # Evictions are recorded by submit_store on this same thread, so
+            # appending here keeps stored(k) ahead of any later removed(k).
+            self._events.append((False, self._stored))
+            self._stored = []
         out, self._finished = self._finished, []
         return out
 
@@ -457,6 +463,8 @@ class BlockStore:
             if ok:
                 self.index.commit(slot)
                 self._checksums[slot] = comp.checksum
+                if self.config.enable_kv_events:
+                    self._stored.append(key)
                 self._stats["bytes_written"] += info.length
                 self._stats["ops_written"] += 1
                 job.moved_bytes += info.length
@@ -515,10 +523,6 @@ class BlockStore:
                     len(job.keys),
                     job.first_error,
                 )
-        elif not job.is_load and self.config.enable_kv_events:
-            stored = [k for k in job.keys if self.index.is_ready(k)]
-            if stored:
-                self._events.append((False, stored))
         self._finished.append(
             JobOutcome(job.job_id, job.is_load, success, successful, elapsed, job.moved_bytes)
         )

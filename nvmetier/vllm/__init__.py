@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig
+from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.store import BlockStore
 
@@ -51,6 +52,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
 
 logger = logging.getLogger(__name__)
+
+# Test hook: wraps each tier's I/O engine once built (fault injection).
+ENGINE_WRAPPER: Callable[[IoEngine], IoEngine] | None = None
 
 METRIC_PREFIX = "vllm:nvmetier_"
 # name -> (kind, documentation); counters are reported as deltas per get_stats.
@@ -172,6 +176,7 @@ class NvmeTierManager(SecondaryTierManager):
             identity=self.identity,
             buffer=primary_kv_view,
             row_bytes=chunk_bytes,
+            engine_wrapper=ENGINE_WRAPPER,
         )
         self._reported: dict[str, int] = {}
 

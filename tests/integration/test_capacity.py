@@ -81,3 +81,27 @@ def test_changed_capacity_is_refused_not_wiped(tmp_path, buffer) -> None:
     store = make_store(str(tmp_path), buffer, capacity_bytes="8MiB")
     assert store.contains(key(1))
     store.close()
+
+
+def test_lookup_hit_is_not_evicted_before_its_load(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, capacity_bytes="4MiB", ways=4)
+    hot = key(0)
+    fill_rows(buffer, [hot], [0])
+    store.submit_store(0, [hot], [0])
+    run(store)
+    assert store.lookup(hot)  # HIT: held until the load is submitted
+    for start in range(1, 3 * store.sb.n_slots, 16):
+        keys = [key(i) for i in range(start, start + 16)]
+        fill_rows(buffer, keys, list(range(1, 17)))
+        store.submit_store(start, keys, list(range(1, 17)))
+        run(store)
+    assert store.contains(hot)
+    outcome, good = load_keys(store, buffer, [hot])
+    assert outcome.success and good == [hot]
+    store.release_holds()
+    for start in range(10_000, 10_000 + 3 * store.sb.n_slots, 16):
+        keys = [key(i) for i in range(start, start + 16)]
+        store.submit_store(start, keys, list(range(16)))
+        run(store)
+    assert not store.contains(hot)  # no hold left behind
+    store.close()

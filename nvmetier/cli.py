@@ -1,0 +1,176 @@
+"""The ``nvmetier`` command: ``fsck``, ``info`` and ``bench``.
+
+Owns: argument parsing, output and exit codes. Runs on the main thread and
+blocks. Every user error is printed as one line, ``nvmetier: error: ...``,
+without a traceback. Exit codes follow e2fsck: 0 clean, 1 errors corrected,
+4 errors left uncorrected, 8 operational error, 16 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from nvmetier.errors import NvmeTierError
+from nvmetier.fsck import EXIT_OPERATIONAL, EXIT_USAGE, FsckOperationalError
+
+PROG = "nvmetier"
+
+_FSCK_EPILOG = """\
+ROOT is the tier's root_dir as configured in vLLM (every store under it is
+checked) or one store directory. Only the main root_dir's data file is known
+from ROOT; data files of other root_dir entries of a striped store are not
+checked. A store in use by a running process is not checked (exit 8).
+
+exit codes (OR-ed over the stores, as e2fsck):
+  0   no errors
+  1   errors found and corrected (--repair)
+  4   errors left uncorrected
+  8   operational error: not a store, store in use, unreadable
+  16  usage error
+"""
+
+_INFO_EPILOG = """\
+Reads without taking the store's lock: a store in use is reported as such and
+its numbers are a snapshot. Also reports whether the io_uring engine and
+O_DIRECT are usable on this machine (O_DIRECT probed in ROOT).
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors and the e2fsck usage exit code."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog=PROG,
+        description="Check, inspect and benchmark nvmetier stores "
+        "(the NVMe secondary tier of vLLM's KV-cache offloading).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser(
+        "fsck",
+        help="check (and repair) stores",
+        description="Check the stores under ROOT: superblock, file sizes, every index record, "
+        "and with --deep the payload checksum of every live slot.",
+        epilog=_FSCK_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="a root_dir or one store directory")
+    p.add_argument(
+        "--deep", action="store_true", help="read every live slot and verify its checksum"
+    )
+    p.add_argument(
+        "--repair",
+        action="store_true",
+        help="zero the index records that fail (they become misses); good records are "
+        "never written",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    p = sub.add_parser(
+        "info",
+        help="show what a store holds and what this machine supports",
+        description="Show the layout identity, capacity, occupancy, record ages and shutdown "
+        "state of the stores under ROOT, and the I/O engines usable on this machine.",
+        epilog=_INFO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="a root_dir or one store directory")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    # Parsed by hand in main(): every argument goes to nvmetier.bench.main,
+    # including --help. Registered here so the top-level help lists it.
+    sub.add_parser(
+        "bench",
+        help="run the I/O benchmark (arguments go to it; 'nvmetier bench --help')",
+        add_help=False,
+    )
+    return parser
+
+
+def _cmd_fsck(args: argparse.Namespace) -> int:
+    from nvmetier import fsck
+
+    try:
+        results = fsck.fsck(
+            args.root, deep=args.deep, repair=args.repair, stream=fsck.progress_stream()
+        )
+    except FsckOperationalError as exc:
+        if args.json:
+            print(json.dumps({"root": args.root, "exit_code": EXIT_OPERATIONAL,
+                              "error": str(exc), "stores": []}))
+        raise
+    code = fsck.overall_exit(results)
+    if args.json:
+        out = {
+            "root": args.root,
+            "deep": args.deep,
+            "repair": args.repair,
+            "exit_code": code,
+            "stores": [r.to_json() for r in results],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n\n".join(fsck.format_result(r) for r in results))
+    for r in results:
+        if r.operational_error is not None:
+            print(f"{PROG}: error: {r.operational_error}", file=sys.stderr)
+    return code
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from nvmetier import info
+
+    report = info.info(args.root)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(info.format_info(report))
+    return 0
+
+
+def _cmd_bench(argv: list[str]) -> int:
+    try:
+        from nvmetier import bench  # type: ignore[attr-defined]
+    except ImportError as exc:
+        print(f"{PROG}: error: the benchmark is not available ({exc})", file=sys.stderr)
+        return EXIT_OPERATIONAL
+    code = bench.main(argv)
+    return int(code or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``nvmetier`` console script. Returns the exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args_list and args_list[0] == "bench":
+            return _cmd_bench(args_list[1:])
+        args = build_parser().parse_args(args_list)
+        if args.command == "fsck":
+            return _cmd_fsck(args)
+        if args.command == "info":
+            return _cmd_info(args)
+        raise AssertionError(f"unhandled command {args.command!r}")
+    except (NvmeTierError, OSError) as exc:
+        msg = str(exc)
+        if isinstance(exc, OSError) and exc.strerror:
+            where = f"{exc.filename!r}: " if exc.filename else ""
+            msg = f"{where}{exc.strerror}"
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return EXIT_OPERATIONAL
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""``nvmetier fsck``: check (and optionally repair) stores on disk, offline.
+
+Owns: finding the stores under a root, the checks, the repair of index
+records, and the exit codes. Runs on the CLI's main thread and blocks (it
+reads the whole index, and with ``deep`` every live slot). It never imports
+vLLM and never opens a store through ``BlockStore``: it reads the files with
+the format module's parsers, so it sees exactly what an open would see.
+
+Checks, per store directory:
+
+- the superblock parses and verifies (``format.unpack_superblock``);
+- the index file and the main data file are at least as large as the
+  geometry says (data files of other ``root_dir`` entries of a striped store
+  are not known from ROOT and are reported as not checked);
+- every index record: all zeros, or a record whose checksum verifies for its
+  slot, with a known state, whose key hashes to the slot's set, and whose key
+  appears in no earlier slot;
+- with ``deep``: the payload checksum of every live slot, read with O_DIRECT
+  (buffered when the filesystem refuses it).
+
+Repair zeroes the records that fail (``format.EMPTY_RECORD``): a zeroed record
+is an empty slot, a miss, which is exactly what a ``BlockStore`` open or load
+would have made of it. Good records are never written. Problems a record
+write cannot fix (superblock, file sizes, unreadable slots) are left for a
+person; the usual fix is removing the store directory (it is a cache).
+
+Locking: fsck takes the store's ``lock`` exclusively and without waiting,
+like ``BlockStore`` does. A store held by a running process is not checked
+(exit 8): its records change under a reader, so a check would report torn
+writes that are not errors, and a repair would race the writer.
+
+Exit codes follow e2fsck and are OR-ed over the stores: 0 clean, 1 errors
+corrected, 4 errors left uncorrected, 8 operational error (not a store, store
+in use, unreadable), 16 usage error (set by the CLI).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import mmap
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+import numpy as np
+import xxhash
+
+from nvmetier import format as fmt
+from nvmetier.errors import FormatError, NvmeTierError
+from nvmetier.files import DATA_NAME, INDEX_NAME, LOCK_NAME, O_DIRECT, SUPERBLOCK_NAME
+
+EXIT_CLEAN = 0
+EXIT_CORRECTED = 1
+EXIT_UNCORRECTED = 4
+EXIT_OPERATIONAL = 8
+EXIT_USAGE = 16
+
+# Error kinds a repair fixes by zeroing the slot's record.
+RECORD_KINDS = frozenset({"record", "misplaced", "duplicate", "payload"})
+# Error kinds of the store as a whole (no slot); a person must act.
+STORE_KINDS = frozenset(
+    {"superblock", "index_missing", "index_size", "data_missing", "data_size"}
+)
+
+
+class FsckOperationalError(NvmeTierError):
+    """fsck could not check a root or a store at all (exit 8)."""
+
+
+@dataclasses.dataclass
+class FsckError:
+    """One problem found.
+
+    Attributes:
+        kind: ``record`` (torn or flipped record), ``misplaced`` (key not in
+            the slot's set), ``duplicate`` (key already in an earlier slot),
+            ``payload`` (data does not match the record's checksum),
+            ``read_error`` (the slot could not be read), or one of
+            ``STORE_KINDS``.
+        detail: one line for a person.
+        slot: the slot, or None for a store-level problem.
+        repaired: the record was zeroed by ``--repair``.
+    """
+
+    kind: str
+    detail: str
+    slot: int | None = None
+    repaired: bool = False
+
+
+@dataclasses.dataclass
+class StoreResult:
+    """What fsck found in one store directory."""
+
+    path: str
+    identity: dict[str, Any] | None = None
+    format_version: int | None = None
+    slots: int = 0
+    ways: int = 0
+    n_paths: int = 0
+    chunk_bytes: int = 0
+    slot_bytes: int = 0
+    live: int = 0
+    clean_shutdown: bool | None = None
+    deep: bool = False
+    deep_checked: int = 0
+    deep_unchecked: int = 0
+    o_direct: bool | None = None
+    errors: list[FsckError] = dataclasses.field(default_factory=list)
+    operational_error: str | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def repaired(self) -> int:
+        return sum(e.repaired for e in self.errors)
+
+    @property
+    def exit_code(self) -> int:
+        if self.operational_error is not None:
+            return EXIT_OPERATIONAL
+        if any(not e.repaired for e in self.errors):
+            return EXIT_UNCORRECTED
+        return EXIT_CORRECTED if self.errors else EXIT_CLEAN
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "identity": self.identity,
+            "format_version": self.format_version,
+            "slots": self.slots,
+            "ways": self.ways,
+            "n_paths": self.n_paths,
+            "chunk_bytes": self.chunk_bytes,
+            "slot_bytes": self.slot_bytes,
+            "live": self.live,
+            "clean_shutdown": self.clean_shutdown,
+            "deep": self.deep,
+            "deep_checked": self.deep_checked,
+            "deep_unchecked": self.deep_unchecked,
+            "o_direct": self.o_direct,
+            "errors": [dataclasses.asdict(e) for e in self.errors],
+            "repaired": self.repaired,
+            "exit_code": self.exit_code,
+            "error": self.operational_error,
+            "elapsed_s": round(self.elapsed_s, 3),
+        }
+
+
+# --------------------------------------------------------------------- stores
+def find_stores(root: str) -> list[str]:
+    """The store directories ROOT names: ROOT itself when it holds a
+    ``superblock``, else every direct subdirectory that does (sorted).
+
+    Raises:
+        FsckOperationalError: ROOT is missing, not a directory, unreadable,
+            or holds no store.
+    """
+    if not os.path.exists(root):
+        raise FsckOperationalError(f"{root!r} does not exist; give a root_dir or a store directory")
+    if not os.path.isdir(root):
+        raise FsckOperationalError(
+            f"{root!r} is not a directory; give a root_dir or a store directory"
+        )
+    if os.path.exists(os.path.join(root, SUPERBLOCK_NAME)):
+        return [root]
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as exc:
+        raise FsckOperationalError(f"{root!r} cannot be listed: {exc.strerror}") from exc
+    stores = [
+        os.path.join(root, n)
+        for n in names
+        if os.path.isfile(os.path.join(root, n, SUPERBLOCK_NAME))
+    ]
+    if not stores:
+        raise FsckOperationalError(
+            f"{root!r} holds no nvmetier store (no superblock in it or in its subdirectories)"
+        )
+    return stores
+
+
+def _lock_holder(fd: int) -> str:
+    with contextlib.suppress(OSError):
+        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    return "unknown"
+
+
+@contextlib.contextmanager
+def store_lock(store_dir: str, write: bool) -> Iterator[None]:
+    """Hold the store's lock (flock LOCK_EX|LOCK_NB) for the block.
+
+    A read-only check opens the lock file read-only and changes nothing; a
+    repair creates it if needed and writes its pid into it, as a store open
+    does, so a server started meanwhile names the fsck process.
+
+    Raises:
+        FsckOperationalError: another process holds the lock, or the lock
+            file cannot be opened.
+    """
+    path = os.path.join(store_dir, LOCK_NAME)
+    flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
+    try:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
+    except FileNotFoundError:
+        # No lock file: no process has ever opened the store, or it was
+        # removed by hand; nobody can hold it. Checking read-only is safe.
+        yield
+        return
+    except OSError as exc:
+        raise FsckOperationalError(f"{path!r} cannot be opened: {exc.strerror}") from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise FsckOperationalError(
+                    f"store {store_dir!r} is in use by another process (pid "
+                    f"{_lock_holder(fd)}); stop it (vLLM shuts the tier down cleanly) and "
+                    "run fsck again"
+                ) from exc
+            raise FsckOperationalError(f"{path!r} cannot be locked: {exc.strerror}") from exc
+        if write:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+# ------------------------------------------------------------------ progress
+class Progress:
+    """A one-line ``\\r`` progress bar on a terminal; silent otherwise."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None, width: int = 30) -> None:
+        self.label = label
+        self.total = max(total, 1)
+        self.stream = stream
+        self.width = width
+        self._last = 0.0
+
+    def update(self, done: int, force: bool = False) -> None:
+        if self.stream is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.1:
+            return
+        self._last = now
+        frac = min(done / self.total, 1.0)
+        fill = int(frac * self.width)
+        bar = "#" * fill + "." * (self.width - fill)
+        self.stream.write(f"\r{self.label} [{bar}] {frac:4.0%} {done}/{self.total}")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        if self.stream is None:
+            return
+        self.update(self.total, force=True)
+        self.stream.write("\r\033[K")
+        self.stream.flush()
+
+
+# --------------------------------------------------------------------- checks
+def _file_size(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def _check_files(res: StoreResult, sb: fmt.Superblock) -> tuple[bool, bool]:
+    """Size checks. Returns (index usable, main data file usable)."""
+    index_path = os.path.join(res.path, INDEX_NAME)
+    size = _file_size(index_path)
+    index_ok = True
+    if size is None:
+        res.errors.append(FsckError("index_missing", f"{index_path!r} is missing"))
+        index_ok = False
+    elif size < sb.index_bytes:
+        res.errors.append(
+            FsckError("index_size", f"{index_path!r} is {size} bytes, expected {sb.index_bytes}")
+        )
+        index_ok = False
+    data_path = os.path.join(res.path, DATA_NAME)
+    size = _file_size(data_path)
+    data_ok = True
+    if size is None:
+        res.errors.append(FsckError("data_missing", f"{data_path!r} is missing"))
+        data_ok = False
+    elif size < sb.data_file_bytes:
+        res.errors.append(
+            FsckError(
+                "data_size",
+                f"{data_path!r} is {size} bytes, expected {sb.data_file_bytes} (truncated)",
+            )
+        )
+        data_ok = False
+    return index_ok, data_ok
+
+
+def _check_records(res: StoreResult, sb: fmt.Superblock, index: mmap.mmap) -> list[fmt.Record]:
+    """Check every record; returns the live ones (those a store open keeps)."""
+    n = sb.n_slots
+    rb = fmt.RECORD_BYTES
+    words = np.frombuffer(index, dtype=np.uint64, count=n * rb // 8)
+    used = np.flatnonzero(words.reshape(n, rb // 8).any(axis=1)).tolist()
+    del words
+    live: list[fmt.Record] = []
+    first_slot: dict[bytes, int] = {}
+    for slot in used:
+        off = slot * rb
+        try:
+            rec = fmt.unpack_record(index[off : off + rb], slot)
+        except fmt.RecordError as exc:
+            res.errors.append(FsckError("record", str(exc), slot))
+            continue
+        if rec is None:
+            continue
+        want = fmt.set_of(rec.key, sb.n_sets)
+        if want != slot // sb.ways:
+            res.errors.append(
+                FsckError(
+                    "misplaced",
+                    f"slot {slot}: key {rec.key.hex()} belongs to set {want}, "
+                    f"not set {slot // sb.ways}",
+                    slot,
+                )
+            )
+            continue
+        other = first_slot.get(rec.key)
+        if other is not None:
+            res.errors.append(
+                FsckError(
+                    "duplicate", f"slot {slot}: key {rec.key.hex()} is also in slot {other}", slot
+                )
+            )
+            continue
+        first_slot[rec.key] = slot
+        live.append(rec)
+    return live
+
+
+def _open_for_read(path: str, direct: bool) -> int:
+    flags = os.O_RDONLY | os.O_CLOEXEC
+    return os.open(path, flags | O_DIRECT) if direct and O_DIRECT else os.open(path, flags)
+
+
+def _check_payloads(
+    res: StoreResult, sb: fmt.Superblock, live: list[fmt.Record], stream: TextIO | None
+) -> None:
+    """Read every live slot of the main data file and verify its checksum."""
+    data_path = os.path.join(res.path, DATA_NAME)
+    mine = [r for r in live if sb.slot_location(r.slot)[0] == 0]
+    res.deep_unchecked = len(live) - len(mine)
+    # Read in file order: a sequential scan is what a disk does best.
+    mine.sort(key=lambda r: r.slot)
+    buf = mmap.mmap(-1, sb.slot_bytes)  # page aligned, as O_DIRECT needs
+    direct = bool(O_DIRECT)
+    try:
+        fd = _open_for_read(data_path, direct)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        direct = False  # the filesystem refuses O_DIRECT at open
+        fd = _open_for_read(data_path, direct)
+    bar = Progress(f"{res.path}: reading", len(mine), stream)
+    try:
+        for i, rec in enumerate(mine):
+            bar.update(i)
+            _, offset = sb.slot_location(rec.slot)
+            try:
+                try:
+                    got = os.preadv(fd, [buf], offset)
+                except OSError as exc:
+                    if not (direct and exc.errno == errno.EINVAL):
+                        raise
+                    # Took O_DIRECT at open but refuses the read: go buffered.
+                    os.close(fd)
+                    direct = False
+                    fd = _open_for_read(data_path, direct)
+                    got = os.preadv(fd, [buf], offset)
+            except OSError as exc:
+                res.errors.append(
+                    FsckError(
+                        "read_error",
+                        f"slot {rec.slot}: read failed: {exc.strerror} (errno {exc.errno})",
+                        rec.slot,
+                    )
+                )
+                continue
+            if got < sb.chunk_bytes:
+                res.errors.append(
+                    FsckError(
+                        "read_error",
+                        f"slot {rec.slot}: short read ({got} of {sb.chunk_bytes} bytes)",
+                        rec.slot,
+                    )
+                )
+                continue
+            res.deep_checked += 1
+            with memoryview(buf) as view:
+                digest = xxhash.xxh3_64_intdigest(view[: sb.chunk_bytes], fmt.key_seed(rec.key))
+            if digest != rec.payload_checksum:
+                res.errors.append(
+                    FsckError(
+                        "payload",
+                        f"slot {rec.slot}: payload checksum mismatch for key {rec.key.hex()}",
+                        rec.slot,
+                    )
+                )
+        bar.finish()
+    finally:
+        res.o_direct = direct
+        os.close(fd)
+        buf.close()
+
+
+def _repair(res: StoreResult) -> None:
+    """Zero the record of every slot with a record-level error."""
+    bad = sorted({e.slot for e in res.errors if e.kind in RECORD_KINDS and e.slot is not None})
+    if not bad:
+        return
+    path = os.path.join(res.path, INDEX_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for slot in bad:
+            off = slot * fmt.RECORD_BYTES
+            if os.pwrite(fd, fmt.EMPTY_RECORD, off) != fmt.RECORD_BYTES:
+                raise OSError(errno.EIO, f"short write of the record of slot {slot}")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fixed = set(bad)
+    for e in res.errors:
+        if e.kind in RECORD_KINDS and e.slot in fixed:
+            e.repaired = True
+
+
+def check_store(
+    store_dir: str, *, deep: bool = False, repair: bool = False, stream: TextIO | None = None
+) -> StoreResult:
+    """Check one store directory (and repair it if ``repair``).
+
+    Args:
+        store_dir: a directory holding a ``superblock``.
+        deep: also read every live slot and verify its payload checksum.
+        repair: zero the records that fail; never touches good ones.
+        stream: where the progress bar goes (None: no progress bar).
+
+    Returns:
+        The result; operational failures (in use, unreadable) are recorded in
+        ``operational_error`` rather than raised.
+    """
+    res = StoreResult(path=store_dir, deep=deep)
+    t0 = time.monotonic()
+    try:
+        with store_lock(store_dir, write=repair):
+            _check_locked(res, deep, repair, stream)
+    except FsckOperationalError as exc:
+        res.operational_error = str(exc)
+    except OSError as exc:
+        where = f" {exc.filename!r}" if exc.filename else ""
+        res.operational_error = (
+            f"store {store_dir!r}:{where} {exc.strerror or exc} (errno {exc.errno})"
+        )
+    res.elapsed_s = time.monotonic() - t0
+    return res
+
+
+def _check_locked(
+    res: StoreResult, deep: bool, repair: bool, stream: TextIO | None
+) -> None:
+    sb_path = os.path.join(res.path, SUPERBLOCK_NAME)
+    with open(sb_path, "rb") as f:
+        raw = f.read()
+    try:
+        sb = fmt.unpack_superblock(raw, where=sb_path)
+    except FormatError as exc:
+        res.errors.append(FsckError("superblock", str(exc)))
+        return
+    res.identity = sb.identity
+    res.format_version = sb.format_version
+    res.slots, res.ways, res.n_paths = sb.n_slots, sb.ways, sb.n_paths
+    res.chunk_bytes, res.slot_bytes = sb.chunk_bytes, sb.slot_bytes
+    res.clean_shutdown = sb.clean
+    index_ok, data_ok = _check_files(res, sb)
+    if not index_ok:
+        return
+    with open(os.path.join(res.path, INDEX_NAME), "rb") as f:
+        index = mmap.mmap(f.fileno(), sb.index_bytes, access=mmap.ACCESS_READ)
+    try:
+        live = _check_records(res, sb, index)
+    finally:
+        index.close()
+    if deep and data_ok:
+        _check_payloads(res, sb, live, stream)
+        bad = {e.slot for e in res.errors if e.kind == "payload"}
+        live = [r for r in live if r.slot not in bad]
+    elif deep:
+        res.deep_unchecked = len(live)
+    res.live = len(live)
+    if repair:
+        _repair(res)
+
+
+def fsck(
+    root: str, *, deep: bool = False, repair: bool = False, stream: TextIO | None = None
+) -> list[StoreResult]:
+    """Check every store ROOT names (see ``find_stores``).
+
+    Raises:
+        FsckOperationalError: ROOT names no store.
+    """
+    return [
+        check_store(d, deep=deep, repair=repair, stream=stream) for d in find_stores(root)
+    ]
+
+
+def overall_exit(results: list[StoreResult]) -> int:
+    """The exit codes of the stores OR-ed together, as e2fsck does."""
+    code = 0
+    for r in results:
+        code |= r.exit_code
+    return code
+
+
+# --------------------------------------------------------------------- output
+MAX_ERRORS_SHOWN = 20
+
+
+def _identity_line(identity: dict[str, Any] | None) -> str:
+    if not identity:
+        return "unknown"
+    model = identity.get("model_name") or identity.get("model")
+    rest = ", ".join(
+        f"{k}={v}" for k, v in sorted(identity.items()) if k not in ("model_name", "model")
+    )
+    return f"{model} ({rest})" if model else rest
+
+
+def format_result(res: StoreResult) -> str:
+    """A few lines a person can read."""
+    lines = [f"{res.path}:"]
+    if res.operational_error is not None:
+        lines.append(f"  not checked: {res.operational_error}")
+        return "\n".join(lines)
+    if res.identity is not None:
+        lines.append(f"  layout:  {_identity_line(res.identity)}")
+        clean = "yes" if res.clean_shutdown else "no (crashed, killed, or still open)"
+        lines.append(
+            f"  slots:   {res.live} live of {res.slots} "
+            f"({res.ways} ways, {res.slot_bytes}-byte slots, {res.n_paths} path(s)); "
+            f"clean shutdown: {clean}"
+        )
+    if res.deep:
+        mode = "O_DIRECT" if res.o_direct else "buffered"
+        extra = (
+            f"; {res.deep_unchecked} on other root_dir entries not checked"
+            if res.deep_unchecked
+            else ""
+        )
+        lines.append(f"  deep:    {res.deep_checked} payloads read ({mode}){extra}")
+    elif res.n_paths > 1:
+        lines.append(
+            f"  note:    data files of the other {res.n_paths - 1} root_dir entries are not "
+            "checked (only the main one is known from ROOT)"
+        )
+    for e in res.errors[:MAX_ERRORS_SHOWN]:
+        tag = " [repaired]" if e.repaired else ""
+        lines.append(f"  {e.kind}: {e.detail}{tag}")
+    if len(res.errors) > MAX_ERRORS_SHOWN:
+        lines.append(f"  ... and {len(res.errors) - MAX_ERRORS_SHOWN} more (use --json)")
+    verdict = {
+        EXIT_CLEAN: "clean",
+        EXIT_CORRECTED: f"{len(res.errors)} error(s), all repaired",
+        EXIT_UNCORRECTED: f"{len(res.errors)} error(s), {len(res.errors) - res.repaired} "
+        "left uncorrected",
+    }[res.exit_code]
+    lines.append(f"  result:  {verdict} ({res.elapsed_s:.2f}s)")
+    if res.exit_code == EXIT_UNCORRECTED:
+        if any(e.kind in RECORD_KINDS for e in res.errors if not e.repaired):
+            lines.append("  hint:    run again with --repair to drop the bad records")
+        if any(e.kind in STORE_KINDS or e.kind == "read_error" for e in res.errors):
+            lines.append(
+                "  hint:    the store's files are damaged; it is a cache: stop the server, "
+                "remove this directory and let the server create a new store"
+            )
+    return "\n".join(lines)
+
+
+def progress_stream() -> TextIO | None:
+    """stderr when it is a terminal, else None (plain output when piped)."""
+    return sys.stderr if sys.stderr.isatty() else None

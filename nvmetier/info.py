@@ -1,0 +1,251 @@
+"""``nvmetier info``: what a store holds and what this machine can run.
+
+Owns: the report of a store's geometry, layout identity, occupancy, the age
+of its records and its shutdown state, plus the engine facts of the machine
+(io_uring usable or why not, O_DIRECT usable at ROOT or why not). Runs on the
+CLI's main thread; blocks while it reads the index.
+
+Read-only and lock-free: info never takes the store's lock (a running server
+keeps serving), so numbers read from a store in use are a snapshot that may
+be a few records stale. Whether a process holds the store is reported by
+testing the lock with a shared, non-blocking flock that is released at once.
+The O_DIRECT probe writes and removes one 4 KiB file in the directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import mmap
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from nvmetier import format as fmt
+from nvmetier.config import format_size
+from nvmetier.errors import FormatError
+from nvmetier.files import INDEX_NAME, LOCK_NAME, SUPERBLOCK_NAME, probe_o_direct
+from nvmetier.fsck import find_stores
+
+# (label, upper bound in seconds); the last bucket takes everything older.
+AGE_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("lt_1min", 60.0),
+    ("lt_1h", 3600.0),
+    ("lt_1day", 86400.0),
+    ("older", float("inf")),
+)
+_AGE_LABELS = {"lt_1min": "< 1 min", "lt_1h": "< 1 h", "lt_1day": "< 1 day", "older": "older"}
+
+
+@dataclasses.dataclass
+class StoreInfo:
+    """Facts about one store directory."""
+
+    path: str
+    error: str | None = None
+    format_version: int | None = None
+    identity: dict[str, Any] | None = None
+    created_ns: int = 0
+    clean_shutdown: bool | None = None
+    in_use_by: str | None = None
+    chunk_bytes: int = 0
+    slot_bytes: int = 0
+    ways: int = 0
+    n_paths: int = 0
+    slots_total: int = 0
+    slots_used: int = 0
+    bad_records: int = 0
+    capacity_bytes: int = 0
+    disk_bytes: int = 0
+    bytes_used: int = 0
+    ages: dict[str, int] = dataclasses.field(default_factory=dict)
+    oldest_ns: int | None = None
+    newest_ns: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _in_use_by(store_dir: str) -> str | None:
+    """The pid holding the store's lock, or None when nobody holds it."""
+    try:
+        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                with contextlib.suppress(OSError):
+                    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                return "unknown"
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
+    """Read one store's superblock and index (never raises for a bad store:
+    the problem is reported in ``error``)."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    out = StoreInfo(path=store_dir, in_use_by=_in_use_by(store_dir))
+    sb_path = os.path.join(store_dir, SUPERBLOCK_NAME)
+    try:
+        with open(sb_path, "rb") as f:
+            sb = fmt.unpack_superblock(f.read(), where=sb_path)
+    except (OSError, FormatError) as exc:
+        out.error = f"{exc.strerror} ({sb_path!r})" if isinstance(exc, OSError) else str(exc)
+        return out
+    out.format_version = sb.format_version
+    out.identity = sb.identity
+    out.created_ns = sb.created_ns
+    out.clean_shutdown = sb.clean
+    out.chunk_bytes, out.slot_bytes = sb.chunk_bytes, sb.slot_bytes
+    out.ways, out.n_paths, out.slots_total = sb.ways, sb.n_paths, sb.n_slots
+    out.capacity_bytes = sb.n_slots * sb.slot_bytes
+    out.disk_bytes = sb.superblock_bytes + fmt.align_up(sb.index_bytes) + out.capacity_bytes
+    index_path = os.path.join(store_dir, INDEX_NAME)
+    stamps: list[int] = []
+    try:
+        with open(index_path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < sb.index_bytes:
+                out.error = f"{index_path!r} is shorter than the geometry says; run nvmetier fsck"
+                return out
+            index = mmap.mmap(f.fileno(), sb.index_bytes, access=mmap.ACCESS_READ)
+    except OSError as exc:
+        out.error = f"{index_path!r}: {exc.strerror}"
+        return out
+    try:
+        n, rb = sb.n_slots, fmt.RECORD_BYTES
+        words = np.frombuffer(index, dtype=np.uint64, count=n * rb // 8)
+        used = np.flatnonzero(words.reshape(n, rb // 8).any(axis=1)).tolist()
+        del words
+        for slot in used:
+            try:
+                rec = fmt.unpack_record(index[slot * rb : (slot + 1) * rb], slot)
+            except fmt.RecordError:
+                out.bad_records += 1
+                continue
+            if rec is not None:
+                stamps.append(rec.stored_ns)
+    finally:
+        index.close()
+    out.slots_used = len(stamps)
+    out.bytes_used = len(stamps) * sb.slot_bytes
+    out.ages = {label: 0 for label, _ in AGE_BUCKETS}
+    for ns in stamps:
+        age_s = max(0, now_ns - ns) / 1e9
+        for label, bound in AGE_BUCKETS:
+            if age_s < bound:
+                out.ages[label] += 1
+                break
+    if stamps:
+        out.oldest_ns, out.newest_ns = min(stamps), max(stamps)
+    return out
+
+
+def machine_info(root: str) -> dict[str, Any]:
+    """Engine facts of this machine: io_uring and O_DIRECT at ``root``."""
+    from nvmetier.engine import uring_status
+
+    uring_ok, uring_why = uring_status()
+    o_direct_ok, o_direct_why = probe_o_direct(root)
+    return {
+        "uring_usable": uring_ok,
+        "uring_reason": uring_why,
+        "o_direct_usable": o_direct_ok,
+        "o_direct_reason": o_direct_why,
+        "o_direct_dir": root,
+    }
+
+
+def info(root: str) -> dict[str, Any]:
+    """Everything ``nvmetier info`` reports about ROOT, as one JSON-able dict.
+
+    Raises:
+        FsckOperationalError: ROOT names no store.
+    """
+    stores = [store_info(d) for d in find_stores(root)]
+    return {"root": root, "machine": machine_info(root), "stores": [s.to_json() for s in stores]}
+
+
+# --------------------------------------------------------------------- output
+def _when(ns: int | None, now_ns: int) -> str:
+    if ns is None:
+        return "-"
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ns / 1e9))
+    return f"{stamp} ({_age(now_ns - ns)} ago)"
+
+
+def _age(delta_ns: int) -> str:
+    s = max(0, delta_ns) / 1e9
+    for unit, span in (("d", 86400), ("h", 3600), ("min", 60)):
+        if s >= span:
+            return f"{s / span:.1f} {unit}"
+    return f"{s:.1f} s"
+
+
+def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
+    """The report of ``info`` for a person."""
+    now_ns = time.time_ns() if now_ns is None else now_ns
+    lines: list[str] = []
+    for s in report["stores"]:
+        lines.append(f"{s['path']}:")
+        if s["in_use_by"]:
+            lines.append(f"  in use:          yes, by pid {s['in_use_by']} (numbers are a snapshot)")
+        if s["error"] and s["identity"] is None:
+            lines.append(f"  error:           {s['error']}")
+            lines.append("")
+            continue
+        ident = ", ".join(f"{k}={v}" for k, v in sorted(s["identity"].items()))
+        lines.append(f"  layout identity: {ident}")
+        lines.append(
+            f"  format:          version {s['format_version']}, created "
+            f"{_when(s['created_ns'], now_ns)}"
+        )
+        lines.append(
+            f"  geometry:        {s['slots_total']} slots of {s['slot_bytes']} bytes "
+            f"(chunk {s['chunk_bytes']}), {s['ways']} ways, {s['n_paths']} path(s)"
+        )
+        lines.append(
+            f"  capacity:        {format_size(s['capacity_bytes'])} of data "
+            f"({format_size(s['disk_bytes'])} on disk with index and superblock)"
+        )
+        pct = 100.0 * s["slots_used"] / max(1, s["slots_total"])
+        lines.append(
+            f"  used:            {s['slots_used']} slots ({pct:.1f}%), "
+            f"{format_size(s['bytes_used'])}"
+        )
+        if s["bad_records"]:
+            lines.append(
+                f"  bad records:     {s['bad_records']} (dropped at the next open; "
+                "run nvmetier fsck)"
+            )
+        if s["error"]:
+            lines.append(f"  error:           {s['error']}")
+        ages = ", ".join(f"{_AGE_LABELS[k]}: {v}" for k, v in s["ages"].items())
+        lines.append(f"  record ages:     {ages}")
+        lines.append(f"  oldest record:   {_when(s['oldest_ns'], now_ns)}")
+        lines.append(f"  newest record:   {_when(s['newest_ns'], now_ns)}")
+        clean = (
+            "yes"
+            if s["clean_shutdown"]
+            else ("no (open now)" if s["in_use_by"] else "no (the last process crashed or was "
+                  "killed; the next open drops records that do not verify)")
+        )
+        lines.append(f"  clean shutdown:  {clean}")
+        lines.append("")
+    m = report["machine"]
+    uring = "usable" if m["uring_usable"] else f"not usable: {m['uring_reason']}"
+    odirect = "usable" if m["o_direct_usable"] else f"not usable: {m['o_direct_reason']}"
+    lines.append("this machine:")
+    lines.append(f"  io_uring engine: {uring}")
+    lines.append(f"  O_DIRECT:        {odirect} (probed in {m['o_direct_dir']})")
+    return "\n".join(lines)

@@ -1,0 +1,162 @@
+"""NvmeTierManager under vLLM 0.33's real TieringOffloadingSpec ->
+CPUPrimaryTierOffloadingManager -> TieringOffloadingManager."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult
+
+from nvmetier.errors import ConfigError
+from nvmetier.vllm import NvmeTierManager
+from nvmetier.vllm.harness import key_of
+from tests.vllm.conftest import nvme_tier
+
+pytestmark = pytest.mark.timeout(180)
+REPO = str(pathlib.Path(__file__).resolve().parents[2])
+
+
+def test_tier_is_built_from_the_offloading_config(make_engine) -> None:
+    eng = make_engine()
+    (tier,) = eng.tiers
+    assert isinstance(tier, NvmeTierManager)
+    assert tier.medium.name == "STORAGE"
+    info = eng.manager.config_info()
+    assert info[1]["nvmetier_engine"] in ("threads", "uring")
+
+
+def test_cascade_then_promotion_returns_the_same_bytes(make_engine) -> None:
+    eng = make_engine()
+    keys = [key_of(i) for i in range(80)]  # more than the 32-chunk primary
+    eng.store_all(keys)
+    stats = eng.tiers[0].store.stats()
+    assert stats["ops_written"] == 80
+    eng.reset_primary()
+    for start in range(0, 80, 16):
+        part = keys[start : start + 16]
+        results = eng.promote(part)
+        assert set(results.values()) == {LookupResult.HIT}
+        assert eng.verify(part) == len(part)
+        eng.reset_primary()
+
+
+def test_lookup_of_an_unknown_key_is_a_miss(make_engine) -> None:
+    eng = make_engine()
+    assert eng.promote([key_of(12345)]) == {key_of(12345): LookupResult.MISS}
+
+
+def test_store_survives_a_process_restart(tmp_path, make_engine) -> None:
+    root = str(tmp_path / "kv")
+    writer = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {REPO!r})
+        from nvmetier.vllm.harness import SimulatedEngine, make_config, key_of
+        from tests.vllm.conftest import nvme_tier
+        eng = SimulatedEngine(make_config([nvme_tier({root!r})], chunk_bytes=65536, cpu_chunks=32))
+        eng.store_all([key_of(i) for i in range(40)])
+        eng.shutdown()
+        """
+    )
+    subprocess.run([sys.executable, "-c", writer], check=True, timeout=120)
+    eng = make_engine([nvme_tier(root)])
+    keys = [key_of(i) for i in range(40)]
+    for start in range(0, 40, 20):
+        part = keys[start : start + 20]
+        assert set(eng.promote(part).values()) == {LookupResult.HIT}
+        assert eng.verify(part) == 20
+        eng.reset_primary()
+
+
+def test_another_model_never_reads_this_models_chunks(tmp_path, make_engine) -> None:
+    root = str(tmp_path / "kv")
+    eng = make_engine([nvme_tier(root)], model="org/model-a")
+    eng.store_all([key_of(i) for i in range(8)])
+    eng.shutdown()
+    for other in ({"model": "org/model-b"}, {"dtype": "bfloat16"}, {"tp_size": 2}):
+        eng = make_engine([nvme_tier(root)], **{"model": "org/model-a", **other})
+        assert eng.promote([key_of(1)]) == {key_of(1): LookupResult.MISS}
+        eng.shutdown()
+    assert len(os.listdir(root)) == 4
+
+
+def test_failed_load_reports_successful_keys_and_then_misses(make_engine, monkeypatch) -> None:
+    from nvmetier.engine import OP_READ
+    from tests.vllm.faults import FailingEngine
+
+    failing: list[FailingEngine] = []
+
+    def wrap(engine):
+        failing.append(FailingEngine(engine))
+        return failing[0]
+
+    monkeypatch.setattr("nvmetier.vllm.ENGINE_WRAPPER", wrap)
+    eng = make_engine()
+    keys = [key_of(i) for i in range(6)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    bad = keys[2]
+    tier = eng.tiers[0]
+    failing[0].fail_kind = OP_READ
+    failing[0].fail_offsets = {tier.store.sb.slot_location(tier.store.index.find(bad))}
+    results = eng.promote(keys)
+    assert results[bad] is LookupResult.MISS
+    assert all(results[k] is LookupResult.HIT for k in keys if k != bad)
+    assert eng.verify([k for k in keys if k != bad]) == 5
+    # The failed key is a miss from now on: no re-promotion loop.
+    eng.reset_primary()
+    assert eng.promote([bad]) == {bad: LookupResult.MISS}
+    assert tier.store.stats()["read_errors"] == 1
+
+
+def test_reset_cache_drains_stores_in_flight(make_engine) -> None:
+    eng = make_engine()
+    keys = [key_of(i) for i in range(24)]
+    eng.store(keys)  # cascade submitted, not waited for
+    eng.reset_primary()  # drain_jobs + primary reset
+    eng.wait_idle()
+    assert eng.tiers[0].store.stats()["slots_ready"] == 24
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    assert eng.verify(keys) == 24
+
+
+def test_unknown_tier_key_is_a_clear_config_error(tmp_path, make_engine) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'capacity_bytes'"):
+        make_engine([nvme_tier(str(tmp_path / "kv"), capacity_byts="1GiB")])
+
+
+def test_two_tiers_on_one_store_are_refused(tmp_path, make_engine) -> None:
+    from nvmetier.errors import StoreLockedError
+
+    make_engine()
+    with pytest.raises(StoreLockedError):
+        make_engine()
+
+
+def test_lookup_hit_is_protected_until_its_load_is_submitted(tmp_path, make_engine) -> None:
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), capacity_bytes="4MiB", ways=4)], cpu_chunks=64)
+    tier = eng.tiers[0]
+    assert tier.store.sb.n_slots <= 64
+    keys = [key_of(i) for i in range(tier.store.sb.n_slots)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx = ReqContext(req_id="r")
+    with eng.manager.lock:
+        eng.manager.on_new_request(ctx)
+        hit = keys[0]
+        assert eng.manager.lookup(hit, ctx) is LookupResult.HIT_PENDING
+    # Before the step ends, a flood of stores wants every way of every set.
+    eng.store_all([key_of(10_000 + i) for i in range(2 * tier.store.sb.n_slots)])
+    for _ in range(200):
+        eng.step()
+        if eng.primary_has(hit):
+            break
+    assert eng.primary_has(hit)
+    assert eng.verify([hit]) == 1

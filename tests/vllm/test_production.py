@@ -1,0 +1,126 @@
+"""Production features through the orchestrator: events, metrics, plugin,
+data-parallel replicas, ephemeral stores, several drives."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, Medium
+
+from nvmetier.vllm import METRIC_PREFIX, NvmeTierManager
+from nvmetier.vllm.harness import key_of
+from tests.vllm.conftest import nvme_tier
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _tier_events(eng):
+    return [e for e in eng.manager.take_events() if e.medium is Medium.STORAGE]
+
+
+def test_events_report_stored_keys(tmp_path, make_engine) -> None:
+    eng = make_engine(
+        [nvme_tier(str(tmp_path / "kv"), enable_kv_events=True)], enable_kv_cache_events=True
+    )
+    keys = [key_of(i) for i in range(5)]
+    eng.store_all(keys)
+    events = _tier_events(eng)
+    stored = [k for e in events if not e.removed for k in e.keys]
+    assert sorted(stored) == sorted(keys)
+
+
+def test_events_report_evicted_keys(tmp_path, make_engine) -> None:
+    eng = make_engine(
+        [nvme_tier(str(tmp_path / "kv"), capacity_bytes="2MiB", ways=2, enable_kv_events=True)],
+        enable_kv_cache_events=True,
+    )
+    n_slots = eng.tiers[0].store.sb.n_slots
+    keys = [key_of(i) for i in range(3 * n_slots)]
+    eng.store_all(keys)
+    events = _tier_events(eng)
+    stored = [k for e in events if not e.removed for k in e.keys]
+    removed = [k for e in events if e.removed for k in e.keys]
+    assert len(stored) == eng.tiers[0].store.stats()["ops_written"] > n_slots
+    assert len(removed) == eng.tiers[0].store.stats()["evictions"] > 0
+    # Exactly what the disk holds: stored minus removed.
+    holds = {k for k in keys if eng.tiers[0].store.contains(k)}
+    assert holds == set(stored) - set(removed)
+
+
+def test_events_stay_off_when_kv_events_are_disabled_globally(tmp_path, make_engine) -> None:
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), enable_kv_events=True)])
+    eng.store_all([key_of(1)])
+    assert _tier_events(eng) == []
+
+
+def test_metrics_count_a_known_workload(make_engine) -> None:
+    eng = make_engine()
+    defs = NvmeTierManager.build_metric_definitions({})
+    assert METRIC_PREFIX + "checksum_failures" in defs
+    keys = [key_of(i) for i in range(10)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    eng.promote(keys[:4] + [key_of(999)])
+    eng.wait_idle()
+    stats = eng.tiers[0].get_stats()
+    counters = stats.data["data"] if "data" in stats.data else None
+    values = stats.reduce()
+    assert values[METRIC_PREFIX + "ops_written"] == 10
+    assert values[METRIC_PREFIX + "bytes_written"] == 10 * 65536
+    assert values[METRIC_PREFIX + "ops_read"] == 4
+    assert values[METRIC_PREFIX + "hits"] == 4
+    assert values[METRIC_PREFIX + "misses"] >= 1
+    assert values[METRIC_PREFIX + "slots_used"] == 10
+    assert values[METRIC_PREFIX + "bytes_in_flight"] == 0
+    del counters
+    # Counters are deltas: a second report without work adds nothing.
+    again = eng.tiers[0].get_stats().reduce()
+    assert again.get(METRIC_PREFIX + "ops_written", 0) == 0
+
+
+def test_plugin_registers_the_short_type_name(tmp_path, make_engine) -> None:
+    from importlib.metadata import entry_points
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "nvmetier"]
+    ep.load()()
+    ep.load()()  # idempotent
+    tier = {"type": "nvme", "root_dir": str(tmp_path / "kv"), "capacity_bytes": "16MiB"}
+    eng = make_engine([tier])
+    assert isinstance(eng.tiers[0], NvmeTierManager)
+    eng.store_all([key_of(1)])
+    eng.reset_primary()
+    assert eng.promote([key_of(1)]) == {key_of(1): LookupResult.HIT}
+
+
+def test_data_parallel_replicas_get_their_own_store(tmp_path, make_engine) -> None:
+    root = str(tmp_path / "kv")
+    a = make_engine([nvme_tier(root)], dp_index=0, dp_size=2)
+    b = make_engine([nvme_tier(root)], dp_index=1, dp_size=2)
+    assert a.tiers[0].store_name.endswith("_dp0")
+    assert b.tiers[0].store_name.endswith("_dp1")
+    a.store_all([key_of(1)])
+    b.store_all([key_of(2)])
+    assert sorted(os.listdir(root)) == sorted([a.tiers[0].store_name, b.tiers[0].store_name])
+
+
+def test_ephemeral_store_is_removed_at_shutdown(tmp_path, make_engine) -> None:
+    root = tmp_path / "kv"
+    eng = make_engine([nvme_tier(str(root), persist=False)])
+    eng.store_all([key_of(1)])
+    assert os.listdir(root)
+    eng.shutdown()
+    assert os.listdir(root) == []
+
+
+def test_two_drives_both_serve(tmp_path, make_engine) -> None:
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    eng = make_engine([nvme_tier(roots)])
+    keys = [key_of(i) for i in range(20)]
+    eng.store_all(keys)
+    store = eng.tiers[0].store
+    used = {store.sb.slot_location(store.index.find(k))[0] for k in keys}
+    assert used == {0, 1}
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    assert eng.verify(keys) == 20
