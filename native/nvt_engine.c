@@ -4,6 +4,12 @@
  * pending queue, hashes write payloads, preps and submits SQEs, reaps CQEs,
  * hashes read payloads, continues short transfers and publishes completions.
  *
+ * Each round of the I/O thread: take pending ops (within the queue-depth and
+ * byte caps), hash the writes and submit them, hash the reads reaped last
+ * round, publish completions, then wait for at least one CQE and reap. Reads
+ * are hashed after the ring was refilled so the device never idles while the
+ * thread hashes.
+ *
  * The I/O thread has a single wait point, io_uring_submit_and_wait(1). To be
  * woken for new ops it keeps a read on an eventfd armed in the ring; a
  * submitter writes the eventfd only when the thread said it may sleep with
@@ -23,8 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
+#include "nvt_hash.h"
 
 /* user_data of the eventfd read; op SQEs carry their slot index. */
 #define NVT_WAKE_TAG UINT64_MAX
@@ -33,7 +38,7 @@
 #define NVT_MAX_SQE_BYTES (1ULL << 30)
 /* Hash this many write bytes, then submit what is prepped, so the first
  * writes of a large batch reach the device while the rest are hashed. */
-#define NVT_SUBMIT_EVERY_BYTES (1ULL << 20)
+#define NVT_SUBMIT_EVERY_BYTES (256ULL << 10)
 #define NVT_MAX_QUEUE_DEPTH 32767u
 #define NVT_PAGE_BYTES 4096ull
 
@@ -42,6 +47,14 @@ typedef struct {
     uint64_t moved;     /* bytes transferred so far */
     uint64_t checksum;  /* writes: hash of the payload, taken before the first SQE */
 } nvt_slot;
+
+/* A read that has left the ring and waits to be hashed. */
+typedef struct {
+    void *op_id;
+    const uint8_t *data;
+    uint64_t length;
+    uint64_t seed;
+} nvt_read_done;
 
 struct nvt_engine {
     /* Immutable after nvt_engine_open returns. */
@@ -77,6 +90,8 @@ struct nvt_engine {
     unsigned *free_slots;  /* stack of free slot indices */
     unsigned n_free;
     unsigned *taken;       /* slots taken this round, prepped after unlocking */
+    nvt_read_done *reads;  /* reads reaped this round (at most queue_depth) */
+    unsigned n_reads;
     uint64_t inflight_bytes;
     uint64_t wake_value; /* target of the eventfd read */
     int wake_armed;
@@ -224,10 +239,19 @@ static void io_on_cqe(nvt_engine *e, unsigned idx, int res) {
             io_prep(e, idx);
             return;
         }
-        uint64_t checksum = s->checksum;
-        if (s->op.kind == NVT_OP_READ)
-            checksum = XXH3_64bits_withSeed(e->buf + s->op.buf_offset, length, s->op.seed);
-        io_finish(e, idx, (int64_t)length, checksum);
+        if (s->op.kind == NVT_OP_READ) {
+            /* Hashed next round, after the ring was refilled; the slot is free
+             * now (the caller owns the buffer range until the completion). */
+            nvt_read_done *r = &e->reads[e->n_reads++];
+            r->op_id = s->op.op_id;
+            r->data = e->buf + s->op.buf_offset;
+            r->length = length;
+            r->seed = s->op.seed;
+            e->inflight_bytes -= length;
+            e->free_slots[e->n_free++] = idx;
+            return;
+        }
+        io_finish(e, idx, (int64_t)length, s->checksum);
         return;
     }
     /* res == 0: end of file or no space, nothing moved. An error after some
@@ -343,7 +367,7 @@ static void io_run(nvt_engine *e) {
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &e->slots[e->taken[i]];
             if (s->op.kind == NVT_OP_WRITE) {
-                s->checksum = XXH3_64bits_withSeed(e->buf + s->op.buf_offset, (size_t)s->op.length, s->op.seed);
+                s->checksum = nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length, s->op.seed);
                 hashed += (uint64_t)s->op.length;
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
                     io_uring_submit(&e->ring);
@@ -351,6 +375,20 @@ static void io_run(nvt_engine *e) {
                 }
             }
             io_prep(e, e->taken[i]);
+        }
+
+        if (e->n_reads) {
+            if (io_uring_sq_ready(&e->ring))
+                io_uring_submit(&e->ring);
+            batch_reserve_hard(&e->out, e->n_reads);
+            for (unsigned i = 0; i < e->n_reads; i++) {
+                nvt_read_done *r = &e->reads[i];
+                batch_push(&e->out, r->op_id, (int64_t)r->length, nvt_xxh3(r->data, r->length, r->seed));
+            }
+            e->n_reads = 0;
+            pthread_mutex_lock(&e->lock);
+            io_publish_locked(e);
+            pthread_mutex_unlock(&e->lock);
         }
 
         if (stop && e->n_free == qd)
@@ -416,6 +454,7 @@ static void engine_destroy(nvt_engine *e) {
     free(e->slots);
     free(e->free_slots);
     free(e->taken);
+    free(e->reads);
     free(e->pend);
     free(e->done.items);
     free(e->out.items);
@@ -451,7 +490,8 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     e->slots = calloc(qd, sizeof(*e->slots));
     e->free_slots = malloc(qd * sizeof(unsigned));
     e->taken = malloc(qd * sizeof(unsigned));
-    if (!e->fds || !e->slots || !e->free_slots || !e->taken || batch_reserve(&e->out, 2 * (size_t)qd + 2)) {
+    e->reads = malloc(qd * sizeof(*e->reads));
+    if (!e->fds || !e->slots || !e->free_slots || !e->taken || !e->reads || batch_reserve(&e->out, 2 * (size_t)qd + 2)) {
         engine_destroy(e);
         return -ENOMEM;
     }
@@ -521,7 +561,7 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
             batch_push(&e->done, ops[i].op_id, err, 0);
             immediate++;
         } else if (ops[i].length == 0) {
-            batch_push(&e->done, ops[i].op_id, 0, XXH3_64bits_withSeed(NULL, 0, ops[i].seed));
+            batch_push(&e->done, ops[i].op_id, 0, nvt_xxh3(NULL, 0, ops[i].seed));
             immediate++;
         } else {
             e->pend[(e->pend_head + e->pend_len) & (e->pend_cap - 1)] = ops[i];

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "nvt_engine.h"
+#include "nvt_hash.h"
 
 /* wait() blocks in slices this long so Ctrl-C reaches the main thread. */
 #define NVT_WAIT_SLICE_S 0.1
@@ -316,13 +317,14 @@ static PyObject *NvtEngine_close(NvtEngineObject *self, PyObject *Py_UNUSED(igno
 PyDoc_STRVAR(info_doc, "info() -> dict\n\nWhat the engine set up: registration, ring size, limits.");
 
 static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K}", "registered_buffers",
+    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K,s:s}", "registered_buffers",
                          self->info.registered_buffers ? Py_True : Py_False, "buffers_errno",
                          self->info.buffers_errno, "fixed_files", self->info.fixed_files ? Py_True : Py_False,
                          "files_errno", self->info.files_errno, "queue_depth", self->cfg.queue_depth,
                          "ring_entries", self->info.ring_entries, "setup_flags", self->info.setup_flags,
                          "max_inflight_bytes", (unsigned long long)self->cfg.max_inflight_bytes,
-                         "register_chunk_bytes", (unsigned long long)self->cfg.register_chunk_bytes);
+                         "register_chunk_bytes", (unsigned long long)self->cfg.register_chunk_bytes,
+                         "checksum_impl", nvt_xxh3_impl());
 }
 
 static PyMethodDef NvtEngine_methods[] = {

@@ -106,8 +106,16 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
         )
     except FsckOperationalError as exc:
         if args.json:
-            print(json.dumps({"root": args.root, "exit_code": EXIT_OPERATIONAL,
-                              "error": str(exc), "stores": []}))
+            print(
+                json.dumps(
+                    {
+                        "root": args.root,
+                        "exit_code": EXIT_OPERATIONAL,
+                        "error": str(exc),
+                        "stores": [],
+                    }
+                )
+            )
         raise
     code = fsck.overall_exit(results)
     if args.json:

@@ -63,9 +63,7 @@ EXIT_USAGE = 16
 # Error kinds a repair fixes by zeroing the slot's record.
 RECORD_KINDS = frozenset({"record", "misplaced", "duplicate", "payload"})
 # Error kinds of the store as a whole (no slot); a person must act.
-STORE_KINDS = frozenset(
-    {"superblock", "index_missing", "index_size", "data_missing", "data_size"}
-)
+STORE_KINDS = frozenset({"superblock", "index_missing", "index_size", "data_missing", "data_size"})
 
 
 class FsckOperationalError(NvmeTierError):
@@ -471,9 +469,7 @@ def check_store(
     return res
 
 
-def _check_locked(
-    res: StoreResult, deep: bool, repair: bool, stream: TextIO | None
-) -> None:
+def _check_locked(res: StoreResult, deep: bool, repair: bool, stream: TextIO | None) -> None:
     sb_path = os.path.join(res.path, SUPERBLOCK_NAME)
     with open(sb_path, "rb") as f:
         raw = f.read()
@@ -515,9 +511,7 @@ def fsck(
     Raises:
         FsckOperationalError: ROOT names no store.
     """
-    return [
-        check_store(d, deep=deep, repair=repair, stream=stream) for d in find_stores(root)
-    ]
+    return [check_store(d, deep=deep, repair=repair, stream=stream) for d in find_stores(root)]
 
 
 def overall_exit(results: list[StoreResult]) -> int:

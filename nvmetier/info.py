@@ -199,7 +199,9 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
     for s in report["stores"]:
         lines.append(f"{s['path']}:")
         if s["in_use_by"]:
-            lines.append(f"  in use:          yes, by pid {s['in_use_by']} (numbers are a snapshot)")
+            lines.append(
+                f"  in use:          yes, by pid {s['in_use_by']} (numbers are a snapshot)"
+            )
         if s["error"] and s["identity"] is None:
             lines.append(f"  error:           {s['error']}")
             lines.append("")
@@ -237,8 +239,12 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
         clean = (
             "yes"
             if s["clean_shutdown"]
-            else ("no (open now)" if s["in_use_by"] else "no (the last process crashed or was "
-                  "killed; the next open drops records that do not verify)")
+            else (
+                "no (open now)"
+                if s["in_use_by"]
+                else "no (the last process crashed or was "
+                "killed; the next open drops records that do not verify)"
+            )
         )
         lines.append(f"  clean shutdown:  {clean}")
         lines.append("")

@@ -49,6 +49,28 @@ logger = logging.getLogger(__name__)
 
 _MAX_LOOKUP_COUNTS = 1 << 20
 
+# Every counter ``stats()`` reports (zero until it happens).
+COUNTERS = (
+    "bytes_written",
+    "bytes_read",
+    "ops_written",
+    "ops_read",
+    "hits",
+    "misses",
+    "evictions",
+    "checksum_failures",
+    "read_errors",
+    "write_errors",
+    "load_keys_missing",
+    "load_jobs_failed",
+    "store_jobs_failed",
+    "stores_skipped_present",
+    "stores_dropped_queue_full",
+    "stores_dropped_set_busy",
+    "stores_not_admitted",
+    "records_dropped_at_open",
+)
+
 
 @dataclasses.dataclass(slots=True)
 class JobOutcome:
@@ -559,7 +581,8 @@ class BlockStore:
     # --------------------------------------------------------------- stats
     def stats(self) -> dict[str, int]:
         """Cumulative counters and current gauges."""
-        out = dict(self._stats)
+        out = {name: 0 for name in COUNTERS}
+        out.update(self._stats)
         with self._lock:
             out["bytes_in_flight"] = self._inflight_bytes
             out["bytes_queued"] = self._pending_bytes

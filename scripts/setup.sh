@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Set up everything nvmetier needs, idempotently, on a fresh machine with
+# Python 3.11, a C compiler and the package registries:
+#   - liburing-dev (native io_uring engine) and fio (benchmark reference), via apt
+#     when missing and we are root;
+#   - .venv with the CPU build of torch 2.13.0, vLLM 0.33.0 (--no-deps) and the
+#     pure-Python packages its scheduler-side imports need
+#     (requirements/vllm-cpu.txt), then nvmetier itself (editable) with [dev].
+# Never installs torchvision/torchaudio/CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+
+need_apt=()
+[ -e /usr/include/liburing.h ] || need_apt+=(liburing-dev)
+command -v fio >/dev/null 2>&1 || need_apt+=(fio)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing ${need_apt[*]} (apt)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+  else
+    echo "setup: warning: ${need_apt[*]} missing and apt-get unavailable; continuing" >&2
+  fi
+fi
+
+stamp=.venv/.nvmetier-setup
+want="$(cat requirements/vllm-cpu.txt pyproject.toml setup.py | sha256sum | cut -c1-16)"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "setup: installing Python packages into .venv (a few minutes the first time)"
+  "${pip[@]}" install "setuptools>=68" wheel 2>&1 | grep -v "^WARNING: Location" || true
+  "${pip[@]}" install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" \
+    || { echo "setup: torch 2.13.0 did not install" >&2; exit 1; }
+  "${pip[@]}" install --no-deps vllm==0.33.0 2>&1 | grep -v "^WARNING: Location" || true
+  "${pip[@]}" install -r requirements/vllm-cpu.txt 2>&1 | grep -v "^WARNING: Location" | grep -v "requires torch==" || true
+  echo "$want" > "$stamp.pending"
+fi
+# Always rebuild nvmetier itself (cheap) so the native extension matches the tree.
+NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
+  "${pip[@]}" install --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
+if [ -f "$stamp.pending" ]; then
+  "${pip[@]}" install pytest pytest-timeout hypothesis ruff mypy matplotlib 2>&1 \
+    | grep -v "^WARNING: Location" | grep -v "requires torch==" || true
+  mv "$stamp.pending" "$stamp"
+fi
+.venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec, nvmetier.vllm" \
+  || { echo "setup: vLLM's tiering modules do not import" >&2; exit 1; }
+if .venv/bin/pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|nvidia-)'; then
+  echo "setup: a CUDA/torchvision package slipped in; remove it" >&2
+  exit 1
+fi
+echo "setup: ready ($(.venv/bin/python -c 'from nvmetier.engine import uring_status; ok, why = uring_status(); print("io_uring engine available" if ok else "io_uring unavailable: " + why)'))"

@@ -1,0 +1,166 @@
+"""Injected EIO and ENOSPC on reads and writes (``engine_wrapper``).
+
+The job fails with the right ``successful_keys``, the tier keeps serving the
+other keys, and nothing already stored is lost. A read error is not proof of
+corruption: the key is a miss until rewritten, but its record stays on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Iterator
+
+import pytest
+
+from nvmetier.engine import OP_READ, OP_WRITE
+from nvmetier.store import BlockStore
+from tests.fault.faultkit import (
+    ROWS,
+    FaultyEngine,
+    key,
+    load_keys,
+    new_buffer,
+    open_store,
+    store_keys,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+ERRNOS = pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC], ids=["EIO", "ENOSPC"])
+KEYS = [key(i) for i in range(8)]
+BAD = KEYS[3]
+
+
+@pytest.fixture
+def buf() -> Iterator[memoryview]:
+    view = new_buffer(ROWS)
+    yield view
+    view.release()
+
+
+class Tier:
+    """A store with a FaultyEngine, closed at teardown."""
+
+    def __init__(self, root: str, buf: memoryview) -> None:
+        self.engines: list[FaultyEngine] = []
+        self.store: BlockStore = open_store(root, buf, engine_wrapper=self._wrap)
+        self.faults = self.engines[0]
+
+    def _wrap(self, inner):
+        engine = FaultyEngine(inner)
+        self.engines.append(engine)
+        return engine
+
+
+@pytest.fixture
+def tier(tmp_path, buf) -> Iterator[Tier]:
+    t = Tier(str(tmp_path / "kv"), buf)
+    yield t
+    t.store.close()
+
+
+# -------------------------------------------------------------------- writes
+@ERRNOS
+def test_write_error_fails_only_that_key(tier, buf, err) -> None:
+    tier.faults.fail(OP_WRITE, err, [BAD])
+    outcome = store_keys(tier.store, buf, KEYS)
+    assert not outcome.success
+    assert outcome.successful_keys == [k for k in KEYS if k != BAD]
+    assert tier.store.stats()["write_errors"] == 1
+
+
+@ERRNOS
+def test_write_error_leaves_that_key_a_miss_and_the_others_hits(tier, buf, err) -> None:
+    tier.faults.fail(OP_WRITE, err, [BAD])
+    store_keys(tier.store, buf, KEYS)
+    assert not tier.store.contains(BAD)
+    assert all(tier.store.contains(k) for k in KEYS if k != BAD)
+
+
+@ERRNOS
+def test_write_error_loses_nothing_already_stored(tmp_path, buf, err) -> None:
+    root = str(tmp_path / "kv")
+    tier = Tier(root, buf)
+    old = [key(i, trial=1) for i in range(8)]
+    assert store_keys(tier.store, buf, old).success
+    tier.faults.fail(OP_WRITE, err)  # every write fails from now on
+    assert not store_keys(tier.store, buf, KEYS, job_id=2).success
+    tier.faults.clear()
+    tier.store.close()
+    store = open_store(root, buf)
+    outcome, ok, wrong = load_keys(store, buf, old)
+    store.close()
+    assert outcome.success and wrong == []
+
+
+@ERRNOS
+def test_key_whose_write_failed_can_be_stored_again(tier, buf, err) -> None:
+    tier.faults.fail(OP_WRITE, err, [BAD])
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.clear()
+    assert store_keys(tier.store, buf, [BAD], job_id=2).success
+    outcome, _, wrong = load_keys(tier.store, buf, [BAD], job_id=3)
+    assert outcome.success and wrong == []
+
+
+# --------------------------------------------------------------------- reads
+@ERRNOS
+def test_read_error_fails_only_that_key(tier, buf, err) -> None:
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.fail(OP_READ, err, [BAD])
+    outcome, ok, wrong = load_keys(tier.store, buf, KEYS)
+    assert not outcome.success
+    assert outcome.successful_keys == [k for k in KEYS if k != BAD]
+    assert wrong == []
+    assert tier.store.stats()["read_errors"] == 1
+
+
+@ERRNOS
+def test_failed_read_makes_later_lookups_miss(tier, buf, err) -> None:
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.fail(OP_READ, err, [BAD])
+    load_keys(tier.store, buf, [BAD])
+    tier.faults.clear()
+    # A miss from now on, even with the disk healthy again: no re-promotion loop.
+    assert not tier.store.lookup(BAD)
+    tier.store.release_holds()
+
+
+@ERRNOS
+def test_tier_keeps_serving_other_keys_after_a_read_error(tier, buf, err) -> None:
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.fail(OP_READ, err, [BAD])
+    load_keys(tier.store, buf, KEYS)
+    others = [k for k in KEYS if k != BAD]
+    outcome, _, wrong = load_keys(tier.store, buf, others, job_id=3)
+    assert outcome.success and wrong == []
+    fresh = [key(i, trial=2) for i in range(4)]
+    assert store_keys(tier.store, buf, fresh, job_id=4).success
+    outcome, _, wrong = load_keys(tier.store, buf, fresh, job_id=5)
+    assert outcome.success and wrong == []
+
+
+@ERRNOS
+def test_read_error_is_not_treated_as_corruption(tmp_path, buf, err) -> None:
+    root = str(tmp_path / "kv")
+    tier = Tier(root, buf)
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.fail(OP_READ, err, [BAD])
+    load_keys(tier.store, buf, KEYS)
+    stats = tier.store.stats()
+    tier.store.close()
+    assert stats["checksum_failures"] == 0
+    # The record stayed on disk: a new process serves the key again.
+    store = open_store(root, buf)
+    outcome, _, wrong = load_keys(store, buf, KEYS)
+    store.close()
+    assert outcome.success and wrong == []
+
+
+@ERRNOS
+def test_every_read_failing_fails_the_whole_job_and_loses_nothing(tier, buf, err) -> None:
+    store_keys(tier.store, buf, KEYS)
+    tier.faults.fail(OP_READ, err)
+    outcome, ok, _ = load_keys(tier.store, buf, KEYS)
+    assert not outcome.success and ok == []
+    assert tier.store.stats()["slots_used"] == len(KEYS)
