@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "fsck",
         help="check (and repair) stores",
-        description="Check the stores under ROOT: superblock, file sizes, every index record, "
+        description="Check the stores under ROOT: superblock, file sizes, every index record,\n"
         "and with --deep the payload checksum of every live slot.",
         epilog=_FSCK_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "info",
         help="show what a store holds and what this machine supports",
-        description="Show the layout identity, capacity, occupancy, record ages and shutdown "
+        description="Show the layout identity, capacity, occupancy, record ages and shutdown\n"
         "state of the stores under ROOT, and the I/O engines usable on this machine.",
         epilog=_INFO_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -168,6 +169,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "info":
             return _cmd_info(args)
         raise AssertionError(f"unhandled command {args.command!r}")
+    except BrokenPipeError:
+        # stdout closed early (``| head``): nothing more to say, and Python
+        # must not complain again when it flushes stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_OPERATIONAL
     except (NvmeTierError, OSError) as exc:
         msg = str(exc)
         if isinstance(exc, OSError) and exc.strerror:

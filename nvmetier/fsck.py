@@ -175,6 +175,11 @@ def find_stores(root: str) -> list[str]:
         for n in names
         if os.path.isfile(os.path.join(root, n, SUPERBLOCK_NAME))
     ]
+    if not stores and any(os.path.isfile(os.path.join(root, n, DATA_NAME)) for n in names):
+        raise FsckOperationalError(
+            f"{root!r} holds data files but no superblock: it is a secondary root_dir of a "
+            "striped store; run fsck on the first root_dir entry"
+        )
     if not stores:
         raise FsckOperationalError(
             f"{root!r} holds no nvmetier store (no superblock in it or in its subdirectories)"
@@ -526,14 +531,19 @@ def overall_exit(results: list[StoreResult]) -> int:
 MAX_ERRORS_SHOWN = 20
 
 
+_SUMMARY_KEYS = ("dtype", "chunk_bytes", "tp_size", "pp_size")
+
+
 def _identity_line(identity: dict[str, Any] | None) -> str:
+    """The model and the most telling identity fields (``info`` shows all)."""
     if not identity:
         return "unknown"
-    model = identity.get("model_name") or identity.get("model")
-    rest = ", ".join(
-        f"{k}={v}" for k, v in sorted(identity.items()) if k not in ("model_name", "model")
-    )
-    return f"{model} ({rest})" if model else rest
+    model = identity.get("model_name") or identity.get("model") or "?"
+    shown = [f"{k}={identity[k]}" for k in _SUMMARY_KEYS if k in identity]
+    hidden = len(identity) - len(shown) - 1
+    if hidden > 0:
+        shown.append(f"+{hidden} more fields")
+    return f"{model} ({', '.join(shown)})"
 
 
 def format_result(res: StoreResult) -> str:

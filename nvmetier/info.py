@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import textwrap
 import time
 from typing import Any
 
@@ -207,7 +208,15 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
             lines.append("")
             continue
         ident = ", ".join(f"{k}={v}" for k, v in sorted(s["identity"].items()))
-        lines.append(f"  layout identity: {ident}")
+        lines.append(
+            textwrap.fill(
+                ident,
+                width=100,
+                initial_indent="  layout identity: ",
+                subsequent_indent=" " * 19,
+                break_on_hyphens=False,
+            )
+        )
         lines.append(
             f"  format:          version {s['format_version']}, created "
             f"{_when(s['created_ns'], now_ns)}"

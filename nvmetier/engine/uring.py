@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Sequence
 
-from nvmetier import _uring
+import nvmetier._uring as _uring
 from nvmetier.engine.base import Completion, IoEngine, Op
 from nvmetier.errors import EngineClosedError
 
@@ -110,10 +110,12 @@ class UringEngine(IoEngine):
             boundary are split there. Smaller values exist for tests.
 
     Raises:
-        ValueError: an argument is out of range, or ``buffer`` is not
-            writable and contiguous (``BufferError``/``TypeError`` from the
-            buffer protocol).
+        ValueError: an argument is out of range.
+        BufferError, TypeError: ``buffer`` is not writable, contiguous memory.
         OSError: the ring cannot be created (see ``probe``).
+
+    Not fork-safe: the I/O thread does not exist in a forked child, so create
+    the engine in the process that uses it.
     """
 
     name = "uring"
@@ -175,7 +177,10 @@ class UringEngine(IoEngine):
         Returns ``[]`` on timeout, and at once when the engine is closed and
         every completion was returned.
         """
-        return [Completion(op_id, result, checksum) for op_id, result, checksum in self._native.wait(timeout_s)]
+        return [
+            Completion(op_id, result, checksum)
+            for op_id, result, checksum in self._native.wait(timeout_s)
+        ]
 
     def close(self) -> None:
         """Cancel queued ops, finish ops in the ring, stop the I/O thread.

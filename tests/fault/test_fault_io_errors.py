@@ -88,7 +88,7 @@ def test_write_error_loses_nothing_already_stored(tmp_path, buf, err) -> None:
     tier.faults.clear()
     tier.store.close()
     store = open_store(root, buf)
-    outcome, ok, wrong = load_keys(store, buf, old)
+    outcome, _ok, wrong = load_keys(store, buf, old)
     store.close()
     assert outcome.success and wrong == []
 
@@ -108,7 +108,7 @@ def test_key_whose_write_failed_can_be_stored_again(tier, buf, err) -> None:
 def test_read_error_fails_only_that_key(tier, buf, err) -> None:
     store_keys(tier.store, buf, KEYS)
     tier.faults.fail(OP_READ, err, [BAD])
-    outcome, ok, wrong = load_keys(tier.store, buf, KEYS)
+    outcome, _ok, wrong = load_keys(tier.store, buf, KEYS)
     assert not outcome.success
     assert outcome.successful_keys == [k for k in KEYS if k != BAD]
     assert wrong == []

@@ -144,7 +144,7 @@ def test_read_only_root_is_a_config_error_and_changes_nothing(tmp_path, buf) -> 
     ro.chmod(0o500)
     try:
         before = snapshot(str(tmp_path))
-        with pytest.raises(ConfigError, match="writable|cannot be created"):
+        with pytest.raises(ConfigError, match=r"writable|cannot be created"):
             open_store(str(ro / "kv"), buf)
         assert snapshot(str(tmp_path)) == before
     finally:

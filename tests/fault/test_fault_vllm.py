@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
-from vllm.v1.kv_offload.base import LookupResult  # noqa: E402
+from vllm.v1.kv_offload.base import LookupResult
 
-from nvmetier.engine import OP_READ  # noqa: E402
-from nvmetier.vllm.harness import SimulatedEngine, key_of, make_config  # noqa: E402
-from tests.fault.faultkit import FaultyEngine  # noqa: E402
+from nvmetier.engine import OP_READ
+from nvmetier.vllm.harness import SimulatedEngine, key_of, make_config
+from tests.fault.faultkit import FaultyEngine
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,9 +22,9 @@ import xxhash
 
 pytest.importorskip("nvmetier._uring", reason="native extension nvmetier._uring is not built")
 
-from nvmetier.engine import uring  # noqa: E402
-from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, Op  # noqa: E402
-from nvmetier.errors import EngineClosedError  # noqa: E402
+from nvmetier.engine import uring
+from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, Op
+from nvmetier.errors import EngineClosedError
 
 _OK, _WHY = uring.probe()
 if not _OK:
@@ -162,7 +162,9 @@ def test_register_buffers_false_forces_plain_io(region, data_fd, make_engine):
 def test_read_past_eof_is_a_short_read_reported_as_eio(region, data_fd, make_engine):
     engine = make_engine(region, [data_fd])
     size = os.fstat(data_fd).st_size
-    done = run_ops(engine, [Op(1, OP_READ, 0, size - 4 * KIB, 0, ROW), Op(2, OP_READ, 0, size, 0, ROW)])
+    done = run_ops(
+        engine, [Op(1, OP_READ, 0, size - 4 * KIB, 0, ROW), Op(2, OP_READ, 0, size, 0, ROW)]
+    )
     assert done[1] == Completion(1, -errno.EIO, 0)
     assert done[2] == Completion(2, -errno.EIO, 0)
 
@@ -172,7 +174,9 @@ def test_write_to_full_device_fails_with_enospc(region, make_engine):
     fd = os.open("/dev/full", os.O_WRONLY)
     try:
         engine = make_engine(region, [fd])
-        assert run_ops(engine, [Op(1, OP_WRITE, 0, 0, 0, ROW)])[1] == Completion(1, -errno.ENOSPC, 0)
+        assert run_ops(engine, [Op(1, OP_WRITE, 0, 0, 0, ROW)])[1] == Completion(
+            1, -errno.ENOSPC, 0
+        )
     finally:
         os.close(fd)
 
@@ -248,7 +252,11 @@ def test_range_outside_buffer_fails_with_efault_without_io(region, data_fd, make
     end = len(region)
     done = run_ops(
         engine,
-        [Op(1, OP_READ, 0, 0, end - ROW + 1, ROW), Op(2, OP_READ, 0, 0, end, 1), Op(3, OP_READ, 0, 0, -1, 4)],
+        [
+            Op(1, OP_READ, 0, 0, end - ROW + 1, ROW),
+            Op(2, OP_READ, 0, 0, end, 1),
+            Op(3, OP_READ, 0, 0, -1, 4),
+        ],
     )
     assert {c.result for c in done.values()} == {-errno.EFAULT}
     assert region[end - ROW :] != b"\x55" * ROW
@@ -257,7 +265,9 @@ def test_range_outside_buffer_fails_with_efault_without_io(region, data_fd, make
 @pytest.mark.timeout(60)
 def test_zero_length_op_completes_with_checksum_of_nothing(region, data_fd, make_engine):
     engine = make_engine(region, [data_fd])
-    assert run_ops(engine, [Op(1, OP_READ, 0, 0, 0, 0, seed=9)])[1] == Completion(1, 0, xxh3(b"", 9))
+    assert run_ops(engine, [Op(1, OP_READ, 0, 0, 0, 0, seed=9)])[1] == Completion(
+        1, 0, xxh3(b"", 9)
+    )
 
 
 @pytest.mark.timeout(60)
@@ -275,7 +285,10 @@ def test_ops_crossing_a_registered_chunk_boundary_are_split(tmp_path, region, ma
         )
         done = run_ops(engine, [Op(2, OP_READ, 0, 0, 32 * ROW + ROW // 2, span, 5)])
         assert done[2].result == span
-        assert region[32 * ROW + ROW // 2 : 32 * ROW + ROW // 2 + span] == region[ROW // 2 : ROW // 2 + span]
+        assert (
+            region[32 * ROW + ROW // 2 : 32 * ROW + ROW // 2 + span]
+            == region[ROW // 2 : ROW // 2 + span]
+        )
     finally:
         os.close(fd)
 
@@ -292,7 +305,10 @@ def test_op_larger_than_inflight_byte_cap_still_runs(region, data_fd, make_engin
 @pytest.mark.timeout(60)
 def test_many_more_ops_than_queue_depth_all_complete(region, data_fd, make_engine):
     engine = make_engine(region, [data_fd], queue_depth=2)
-    ops = [Op(i, OP_WRITE if i % 2 else OP_READ, 0, (i % 64) * ROW, (i % 64) * ROW, 4 * KIB) for i in range(3000)]
+    ops = [
+        Op(i, OP_WRITE if i % 2 else OP_READ, 0, (i % 64) * ROW, (i % 64) * ROW, 4 * KIB)
+        for i in range(3000)
+    ]
     done = run_ops(engine, ops)
     assert all(c.result == 4 * KIB for c in done.values())
 

@@ -19,13 +19,17 @@ class FailingEngine(IoEngine):
         self.inner = inner
         self.fail_kind: int | None = None
         self.fail_offsets: set[tuple[int, int]] = set()
+        self.fail_files: set[int] = set()  # every op on these files fails (a dead drive)
         self.fail_errno = errno.EIO
         self._failed: collections.deque[Completion] = collections.deque()
 
     def submit(self, ops: Sequence[Op]) -> None:
         run = []
         for op in ops:
-            if op.kind == self.fail_kind and (op.file_idx, op.file_offset) in self.fail_offsets:
+            dead = op.file_idx in self.fail_files
+            if dead or (
+                op.kind == self.fail_kind and (op.file_idx, op.file_offset) in self.fail_offsets
+            ):
                 self._failed.append(Completion(op.op_id, -self.fail_errno, 0))
             else:
                 run.append(op)

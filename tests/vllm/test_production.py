@@ -124,3 +124,43 @@ def test_two_drives_both_serve(tmp_path, make_engine) -> None:
     eng.reset_primary()
     assert set(eng.promote(keys).values()) == {LookupResult.HIT}
     assert eng.verify(keys) == 20
+
+
+def test_failed_drive_becomes_misses_while_the_other_serves(tmp_path, make_engine, monkeypatch):
+    from tests.vllm.faults import FailingEngine
+
+    engines: list[FailingEngine] = []
+
+    def wrap(engine):
+        engines.append(FailingEngine(engine))
+        return engines[-1]
+
+    monkeypatch.setattr("nvmetier.vllm.ENGINE_WRAPPER", wrap)
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    eng = make_engine([nvme_tier(roots)])
+    keys = [key_of(i) for i in range(24)]
+    eng.store_all(keys)
+    store = eng.tiers[0].store
+    on_drive = {k: store.sb.slot_location(store.index.find(k))[0] for k in keys}
+    engines[0].fail_files = {1}  # drive 1 dies
+    eng.reset_primary()
+    results = eng.promote(keys)
+    alive = [k for k in keys if on_drive[k] == 0]
+    dead = [k for k in keys if on_drive[k] == 1]
+    assert alive and dead
+    assert all(results[k] is LookupResult.HIT for k in alive)
+    assert all(results[k] is LookupResult.MISS for k in dead)
+    assert eng.verify(alive) == len(alive)
+    eng.reset_primary()
+    assert set(eng.promote(dead).values()) == {LookupResult.MISS}  # no retry loop
+    assert set(eng.promote(alive).values()) == {LookupResult.HIT}
+
+
+def test_backpressure_detector_is_honoured(tmp_path, make_engine) -> None:
+    tier = nvme_tier(str(tmp_path / "kv"), backpressure={"backpressure_cls": "EMABackpressureDetector"})
+    eng = make_engine([tier])
+    assert eng.tiers[0].bp_detector is not None
+    keys = [key_of(i) for i in range(8)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
