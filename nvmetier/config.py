@@ -84,6 +84,8 @@ class TierConfig:
         root_dir: one directory per drive; slots are striped across them.
         capacity_bytes: the hard bound on disk usage (data files + index),
             summed over all root_dir entries, fixed when the store is created.
+            Given as a list (one per root_dir), each drive gets its own bound.
+        capacity_per_path: the per-drive bounds when capacity_bytes was a list.
         io_engine: ``auto`` (io_uring if usable, else threads), ``threads``
             or ``uring``.
         io_threads: worker threads of the thread engine.
@@ -116,10 +118,11 @@ class TierConfig:
     admit_after_lookups: int = 0
     persist: bool = True
     locality: str | None = None
+    capacity_per_path: tuple[int, ...] | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "capacity_per_path")
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> TierConfig:
@@ -145,7 +148,18 @@ class TierConfig:
                 )
         values = dict(raw)
         values["root_dir"] = _parse_roots(raw["root_dir"])
-        values["capacity_bytes"] = parse_size(raw["capacity_bytes"], "capacity_bytes")
+        cap = raw["capacity_bytes"]
+        if isinstance(cap, (list, tuple)):
+            if len(cap) != len(values["root_dir"]):
+                raise ConfigError(
+                    f"capacity_bytes={cap!r} has {len(cap)} entries but root_dir has "
+                    f"{len(values['root_dir'])}; give one capacity per root_dir, or one total"
+                )
+            per_path = tuple(parse_size(c, f"capacity_bytes[{i}]") for i, c in enumerate(cap))
+            values["capacity_per_path"] = per_path
+            values["capacity_bytes"] = sum(per_path)
+        else:
+            values["capacity_bytes"] = parse_size(cap, "capacity_bytes")
         for key in ("max_inflight_bytes", "max_queued_bytes"):
             if key in raw:
                 values[key] = parse_size(raw[key], key)

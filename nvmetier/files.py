@@ -97,6 +97,7 @@ class StoreFiles:
         self.created = False
         self._lock_fd = -1
         self._index_fd = -1
+        self._per_path: tuple[int, ...] | None = None
 
     @classmethod
     def open(
@@ -110,6 +111,7 @@ class StoreFiles:
         identity: dict[str, Any],
         o_direct: str | bool = "auto",
         create: bool = True,
+        capacity_per_path: tuple[int, ...] | None = None,
     ) -> StoreFiles:
         """Open the store ``store_name`` under ``roots``, creating it if absent.
 
@@ -122,6 +124,7 @@ class StoreFiles:
                 or layout identity.
         """
         self = cls()
+        self._per_path = capacity_per_path
         try:
             self._open(roots, store_name, capacity_bytes, chunk_bytes, ways, identity, o_direct,
                        create)
@@ -218,7 +221,9 @@ class StoreFiles:
             raise FormatError(
                 f"store {self.dirs[0]!r} holds {sb.chunk_bytes}-byte chunks, not {chunk_bytes}"
             )
-        slot_bytes, n_slots = fmt.geometry(capacity_bytes, chunk_bytes, ways, n_paths, identity)
+        slot_bytes, n_slots = fmt.geometry(
+            capacity_bytes, chunk_bytes, ways, n_paths, identity, self._per_path
+        )
         if (sb.ways, sb.n_paths, sb.n_slots) != (ways, n_paths, n_slots):
             raise ConfigError(
                 f"store {self.dirs[0]!r} was created with ways={sb.ways}, {sb.n_paths} path(s) "
@@ -231,7 +236,7 @@ class StoreFiles:
     def _create(self, capacity_bytes: int, chunk_bytes: int, ways: int, identity: dict) -> None:
         try:
             slot_bytes, n_slots = fmt.geometry(
-                capacity_bytes, chunk_bytes, ways, len(self.dirs), identity
+                capacity_bytes, chunk_bytes, ways, len(self.dirs), identity, self._per_path
             )
         except FormatError as exc:
             raise ConfigError(f"capacity_bytes={capacity_bytes} is too small: {exc}") from exc

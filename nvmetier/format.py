@@ -199,9 +199,16 @@ def unpack_superblock(data: bytes, where: str = "superblock") -> Superblock:
 
 
 def geometry(
-    capacity_bytes: int, chunk_bytes: int, ways: int, n_paths: int, identity: dict[str, Any]
+    capacity_bytes: int,
+    chunk_bytes: int,
+    ways: int,
+    n_paths: int,
+    identity: dict[str, Any],
+    per_path_bytes: tuple[int, ...] | None = None,
 ) -> tuple[int, int]:
-    """``(slot_bytes, n_slots)`` that fit ``capacity_bytes`` in total.
+    """``(slot_bytes, n_slots)`` that fit ``capacity_bytes`` in total, or each
+    path's own budget when ``per_path_bytes`` is given (path 0 also holds the
+    superblock and the index; every path holds as many slots).
 
     Disk usage = superblock + index (``RECORD_BYTES`` per slot) + data files,
     never more than ``capacity_bytes``. ``n_slots`` is a multiple of
@@ -214,6 +221,8 @@ def geometry(
     slot_bytes = align_up(chunk_bytes)
     overhead = align_up(SB_HEAD_BYTES + len(identity_json(identity)) + SB_CHECKSUM_BYTES)
     unit = ways * n_paths
+    if per_path_bytes is not None:
+        return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
     usable = capacity_bytes - overhead
     n_slots = max(0, usable // (slot_bytes + RECORD_BYTES)) // unit * unit
     # The index file is rounded up to whole pages so it can be mapped.
@@ -228,6 +237,23 @@ def geometry(
             f"over {n_paths} path(s) of {slot_bytes}-byte slots needs at least {need} bytes"
         )
     return slot_bytes, n_slots
+
+
+def _per_path_slots(caps: tuple[int, ...], slot_bytes: int, ways: int, overhead: int) -> int:
+    n = len(caps)
+    spp = min(
+        [c // slot_bytes for c in caps[1:]]
+        + [max(0, caps[0] - overhead) // (slot_bytes + n * RECORD_BYTES)]
+    )
+    spp = spp // ways * ways
+    while spp and overhead + align_up(spp * n * RECORD_BYTES) + spp * slot_bytes > caps[0]:
+        spp -= ways
+    if spp == 0:
+        raise FormatError(
+            f"per-path capacities {list(caps)} hold no complete set of {ways} ways of "
+            f"{slot_bytes}-byte slots on every path"
+        )
+    return spp * n
 
 
 def key_seed(key: bytes) -> int:

@@ -162,6 +162,7 @@ class BlockStore:
             ways=config.ways,
             identity=identity,
             o_direct=config.o_direct,
+            capacity_per_path=config.capacity_per_path,
         )
         self.sb = self.files.sb
         self.index = SlotIndex(self.sb.n_slots, self.sb.ways)
@@ -178,6 +179,7 @@ class BlockStore:
                 self.files.data_fds,
                 io_threads=config.io_threads,
                 queue_depth=config.queue_depth,
+                max_inflight_bytes=config.max_inflight_bytes,
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)

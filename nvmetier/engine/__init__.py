@@ -87,6 +87,7 @@ def make_engine(
     io_threads: int,
     queue_depth: int,
     register_buffers: bool = True,
+    max_inflight_bytes: int = 64 << 20,
 ) -> IoEngine:
     """Construct the engine ``name`` (already resolved) over ``buffer`` and ``fds``."""
     if name == "threads":
@@ -95,6 +96,10 @@ def make_engine(
         from nvmetier.engine import uring
 
         return uring.UringEngine(
-            buffer, fds, queue_depth=queue_depth, register_buffers=register_buffers
+            buffer,
+            fds,
+            queue_depth=queue_depth,
+            register_buffers=register_buffers,
+            max_inflight_bytes=max_inflight_bytes,
         )
     raise ConfigError(f"unknown I/O engine {name!r}; use one of {ENGINE_NAMES}")

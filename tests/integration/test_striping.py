@@ -37,3 +37,24 @@ def test_capacity_is_the_total_over_roots(tmp_path, buffer) -> None:
     assert sizes[0] == sizes[1]
     assert sum(sizes) <= 16 << 20
     store.close()
+
+
+def test_capacity_per_path_bounds_each_drive(tmp_path, buffer) -> None:
+    from tests.integration.helpers import disk_usage_bytes
+
+    roots = [str(tmp_path / "a"), str(tmp_path / "b")]
+    store = make_store(roots, buffer, capacity_bytes=["6MiB", "4MiB"])
+    assert disk_usage_bytes(roots[0]) <= 6 << 20
+    assert disk_usage_bytes(roots[1]) <= 4 << 20
+    assert store.sb.n_slots == 2 * (4 << 20) // ROW // 8 * 8
+    keys = [key(i) for i in range(20)]
+    store_keys(store, buffer, keys)
+    assert load_keys(store, buffer, keys)[1] == keys
+    store.close()
+
+
+def test_capacity_list_must_match_root_dir(tmp_path, buffer) -> None:
+    from nvmetier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="one capacity per root_dir"):
+        make_store([str(tmp_path / "a")], buffer, capacity_bytes=["1GiB", "1GiB"])
