@@ -20,6 +20,7 @@
 
 #include "nvt_engine.h"
 #include "nvt_hash.h"
+#include "nvt_recovery.h" /* scan_records, record_keys (index recovery) */
 
 /* wait() blocks in slices this long so Ctrl-C reaches the main thread. */
 #define NVT_WAIT_SLICE_S 0.1
@@ -370,6 +371,11 @@ static PyObject *nvt_py_probe(PyObject *module, PyObject *Py_UNUSED(ignored)) {
 
 static PyMethodDef nvt_module_methods[] = {
     {"probe", nvt_py_probe, METH_NOARGS, probe_doc},
+    /* Index recovery at open (nvt_recovery.c, used by nvmetier/recovery.py). */
+    {"scan_records", (PyCFunction)(void (*)(void))nvt_py_scan_records, METH_FASTCALL,
+     nvt_scan_records_doc},
+    {"record_keys", (PyCFunction)(void (*)(void))nvt_py_record_keys, METH_FASTCALL,
+     nvt_record_keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -196,9 +196,7 @@ def _parse_roots(value: object) -> tuple[str, ...]:
     elif isinstance(value, (list, tuple)):
         roots = list(value)
     else:
-        raise ConfigError(
-            f"root_dir={value!r} must be a path or a list of paths (one per drive)"
-        )
+        raise ConfigError(f"root_dir={value!r} must be a path or a list of paths (one per drive)")
     if not roots:
         raise ConfigError("root_dir=[] must name at least one directory")
     out: list[str] = []

@@ -26,9 +26,13 @@ from nvmetier.config import format_size, parse_size
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nvmetier.demo", description=__doc__.split("\n")[0])
-    p.add_argument("--dir", default="nvmetier-demo", help="root_dir of the tier (default: %(default)s)")
+    p.add_argument(
+        "--dir", default="nvmetier-demo", help="root_dir of the tier (default: %(default)s)"
+    )
     p.add_argument("--chunk", default="256KiB", help="chunk size (default: %(default)s)")
-    p.add_argument("--chunks", type=int, default=2048, help="chunks to store (default: %(default)s)")
+    p.add_argument(
+        "--chunks", type=int, default=2048, help="chunks to store (default: %(default)s)"
+    )
     p.add_argument("--capacity", default="2GiB", help="tier capacity (default: %(default)s)")
     p.add_argument("--engine", default="auto", choices=["auto", "threads", "uring"])
     args = p.parse_args(argv)
@@ -52,29 +56,37 @@ def main(argv: list[str] | None = None) -> int:
     cpu_chunks = max(64, (256 << 20) // chunk)
     keys = [key_of(i) for i in range(args.chunks)]
     total = chunk * len(keys)
-    print(f"nvmetier demo: {len(keys)} chunks of {format_size(chunk)} "
-          f"({format_size(total)}) through vLLM's TieringOffloadingManager into {root}")
+    print(
+        f"nvmetier demo: {len(keys)} chunks of {format_size(chunk)} "
+        f"({format_size(total)}) through vLLM's TieringOffloadingManager into {root}"
+    )
 
     eng = SimulatedEngine(make_config([tier], chunk_bytes=chunk, cpu_chunks=cpu_chunks))
     store = eng.tiers[0].store
     d = store.describe()
-    print(f"  store   {d['store_dir']}  ({d['slots']} slots x {format_size(d['slot_bytes'])}, "
-          f"{d['ways']} ways, engine {d['engine']}, O_DIRECT {d['o_direct']})")
+    print(
+        f"  store   {d['store_dir']}  ({d['slots']} slots x {format_size(d['slot_bytes'])}, "
+        f"{d['ways']} ways, engine {d['engine']}, O_DIRECT {d['o_direct']})"
+    )
     before = store.stats()["ops_written"]
     t0 = time.perf_counter()
     eng.store_all(keys, batch=max(1, cpu_chunks // 4))
     t_store = time.perf_counter() - t0
     written = store.stats()["ops_written"] - before
-    print(f"  store   {written} chunks written ({len(keys) - written} already on disk) "
-          f"in {t_store:.2f}s = {chunk * len(keys) / t_store / 1e9:.2f} GB/s through the orchestrator")
+    print(
+        f"  store   {written} chunks written ({len(keys) - written} already on disk) "
+        f"in {t_store:.2f}s = {chunk * len(keys) / t_store / 1e9:.2f} GB/s through the orchestrator"
+    )
     eng.shutdown()
 
     t0 = time.perf_counter()
     eng = SimulatedEngine(make_config([tier], chunk_bytes=chunk, cpu_chunks=cpu_chunks))
     t_open = time.perf_counter() - t0
     store = eng.tiers[0].store
-    print(f"  reopen  warm: {store.stats()['slots_ready']} chunks on disk, "
-          f"stack built in {t_open:.2f}s (store open {store.open_time_s * 1000:.1f} ms)")
+    print(
+        f"  reopen  warm: {store.stats()['slots_ready']} chunks on disk, "
+        f"stack built in {t_open:.2f}s (store open {store.open_time_s * 1000:.1f} ms)"
+    )
 
     batch = cpu_chunks // 2
     hits = verified = 0
@@ -89,10 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         hits += len(hit)
         verified += eng.verify(hit)
     s = store.stats()
-    print(f"  load    {hits}/{len(keys)} hits promoted in {t_load:.2f}s = "
-          f"{chunk * hits / max(t_load, 1e-9) / 1e9:.2f} GB/s; {verified} verified byte for byte")
-    print(f"  disk    {format_size(s['bytes_used'])} used of {format_size(s['capacity_bytes'])}; "
-          f"checksum failures {s.get('checksum_failures', 0)}, read errors {s.get('read_errors', 0)}")
+    print(
+        f"  load    {hits}/{len(keys)} hits promoted in {t_load:.2f}s = "
+        f"{chunk * hits / max(t_load, 1e-9) / 1e9:.2f} GB/s; {verified} verified byte for byte"
+    )
+    print(
+        f"  disk    {format_size(s['bytes_used'])} used of {format_size(s['capacity_bytes'])}; "
+        f"checksum failures {s.get('checksum_failures', 0)}, read errors {s.get('read_errors', 0)}"
+    )
     eng.shutdown()
     ok = verified == len(keys)
     print("nvmetier demo: OK" if ok else "nvmetier demo: FAILED (chunks missing or wrong)")

@@ -126,8 +126,9 @@ class StoreFiles:
         self = cls()
         self._per_path = capacity_per_path
         try:
-            self._open(roots, store_name, capacity_bytes, chunk_bytes, ways, identity, o_direct,
-                       create)
+            self._open(
+                roots, store_name, capacity_bytes, chunk_bytes, ways, identity, o_direct, create
+            )
         except BaseException:
             self.close()
             raise
@@ -221,7 +222,7 @@ class StoreFiles:
             raise FormatError(
                 f"store {self.dirs[0]!r} holds {sb.chunk_bytes}-byte chunks, not {chunk_bytes}"
             )
-        slot_bytes, n_slots = fmt.geometry(
+        _slot_bytes, n_slots = fmt.geometry(
             capacity_bytes, chunk_bytes, ways, n_paths, identity, self._per_path
         )
         if (sb.ways, sb.n_paths, sb.n_slots) != (ways, n_paths, n_slots):
@@ -301,9 +302,7 @@ class StoreFiles:
                 "use o_direct: 'auto' to fall back to buffered I/O, or another filesystem"
             )
         self.o_direct, self.o_direct_reason = False, f"{d!r} refuses O_DIRECT: {why}"
-        logger.warning(
-            "nvmetier: O_DIRECT is not supported at %s (%s); using buffered I/O", d, why
-        )
+        logger.warning("nvmetier: O_DIRECT is not supported at %s (%s); using buffered I/O", d, why)
 
     def _open_index(self) -> None:
         path = os.path.join(self.dirs[0], INDEX_NAME)

@@ -40,8 +40,15 @@ import numpy as np
 
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig
-from nvmetier.engine import OP_READ, OP_WRITE, Completion, IoEngine, Op, make_engine
-from nvmetier.engine import resolve_engine_name
+from nvmetier.engine import (
+    OP_READ,
+    OP_WRITE,
+    Completion,
+    IoEngine,
+    Op,
+    make_engine,
+    resolve_engine_name,
+)
 from nvmetier.files import StoreFiles
 from nvmetier.index import SlotIndex, SlotState
 
@@ -357,8 +364,10 @@ class BlockStore:
         for key, row in zip(job.keys, rows, strict=True):
             slot = self.index.find(key)
             held = slot is not None and self._take_hold(key, slot)
-            if slot is None or self.index.state[slot] != SlotState.READY or not (
-                0 <= row < self._n_rows
+            if (
+                slot is None
+                or self.index.state[slot] != SlotState.READY
+                or not (0 <= row < self._n_rows)
             ):
                 if held and slot is not None:
                     self.index.unpin(slot)

@@ -60,7 +60,9 @@ class ThreadEngine(IoEngine):
     def wait_completions(self, timeout_s: float) -> list[Completion]:
         out: list[Completion] = []
         try:
-            out.append(self._done.get(timeout=timeout_s) if timeout_s > 0 else self._done.get_nowait())
+            out.append(
+                self._done.get(timeout=timeout_s) if timeout_s > 0 else self._done.get_nowait()
+            )
         except queue.Empty:
             return out
         while True:

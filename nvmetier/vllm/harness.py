@@ -134,7 +134,7 @@ class SimulatedEngine:
                 if not self.manager.has_pending_work():
                     return
             if time.monotonic() > deadline:
-                raise TimeoutError("tiers still busy after %.0fs" % timeout_s)
+                raise TimeoutError(f"tiers still busy after {timeout_s:.0f}s")
             time.sleep(0.0002)
 
     # ------------------------------------------------------------ store
@@ -153,7 +153,9 @@ class SimulatedEngine:
         chunk_ids = out.store_spec.chunk_ids  # type: ignore[attr-defined]
         index = {k: i for i, k in enumerate(keys)}
         for key, cid in zip(out.keys_to_store, chunk_ids, strict=True):
-            data = payloads[index[key]] if payloads is not None else payload_of(key, self.chunk_bytes)
+            data = (
+                payloads[index[key]] if payloads is not None else payload_of(key, self.chunk_bytes)
+            )
             self.rows[int(cid)] = data
         with self.manager.lock:
             if out.keys_to_store:

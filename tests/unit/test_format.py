@@ -36,7 +36,7 @@ def test_superblock_round_trips() -> None:
 
 
 def test_superblock_grows_for_a_long_identity() -> None:
-    ident = {"layers": ["model.layers.%d.self_attn.attn" % i for i in range(200)]}
+    ident = {"layers": [f"model.layers.{i}.self_attn.attn" for i in range(200)]}
     sb = _sb(identity=ident)
     data = fmt.pack_superblock(sb)
     assert len(data) > fmt.ALIGN_BYTES

@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
-from nvmetier.vllm.harness import SimulatedEngine, make_config  # noqa: E402
+from nvmetier.vllm.harness import SimulatedEngine, make_config
 
 
 def nvme_tier(root: Any, **kw: Any) -> dict[str, Any]:

@@ -139,7 +139,9 @@ def test_two_tiers_on_one_store_are_refused(tmp_path, make_engine) -> None:
 
 
 def test_lookup_hit_is_protected_until_its_load_is_submitted(tmp_path, make_engine) -> None:
-    eng = make_engine([nvme_tier(str(tmp_path / "kv"), capacity_bytes="4MiB", ways=4)], cpu_chunks=64)
+    eng = make_engine(
+        [nvme_tier(str(tmp_path / "kv"), capacity_bytes="4MiB", ways=4)], cpu_chunks=64
+    )
     tier = eng.tiers[0]
     assert tier.store.sb.n_slots <= 64
     keys = [key_of(i) for i in range(tier.store.sb.n_slots)]
