@@ -1276,6 +1276,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = _run(args, bss, report, log)
     finally:
+        import gc
+
+        gc.unfreeze()  # let extension objects die normally at exit
         if made_dir and not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
     report["notes"] = args._notes

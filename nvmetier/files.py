@@ -130,7 +130,8 @@ class StoreFiles:
                 roots, store_name, capacity_bytes, chunk_bytes, ways, identity, o_direct, create
             )
         except BaseException:
-            self.close()
+            # A failed open changes nothing: not even the clean flag.
+            self.close(clean=False)
             raise
         return self
 
@@ -169,6 +170,7 @@ class StoreFiles:
         self._open_data()
         # Mark the store open (not clean) until an orderly close.
         self._write_superblock(dataclasses_replace(self.sb, clean=False))
+        self._record_owner()
 
     # --- lock -----------------------------------------------------------------
     def _lock(self, main: str) -> None:
@@ -185,9 +187,12 @@ class StoreFiles:
                     "stop that process or give this one another root_dir"
                 ) from exc
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    def _record_owner(self) -> None:
+        """Write our pid into the lock file (only once the open succeeded)."""
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     # --- superblock -----------------------------------------------------------
     def _read_superblock(self, path: str) -> fmt.Superblock:

@@ -112,11 +112,6 @@ def test_missing_index_is_a_format_error_and_changes_nothing(root, buf) -> None:
     assert snapshot(root) == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="StoreFiles.open's error path calls close() with clean=True and rewrites the "
-    "superblock as clean; it should call close(clean=False)",
-)
 def test_failed_open_of_a_crashed_store_keeps_it_marked_unclean(root, buf) -> None:
     _mark_crashed(root)
     os.unlink(os.path.join(store_dir(root), INDEX_NAME))
