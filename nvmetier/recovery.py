@@ -173,10 +173,7 @@ def scan_index(
 
     pos = np.flatnonzero(codes == _CODE_OK)  # positions in slots/codes/seeds
     kept = slots[pos]
-    if native:
-        keys = _native_keys(index, kept)
-    else:
-        keys = _keys_python(index, recs, kept)
+    keys = _native_keys(index, kept) if native else _keys_python(index, recs, kept)
 
     # Duplicates: records of one key share its hash, so equal seeds are the only
     # candidates; a sort finds them (none in a healthy index) in one pass.
@@ -227,9 +224,7 @@ def _duplicate_losers(
     return sorted(losers)
 
 
-def _scan_native(
-    index: Any, n_slots: int, ways: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _scan_native(index: Any, n_slots: int, ways: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # np.empty is lazily backed: only the pages written are touched.
     slots = np.empty(n_slots, dtype=np.int64)
     codes = np.empty(n_slots, dtype=np.uint8)
