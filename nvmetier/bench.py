@@ -425,8 +425,8 @@ def run_tier_level(
                 log(_phase_line(res))
                 results.append(res)
         stats = store.stats()
-        for r in results:
-            r.extra["store_stats"] = {
+        for phase_res in results:
+            phase_res.extra["store_stats"] = {
                 k: stats.get(k, 0)
                 for k in (
                     "evictions",
@@ -988,11 +988,11 @@ def run_fio(
             runtime_s = job["job_runtime"] / 1000.0 / max(1, args.numjobs)
             runtime_s = side["io_bytes"] / side["bw_bytes"] if side["bw_bytes"] else runtime_s
             pct = side.get("clat_ns", {}).get("percentile", {})
-            clat = {}
-            for p in PCTS:
-                v = pct.get(f"{p:.6f}")
+            clat: dict[str, float] = {}
+            for pc in PCTS:
+                v = pct.get(f"{pc:.6f}")
                 if v is not None:
-                    clat[f"p{p:g}"] = float(v)
+                    clat[f"p{pc:g}"] = float(v)
             cpu_total = job["job_runtime"] / 1000.0
             res = PhaseResult(
                 level=level,
@@ -1086,10 +1086,10 @@ def summary_table(results: list[PhaseResult], bss: list[int]) -> tuple[list[str]
             row: dict[str, Any] = {"phase": phase, "bs": bs}
             have = False
             for t in targets:
-                r = _find(results, t, phase, bs)
-                cells.append(f"{r.bw_gbps:.3f}" if r else "-")
-                if r:
-                    row[t] = round(r.bw_gbps, 4)
+                found = _find(results, t, phase, bs)
+                cells.append(f"{found.bw_gbps:.3f}" if found else "-")
+                if found:
+                    row[t] = round(found.bw_gbps, 4)
                     have = True
             if not have:
                 continue

@@ -14,6 +14,9 @@ in O(1); it mirrors the table and never decides placement.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
+
+import numpy as np
 
 
 class SlotState(enum.IntEnum):
@@ -147,6 +150,46 @@ class SlotIndex:
         self._slot_of[key] = slot
         self.state[slot] = SlotState.READY
         self.last_used[slot] = last_used
+
+    def load_many(
+        self,
+        slots: Sequence[int] | np.ndarray,
+        keys: Sequence[bytes],
+        last_used: Sequence[int] | np.ndarray,
+    ) -> None:
+        """Restore many READY slots at open time: ``load(s, k, t)`` for each
+        triple, as C loops over numpy arrays instead of a Python loop.
+
+        Preconditions: ``slots`` and ``keys`` are each distinct (as in a
+        ``recovery.ScanResult``), ``last_used`` values are below 2**64.
+
+        Raises:
+            ValueError: the three sequences differ in length.
+            IndexError: a slot is outside the table.
+        """
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        if not len(slot_arr) == len(keys) == len(last_used):
+            raise ValueError(
+                f"load_many() got {len(slot_arr)} slots, {len(keys)} keys, "
+                f"{len(last_used)} last_used"
+            )
+        if not len(slot_arr):
+            return
+        if slot_arr.min() < 0 or slot_arr.max() >= self.n_slots:
+            raise IndexError(f"a slot is outside 0..{self.n_slots - 1}")
+        new_keys = np.empty(len(keys), dtype=object)
+        new_keys[:] = keys  # an object array: bytes stay bytes (never an S dtype)
+        table = np.empty(self.n_slots, dtype=object)
+        table[:] = self.keys
+        table[slot_arr] = new_keys
+        self.keys[:] = table.tolist()
+        recency = np.array(self.last_used, dtype=np.uint64)
+        recency[slot_arr] = np.asarray(last_used, dtype=np.uint64)
+        self.last_used[:] = recency.tolist()
+        state = np.frombuffer(self.state, dtype=np.uint8)
+        state[slot_arr] = SlotState.READY
+        del state  # drop the export: the bytearray must stay resizable
+        self._slot_of.update(zip(keys, slot_arr.tolist(), strict=True))
 
     # --- pins -----------------------------------------------------------------
     def pin(self, slot: int) -> None:

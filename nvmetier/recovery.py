@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+import traceback
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ import xxhash
 from nvmetier import format as fmt
 
 try:  # The extension is optional (see setup.py); an old build lacks the scan.
-    from nvmetier import _uring as _native
+    import nvmetier._uring as _native
 
     _native_scan: Any = getattr(_native, "scan_records", None)
     _native_keys: Any = getattr(_native, "record_keys", None)
@@ -88,7 +89,8 @@ RECORD_DTYPE = np.dtype(
     ]
 )
 assert RECORD_DTYPE.itemsize == fmt.RECORD_BYTES, RECORD_DTYPE.itemsize
-_KEY_OFFSET = RECORD_DTYPE.fields["key"][1]
+_KEY_OFFSET = 32
+assert RECORD_DTYPE.fields is not None and RECORD_DTYPE.fields["key"][1] == _KEY_OFFSET
 _BODY_BYTES = fmt.RECORD_BYTES - 8
 assert _KEY_OFFSET + fmt.KEY_MAX_BYTES == _BODY_BYTES
 
@@ -165,6 +167,16 @@ def scan_index(
         nbytes = view.nbytes
     if nbytes < n_slots * fmt.RECORD_BYTES:
         raise ValueError(f"index of {nbytes} bytes is shorter than {n_slots} records")
+    try:
+        return _scan(index, n_slots, ways, native)
+    except BaseException as exc:
+        # The frames of the traceback hold numpy views of ``index``; an mmap
+        # cannot close while they live, so drop them before the caller cleans up.
+        traceback.clear_frames(exc.__traceback__)
+        raise
+
+
+def _scan(index: Any, n_slots: int, ways: int, native: bool) -> ScanResult:
     recs = np.frombuffer(index, dtype=RECORD_DTYPE, count=n_slots)
     if native:
         slots, codes, seeds = _scan_native(index, n_slots, ways)

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier import format as fmt
+from nvmetier import recovery
 from nvmetier.config import TierConfig
 from nvmetier.engine import (
     OP_READ,
@@ -55,6 +56,7 @@ from nvmetier.index import SlotIndex, SlotState
 logger = logging.getLogger(__name__)
 
 _MAX_LOOKUP_COUNTS = 1 << 20
+_MAX_LOGGED_DROPS = 20
 
 # Every counter ``stats()`` reports (zero until it happens).
 COUNTERS = (
@@ -230,39 +232,24 @@ class BlockStore:
 
     # ------------------------------------------------------------------ open
     def _recover(self) -> None:
-        """Rebuild the index from the record table; drop what does not verify."""
+        """Rebuild the index from the record table; drop what does not verify.
+
+        ``recovery.scan_index`` checks every record (native batch when built);
+        records that fail are zeroed here so they are never trusted again.
+        """
         mm = self.files.index
-        n = self.sb.n_slots
-        words = np.frombuffer(mm, dtype=np.uint64, count=n * fmt.RECORD_BYTES // 8)
-        used = np.flatnonzero(words.reshape(n, fmt.RECORD_BYTES // 8).any(axis=1))
-        del words
-        newest = 0
-        dropped = 0
+        scan = recovery.scan_index(mm, self.sb.n_slots, self.sb.ways)
         rb = fmt.RECORD_BYTES
-        for slot in used.tolist():
-            off = slot * rb
-            try:
-                rec = fmt.unpack_record(mm[off : off + rb], slot)
-            except fmt.RecordError as exc:
-                logger.warning("nvmetier: dropping index record: %s", exc)
-                mm[off : off + rb] = fmt.EMPTY_RECORD
-                dropped += 1
-                continue
-            if rec is None:
-                continue
-            seed = fmt.key_seed(rec.key)
-            other = self.index.find(rec.key)
-            if slot not in self.index.set_slots(seed) or other is not None:
-                # Misplaced or duplicate: keep only what placement can prove.
-                logger.warning("nvmetier: dropping misplaced/duplicate record of slot %d", slot)
-                mm[off : off + rb] = fmt.EMPTY_RECORD
-                dropped += 1
-                continue
-            self.index.load(slot, rec.key, rec.stored_ns)
-            self._checksums[slot] = rec.payload_checksum
-            newest = max(newest, rec.stored_ns)
-        self.index.advance_clock(max(newest, time.time_ns()))
-        self._stats["records_dropped_at_open"] += dropped
+        for slot, _reason in scan.bad:
+            mm[slot * rb : (slot + 1) * rb] = fmt.EMPTY_RECORD
+        for slot, reason in scan.bad[:_MAX_LOGGED_DROPS]:
+            logger.warning("nvmetier: dropping index record of slot %d: %s", slot, reason)
+        if len(scan.bad) > _MAX_LOGGED_DROPS:
+            logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
+        self.index.load_many(scan.slots, scan.keys, scan.stored_ns)
+        self._checksums[scan.slots] = scan.payload_checksums
+        self.index.advance_clock(max(scan.newest_ns, time.time_ns()))
+        self._stats["records_dropped_at_open"] += len(scan.bad)
 
     # ------------------------------------------------------------- scheduler
     def lookup(self, key: bytes) -> bool:

@@ -177,10 +177,7 @@ class UringEngine(IoEngine):
         Returns ``[]`` on timeout, and at once when the engine is closed and
         every completion was returned.
         """
-        return [
-            Completion(op_id, result, checksum)
-            for op_id, result, checksum in self._native.wait(timeout_s)
-        ]
+        return list(map(Completion._make, self._native.wait(timeout_s)))
 
     def close(self) -> None:
         """Cancel queued ops, finish ops in the ring, stop the I/O thread.
