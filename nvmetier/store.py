@@ -3,24 +3,19 @@
 Owns: one store (its ``StoreFiles``, ``SlotIndex``, ``IoEngine``) and one
 completion thread.
 
-Threads and locks:
-
-- The *scheduler thread* (any single thread at a time; vLLM calls us under its
-  manager lock) calls ``lookup``, ``submit_store``, ``submit_load``, ``poll``,
-  ``touch``, ``release_holds``, ``invalidate``, ``stats``. None of them blocks
-  on I/O. All index state (``SlotIndex``) is touched only here.
-- The *completion thread* reaps engine completions. For a finished write it
-  writes the slot's index record (the slot is WRITING, so the scheduler never
-  touches that record meanwhile), then hands the completion to the scheduler
-  through a deque; it also feeds queued ops to the engine.
-- ``_lock`` guards the op queue, the bytes-in-flight count and the count of
-  outstanding ops; ``_idle`` (a condition on it) wakes ``wait_idle``.
-- ``wait_idle`` and ``close`` block (they are the only methods that do).
+Threads: one. Every method is called by the *scheduler thread* (any single
+thread at a time; vLLM calls us under its manager lock), and all index state,
+the record table and the job table are touched only there, so the store needs
+no lock of its own. The engine's threads (Python workers, or the native
+io_uring thread) move bytes and compute checksums; their completions wait in
+the engine until ``poll`` collects them without blocking. Only ``wait_idle``
+and ``close`` block (they wait for the engine).
 
 Crash protocol: an overwritten slot's record is zeroed (in the shared mapping
 of the index, so a killed process cannot lose it) before its data write is
-submitted; the new record is written only after the data write completed. A
-load verifies the payload checksum, seeded with the key, before it reports
+submitted; the new record is written only after the data write completed
+(when ``poll`` collects it, before the store is reported to vLLM). A load
+verifies the payload checksum, seeded with the key, before it reports
 success.
 """
 
@@ -31,10 +26,9 @@ import dataclasses
 import errno
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -114,14 +108,15 @@ class _Job:
     first_error: str = ""
 
 
-@dataclasses.dataclass(slots=True)
-class _OpInfo:
+class _OpInfo(NamedTuple):
+    """What the store remembers of one op (a tuple: built once per chunk)."""
+
     job: _Job
     key: bytes
     slot: int
     kind: int
     length: int
-    expected: int = 0
+    expected: int  # payload checksum a read must reproduce
 
 
 class BlockStore:
@@ -174,8 +169,10 @@ class BlockStore:
             capacity_per_path=config.capacity_per_path,
         )
         self.sb = self.files.sb
+        self._n_paths, self._slot_bytes = self.sb.n_paths, self.sb.slot_bytes
         self.index = SlotIndex(self.sb.n_slots, self.sb.ways)
-        self._checksums = np.zeros(self.sb.n_slots, dtype=np.uint64)
+        # Payload checksum per slot (a list: scalar access on the hot path).
+        self._checksums: list[int] = [0] * self.sb.n_slots
         self._stats: collections.Counter[str] = collections.Counter()
         self._events: list[tuple[bool, list[bytes]]] = []
         self._stored: list[bytes] = []
@@ -215,20 +212,8 @@ class BlockStore:
         self._lookup_counts: dict[bytes, int] = {}
         self._next_op_id = 0
         self._ops: dict[int, _OpInfo] = {}
-        # Shared with the completion thread (guarded by _lock).
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending: collections.deque[Op] = collections.deque()
-        self._pending_bytes = 0
-        self._inflight_bytes = 0
-        self._outstanding = 0
-        self._done: collections.deque[tuple[_OpInfo, Completion]] = collections.deque()
-        self._stop = False
+        self._outstanding = 0  # ops submitted to the engine, not yet collected
         self._closed = False
-        self._thread = threading.Thread(
-            target=self._completion_loop, name="nvmetier-completions", daemon=True
-        )
-        self._thread.start()
 
     # ------------------------------------------------------------------ open
     def _recover(self) -> None:
@@ -247,7 +232,9 @@ class BlockStore:
         if len(scan.bad) > _MAX_LOGGED_DROPS:
             logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
         self.index.load_many(scan.slots, scan.keys, scan.stored_ns)
-        self._checksums[scan.slots] = scan.payload_checksums
+        sums = np.zeros(self.sb.n_slots, dtype=np.uint64)
+        sums[scan.slots] = scan.payload_checksums
+        self._checksums = sums.tolist()
         self.index.advance_clock(max(scan.newest_ns, time.time_ns()))
         self._stats["records_dropped_at_open"] += len(scan.bad)
 
@@ -282,16 +269,6 @@ class BlockStore:
                     self.index.unpin(slot)
         self._holds.clear()
 
-    def _take_hold(self, key: bytes, slot: int) -> bool:
-        n = self._holds.get(key)
-        if not n:
-            return False
-        if n == 1:
-            del self._holds[key]
-        else:
-            self._holds[key] = n - 1
-        return True
-
     def touch(self, keys: Iterable[bytes]) -> None:
         for key in keys:
             slot = self.index.find(key)
@@ -309,7 +286,7 @@ class BlockStore:
         job = _Job(job_id, False, list(keys), time.monotonic())
         ops: list[Op] = []
         removed: list[bytes] = []
-        now_queued = self._pending_bytes_estimate()
+        now_queued = self._outstanding * self.row_bytes
         admit_n = self.config.admit_after_lookups
         for key, row in zip(job.keys, rows, strict=True):
             slot = self.index.find(key)
@@ -348,27 +325,35 @@ class BlockStore:
         fails at once (reported in ``successful_keys`` of the outcome)."""
         job = _Job(job_id, True, list(keys), time.monotonic())
         ops: list[Op] = []
+        index, holds, n_rows = self.index, self._holds, self._n_rows
+        find, state, pins, checksums = index.find, index.state, index.pins, self._checksums
+        new_op, seed_of = self._new_op, fmt.key_seed
         for key, row in zip(job.keys, rows, strict=True):
-            slot = self.index.find(key)
-            held = slot is not None and self._take_hold(key, slot)
-            if (
-                slot is None
-                or self.index.state[slot] != SlotState.READY
-                or not (0 <= row < self._n_rows)
-            ):
-                if held and slot is not None:
-                    self.index.unpin(slot)
-                job.failed.add(key)
-                job.first_error = job.first_error or "key not present"
-                self._stats["load_keys_missing"] += 1
+            slot = find(key)
+            if slot is None:
+                self._fail_missing(job, key)
+                continue
+            held = holds.get(key, 0)
+            if held:  # the lookup's hold becomes this load's pin
+                if held == 1:
+                    del holds[key]
+                else:
+                    holds[key] = held - 1
+            if state[slot] != SlotState.READY or not 0 <= row < n_rows:
+                if held:
+                    index.unpin(slot)
+                self._fail_missing(job, key)
                 continue
             if not held:
-                self.index.pin(slot)
-            self.index.touch(slot)
-            op = self._new_op(job, key, slot, OP_READ, row, fmt.key_seed(key))
-            self._ops[op.op_id].expected = int(self._checksums[slot])
-            ops.append(op)
+                pins[slot] += 1
+            index.touch(slot)
+            ops.append(new_op(job, key, slot, OP_READ, row, seed_of(key), checksums[slot]))
         self._start(job, ops)
+
+    def _fail_missing(self, job: _Job, key: bytes) -> None:
+        job.failed.add(key)
+        job.first_error = job.first_error or "key not present"
+        self._stats["load_keys_missing"] += 1
 
     def invalidate(self, key: bytes) -> bool:
         """Remove ``key`` (its record first). False when absent or busy."""
@@ -383,10 +368,8 @@ class BlockStore:
 
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
-        done = self._done
-        while done:
-            info, comp = done.popleft()
-            self._apply(info, comp)
+        if self._outstanding:
+            self._collect(self.engine.wait_completions(0))
         if self._stored:
             # Evictions are recorded by submit_store on this same thread, so
             # appending here keeps stored(k) ahead of any later removed(k).
@@ -401,15 +384,25 @@ class BlockStore:
         return out
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._done)
+        return bool(self._jobs)
 
     # ---------------------------------------------------------------- ops
-    def _new_op(self, job: _Job, key: bytes, slot: int, kind: int, row: int, seed: int) -> Op:
+    def _new_op(
+        self, job: _Job, key: bytes, slot: int, kind: int, row: int, seed: int, expected: int = 0
+    ) -> Op:
         op_id = self._next_op_id
-        self._next_op_id += 1
-        file_idx, offset = self.sb.slot_location(slot)
-        self._ops[op_id] = _OpInfo(job, key, slot, kind, self.row_bytes)
-        return Op(op_id, kind, file_idx, offset, row * self.row_bytes, self.row_bytes, seed)
+        self._next_op_id = op_id + 1
+        n_paths, length = self._n_paths, self.row_bytes
+        self._ops[op_id] = _OpInfo(job, key, slot, kind, length, expected)
+        return Op(
+            op_id,
+            kind,
+            slot % n_paths,
+            (slot // n_paths) * self._slot_bytes,
+            row * length,
+            length,
+            seed,
+        )
 
     def _start(self, job: _Job, ops: list[Op]) -> None:
         job.remaining = len(ops)
@@ -417,70 +410,29 @@ class BlockStore:
             self._finish(job)
             return
         self._jobs[job.job_id] = job
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("submit on a closed BlockStore")
-            self._pending.extend(ops)
-            self._pending_bytes += len(ops) * self.row_bytes
-            self._outstanding += len(ops)
-        self._dispatch()
-
-    def _pending_bytes_estimate(self) -> int:
-        return self._pending_bytes + self._inflight_bytes
-
-    def _dispatch(self) -> None:
-        """Hand queued ops to the engine while under ``max_inflight_bytes``."""
-        cap = self.config.max_inflight_bytes
-        with self._lock:
-            batch: list[Op] = []
-            pending = self._pending
-            while pending and (
-                self._inflight_bytes == 0 or self._inflight_bytes + pending[0].length <= cap
-            ):
-                op = pending.popleft()
-                self._pending_bytes -= op.length
-                self._inflight_bytes += op.length
-                batch.append(op)
-        if batch:
-            self.engine.submit(batch)
+        if self._closed:
+            raise RuntimeError("submit on a closed BlockStore")
+        self._outstanding += len(ops)
+        self.engine.submit(ops)
 
     def _write_record(self, slot: int, record: bytes) -> None:
         off = slot * fmt.RECORD_BYTES
         self.files.index[off : off + fmt.RECORD_BYTES] = record
 
-    def _completion_loop(self) -> None:
-        ops = self._ops
-        while True:
-            comps = self.engine.wait_completions(0.05)
-            if comps:
-                freed = 0
-                for c in comps:
-                    info = ops[c.op_id]
-                    if info.kind == OP_WRITE and c.result == info.length:
-                        self._write_record(
-                            info.slot,
-                            fmt.pack_record(info.slot, info.key, c.checksum, time.time_ns()),
-                        )
-                    freed += info.length
-                    self._done.append((info, c))
-                with self._lock:
-                    self._inflight_bytes -= freed
-                    self._outstanding -= len(comps)
-                    if self._outstanding == 0:
-                        self._idle.notify_all()
-                self._dispatch()
-            elif self._stop:
-                with self._lock:
-                    if self._outstanding == 0:
-                        return
+    def _collect(self, comps: list[Completion]) -> None:
+        """Apply engine completions (scheduler thread)."""
+        self._outstanding -= len(comps)
+        for comp in comps:
+            self._apply(self._ops.pop(comp.op_id), comp)
 
     def _apply(self, info: _OpInfo, comp: Completion) -> None:
         """Apply one completion to the index (scheduler thread)."""
-        del self._ops[comp.op_id]
         job, key, slot = info.job, info.key, info.slot
         ok = comp.result == info.length
         if info.kind == OP_WRITE:
             if ok:
+                # The data is written: only now does the new record appear.
+                self._write_record(slot, fmt.pack_record(slot, key, comp.checksum, time.time_ns()))
                 self.index.commit(slot)
                 self._checksums[slot] = comp.checksum
                 if self.config.enable_kv_events:
@@ -549,23 +501,31 @@ class BlockStore:
 
     # ----------------------------------------------------------- blocking
     def wait_idle(self, timeout_s: float | None = None) -> bool:
-        """Block until no op is queued or in flight. True if idle."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._outstanding == 0, timeout_s)
+        """Block until every submitted op completed and was collected.
+
+        Results are then waiting for the next ``poll``. Scheduler thread only.
+        Returns False if ops are still outstanding after ``timeout_s``.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._outstanding:
+            wait_s = 0.1
+            if deadline is not None:
+                wait_s = min(wait_s, deadline - time.monotonic())
+                if wait_s <= 0:
+                    return False
+            self._collect(self.engine.wait_completions(wait_s))
+        return True
 
     def close(self, persist: bool | None = None) -> None:
-        """Finish in-flight ops, stop threads, mark the store clean, unlock.
+        """Finish in-flight ops, stop the engine, mark the store clean, unlock.
 
         With ``persist=False`` (default: ``config.persist``) the store's
         directories are removed afterwards. Idempotent.
         """
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
         self.wait_idle()
-        self._stop = True
-        self._thread.join()
         self.poll()
         self.release_holds()
         self.engine.close()
@@ -581,10 +541,10 @@ class BlockStore:
         """Cumulative counters and current gauges."""
         out = {name: 0 for name in COUNTERS}
         out.update(self._stats)
-        with self._lock:
-            out["bytes_in_flight"] = self._inflight_bytes
-            out["bytes_queued"] = self._pending_bytes
-            out["ops_outstanding"] = self._outstanding
+        outstanding_bytes = self._outstanding * self.row_bytes
+        out["bytes_in_flight"] = outstanding_bytes
+        out["bytes_queued"] = max(0, outstanding_bytes - self.config.max_inflight_bytes)
+        out["ops_outstanding"] = self._outstanding
         out["slots_total"] = self.sb.n_slots
         out["slots_used"] = len(self.index)
         out["slots_ready"] = self.index.count(SlotState.READY)
