@@ -47,10 +47,10 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-import numpy as np
 import xxhash
 
 from nvmetier import format as fmt
+from nvmetier import recovery
 from nvmetier.errors import FormatError, NvmeTierError
 from nvmetier.files import DATA_NAME, INDEX_NAME, LOCK_NAME, O_DIRECT, SUPERBLOCK_NAME
 
@@ -275,76 +275,54 @@ def _file_size(path: str) -> int | None:
         return None
 
 
+def _check_size(res: StoreResult, name: str, kind: str, expected: int) -> bool:
+    """One file of the store exists and is at least ``expected`` bytes."""
+    path = os.path.join(res.path, name)
+    size = _file_size(path)
+    if size is None:
+        res.errors.append(FsckError(f"{kind}_missing", f"{path!r} is missing"))
+        return False
+    if size < expected:
+        res.errors.append(
+            FsckError(f"{kind}_size", f"{path!r} is {size} bytes, expected {expected} (truncated)")
+        )
+        return False
+    return True
+
+
 def _check_files(res: StoreResult, sb: fmt.Superblock) -> tuple[bool, bool]:
     """Size checks. Returns (index usable, main data file usable)."""
-    index_path = os.path.join(res.path, INDEX_NAME)
-    size = _file_size(index_path)
-    index_ok = True
-    if size is None:
-        res.errors.append(FsckError("index_missing", f"{index_path!r} is missing"))
-        index_ok = False
-    elif size < sb.index_bytes:
-        res.errors.append(
-            FsckError("index_size", f"{index_path!r} is {size} bytes, expected {sb.index_bytes}")
-        )
-        index_ok = False
-    data_path = os.path.join(res.path, DATA_NAME)
-    size = _file_size(data_path)
-    data_ok = True
-    if size is None:
-        res.errors.append(FsckError("data_missing", f"{data_path!r} is missing"))
-        data_ok = False
-    elif size < sb.data_file_bytes:
-        res.errors.append(
-            FsckError(
-                "data_size",
-                f"{data_path!r} is {size} bytes, expected {sb.data_file_bytes} (truncated)",
-            )
-        )
-        data_ok = False
+    index_ok = _check_size(res, INDEX_NAME, "index", sb.index_bytes)
+    data_ok = _check_size(res, DATA_NAME, "data", sb.data_file_bytes)
     return index_ok, data_ok
 
 
 def _check_records(res: StoreResult, sb: fmt.Superblock, index: mmap.mmap) -> list[fmt.Record]:
-    """Check every record; returns the live ones (those a store open keeps)."""
-    n = sb.n_slots
-    rb = fmt.RECORD_BYTES
-    words = np.frombuffer(index, dtype=np.uint64, count=n * rb // 8)
-    used = np.flatnonzero(words.reshape(n, rb // 8).any(axis=1)).tolist()
-    del words
-    live: list[fmt.Record] = []
-    first_slot: dict[bytes, int] = {}
-    for slot in used:
-        off = slot * rb
-        try:
-            rec = fmt.unpack_record(index[off : off + rb], slot)
-        except fmt.RecordError as exc:
-            res.errors.append(FsckError("record", str(exc), slot))
-            continue
-        if rec is None:
-            continue
-        want = fmt.set_of(rec.key, sb.n_sets)
-        if want != slot // sb.ways:
-            res.errors.append(
-                FsckError(
-                    "misplaced",
-                    f"slot {slot}: key {rec.key.hex()} belongs to set {want}, "
-                    f"not set {slot // sb.ways}",
-                    slot,
-                )
-            )
-            continue
-        other = first_slot.get(rec.key)
-        if other is not None:
-            res.errors.append(
-                FsckError(
-                    "duplicate", f"slot {slot}: key {rec.key.hex()} is also in slot {other}", slot
-                )
-            )
-            continue
-        first_slot[rec.key] = slot
-        live.append(rec)
-    return live
+    """Check every record by the rules a store open applies (``recovery.scan_index``:
+    record checksum, fields, set placement, duplicates — the newest is kept).
+
+    Returns the live records: exactly those a store open would keep.
+    """
+    scan = recovery.scan_index(index, sb.n_slots, sb.ways)
+    for slot, reason in scan.bad:
+        kind = _SCAN_KINDS.get(reason, "record")
+        res.errors.append(FsckError(kind, f"slot {slot}: {reason}", slot))
+    return [
+        fmt.Record(slot, key, checksum, stored_ns)
+        for slot, key, checksum, stored_ns in zip(
+            scan.slots.tolist(),
+            scan.keys,
+            scan.payload_checksums.tolist(),
+            scan.stored_ns.tolist(),
+            strict=True,
+        )
+    ]
+
+
+_SCAN_KINDS = {
+    recovery.REASON_MISPLACED: "misplaced",
+    recovery.REASON_DUPLICATE: "duplicate",
+}
 
 
 def _open_for_read(path: str, direct: bool) -> int:

@@ -22,3 +22,9 @@ def buffer() -> Iterator[memoryview]:
     yield view
     view.release()
     mm.close()
+
+
+@pytest.fixture
+def buf(buffer: memoryview) -> memoryview:
+    """The same region under the short name the fault and CLI suites use."""
+    return buffer

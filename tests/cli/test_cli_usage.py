@@ -11,17 +11,14 @@ import os
 import pty
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from nvmetier.files import INDEX_NAME, SUPERBLOCK_NAME
 from tests.cli.clikit import REPO, assert_one_line_error, run_cli, run_json
 from tests.fault.faultkit import (
-    ROWS,
     flip_bit,
     key,
-    new_buffer,
     open_store,
     read_superblock,
     snapshot,
@@ -32,13 +29,6 @@ from tests.fault.faultkit import (
 pytestmark = pytest.mark.timeout(120)
 
 N_KEYS = 16
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    view = new_buffer(ROWS)
-    yield view
-    view.release()
 
 
 def _write_store(root: str, buf: memoryview, trial: int = 0) -> None:

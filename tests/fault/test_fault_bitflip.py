@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,12 +19,10 @@ from nvmetier.errors import FormatError
 from nvmetier.files import DATA_NAME, INDEX_NAME, SUPERBLOCK_NAME
 from tests.fault.faultkit import (
     ROW,
-    ROWS,
     flip_bit,
     key,
     live_records,
     load_keys,
-    new_buffer,
     open_store,
     read_superblock,
     store_dir,
@@ -36,13 +33,6 @@ pytestmark = pytest.mark.timeout(60)
 
 N_KEYS = 48
 SEEDS = range(4)
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    view = new_buffer(ROWS)
-    yield view
-    view.release()
 
 
 @pytest.fixture

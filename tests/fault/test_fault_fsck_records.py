@@ -4,7 +4,6 @@ damaged store files; fsck agrees with what a store open drops."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
@@ -12,10 +11,8 @@ from nvmetier import format as fmt
 from nvmetier import fsck
 from nvmetier.files import DATA_NAME, INDEX_NAME
 from tests.fault.faultkit import (
-    ROWS,
     key,
     live_records,
-    new_buffer,
     open_store,
     read_superblock,
     store_dir,
@@ -25,13 +22,6 @@ from tests.fault.faultkit import (
 pytestmark = pytest.mark.timeout(60)
 
 N_KEYS = 16
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    view = new_buffer(ROWS)
-    yield view
-    view.release()
 
 
 @pytest.fixture

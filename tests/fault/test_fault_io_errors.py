@@ -15,11 +15,9 @@ import pytest
 from nvmetier.engine import OP_READ, OP_WRITE
 from nvmetier.store import BlockStore
 from tests.fault.faultkit import (
-    ROWS,
     FaultyEngine,
     key,
     load_keys,
-    new_buffer,
     open_store,
     store_keys,
 )
@@ -29,13 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 ERRNOS = pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC], ids=["EIO", "ENOSPC"])
 KEYS = [key(i) for i in range(8)]
 BAD = KEYS[3]
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    view = new_buffer(ROWS)
-    yield view
-    view.release()
 
 
 class Tier:

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 
 import pytest
 
@@ -20,9 +19,7 @@ from nvmetier.errors import ConfigError, FormatError
 from nvmetier.files import DATA_NAME, INDEX_NAME, SUPERBLOCK_NAME
 from tests.fault.faultkit import (
     IDENTITY,
-    ROWS,
     key,
-    new_buffer,
     open_store,
     read_superblock,
     snapshot,
@@ -33,13 +30,6 @@ from tests.fault.faultkit import (
 pytestmark = pytest.mark.timeout(60)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    view = new_buffer(ROWS)
-    yield view
-    view.release()
 
 
 @pytest.fixture
