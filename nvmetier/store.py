@@ -27,7 +27,7 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -275,7 +275,7 @@ class BlockStore:
             if slot is not None:
                 self.index.touch(slot)
 
-    def submit_store(self, job_id: int, keys: Sequence[bytes], rows: Sequence[int]) -> None:
+    def submit_store(self, job_id: int, keys: Collection[bytes], rows: Sequence[int]) -> None:
         """Write the chunks of ``rows`` under ``keys``. Never blocks.
 
         Keys already present are skipped (success). Keys that cannot be
@@ -320,7 +320,7 @@ class BlockStore:
             self._events.append((True, removed))
         self._start(job, ops)
 
-    def submit_load(self, job_id: int, keys: Sequence[bytes], rows: Sequence[int]) -> None:
+    def submit_load(self, job_id: int, keys: Collection[bytes], rows: Sequence[int]) -> None:
         """Read ``keys`` into ``rows``. Never blocks. A key that is not READY
         fails at once (reported in ``successful_keys`` of the outcome)."""
         job = _Job(job_id, True, list(keys), time.monotonic())

@@ -16,7 +16,6 @@ scheduler thread (or its tier-poll thread) and never blocks on disk, except
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -207,13 +206,13 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         self.store.submit_store(
-            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+            job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids.tolist()
         )
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         self.store.submit_load(
-            job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids.tolist()
+            job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids.tolist()
         )
 
     @override
@@ -290,6 +289,3 @@ class NvmeTierManager(SecondaryTierManager):
             "nvmetier_capacity_bytes": int(self.store.sb.n_slots * self.store.sb.slot_bytes),
             "nvmetier_ways": int(self.store.sb.ways),
         }
-
-    def describe(self) -> str:
-        return json.dumps({"store": self.store_name, **self.store.describe()}, default=str)
