@@ -9,7 +9,7 @@ Levels (``--level``):
 - ``engine``: a raw ``IoEngine`` over one preallocated file per job; ops of
   ``--bs`` bytes with ``--iodepth`` in flight. The engine computes its XXH3 per
   op as it always does; nothing else is verified.
-- ``tier``: the full ``BlockStore`` API (store/load jobs, completion thread,
+- ``tier``: the full ``BlockStore`` API (store/load jobs, completions collected by ``poll``,
   index records, checksums verified on load) with a plain anonymous mmap as
   the "primary".
 - ``vllm``: vLLM's real ``TieringOffloadingManager`` with a simulated GPU

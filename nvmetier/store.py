@@ -1,7 +1,6 @@
 """BlockStore: the tier's data path — index + files + engine + completions.
 
-Owns: one store (its ``StoreFiles``, ``SlotIndex``, ``IoEngine``) and one
-completion thread.
+Owns: one store (its ``StoreFiles``, ``SlotIndex``, ``IoEngine``).
 
 Threads: one. Every method is called by the *scheduler thread* (any single
 thread at a time; vLLM calls us under its manager lock), and all index state,

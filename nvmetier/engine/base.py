@@ -7,10 +7,10 @@ jobs. An *op* moves ``length`` bytes between ``buffer[buf_offset:]`` and
 checksum of the bytes moved (seeded by ``seed``), computed by the engine off the
 caller's thread, so the store never touches chunk bytes itself.
 
-Threads: ``submit`` is called by the scheduler thread and by the store's
-completion thread (never blocks: it only enqueues). ``wait_completions`` is
-called by exactly one thread, the store's completion thread, and blocks up to
-``timeout_s``. ``close`` is called once, after the last op completed or after
+Threads: ``submit`` and ``wait_completions`` are called by one thread at a
+time, the store's caller (vLLM's scheduler thread). ``submit`` never blocks (it
+only enqueues); ``wait_completions(0)`` only polls, and a positive timeout
+blocks up to ``timeout_s`` (``wait_idle``/``close`` use it). ``close`` is called once, after the last op completed or after
 ``wait_idle``.
 """
 

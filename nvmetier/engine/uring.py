@@ -5,7 +5,7 @@ extension), plus a reference to the caller's buffer from construction to
 ``close``. The files are borrowed (the store opens and closes them; they must
 stay open until ``close`` returns).
 
-Threads: ``submit`` is called by the scheduler and completion threads; it
+Threads: ``submit`` is called by the store's caller (the scheduler thread); it
 only appends to a native queue under a mutex and, when the I/O thread is idle,
 writes an eventfd — it never waits for the kernel. The native I/O thread runs
 without the GIL: it hashes write payloads before submitting them, reaps
