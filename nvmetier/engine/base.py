@@ -10,8 +10,8 @@ caller's thread, so the store never touches chunk bytes itself.
 Threads: ``submit`` and ``wait_completions`` are called by one thread at a
 time, the store's caller (vLLM's scheduler thread). ``submit`` never blocks (it
 only enqueues); ``wait_completions(0)`` only polls, and a positive timeout
-blocks up to ``timeout_s`` (``wait_idle``/``close`` use it). ``close`` is called once, after the last op completed or after
-``wait_idle``.
+blocks up to ``timeout_s`` (``wait_idle``/``close`` use it). ``close`` is
+called once, after the last op completed or after ``wait_idle``.
 """
 
 from __future__ import annotations
