@@ -219,10 +219,11 @@ def geometry(
             ConfigError naming capacity_bytes).
     """
     slot_bytes = align_up(chunk_bytes)
-    overhead = align_up(SB_HEAD_BYTES + len(identity_json(identity)) + SB_CHECKSUM_BYTES)
     unit = ways * n_paths
     if per_path_bytes is not None:
+        overhead = reserved_bytes(identity, 1)
         return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
+    overhead = reserved_bytes(identity, n_paths)
     usable = capacity_bytes - overhead
     n_slots = max(0, usable // (slot_bytes + RECORD_BYTES)) // unit * unit
     # The index file is rounded up to whole pages so it can be mapped.
@@ -239,10 +240,20 @@ def geometry(
     return slot_bytes, n_slots
 
 
+def reserved_bytes(identity: dict[str, Any], n_dirs: int) -> int:
+    """Disk a store uses besides its index and data files, counted in the bound.
+
+    The superblock twice (it is rewritten through a temporary file), the lock
+    file (one block once it holds the pid) and one block per store directory.
+    """
+    sb_bytes = align_up(SB_HEAD_BYTES + len(identity_json(identity)) + SB_CHECKSUM_BYTES)
+    return 2 * sb_bytes + ALIGN_BYTES + n_dirs * ALIGN_BYTES
+
+
 def _per_path_slots(caps: tuple[int, ...], slot_bytes: int, ways: int, overhead: int) -> int:
     n = len(caps)
     spp = min(
-        [c // slot_bytes for c in caps[1:]]
+        [max(0, c - ALIGN_BYTES) // slot_bytes for c in caps[1:]]
         + [max(0, caps[0] - overhead) // (slot_bytes + n * RECORD_BYTES)]
     )
     spp = spp // ways * ways

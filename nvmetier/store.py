@@ -176,6 +176,9 @@ class BlockStore:
         self._events: list[tuple[bool, list[bytes]]] = []
         self._stored: list[bytes] = []
         try:
+            if not config.persist and not self.files.created:
+                # An ephemeral store left behind by a crash: serve none of it.
+                self._wipe_index()
             self._recover()
             self.open_time_s = time.monotonic() - t0
             self.engine: IoEngine = make_engine(
@@ -236,6 +239,17 @@ class BlockStore:
         self._checksums = sums.tolist()
         self.index.advance_clock(max(scan.newest_ns, time.time_ns()))
         self._stats["records_dropped_at_open"] += len(scan.bad)
+
+    def _wipe_index(self) -> None:
+        logger.info(
+            "nvmetier: persist is false; forgetting the chunks a previous run left in %s",
+            self.files.dirs[0],
+        )
+        mm = self.files.index
+        zeros = bytes(1 << 20)
+        for off in range(0, len(mm), len(zeros)):
+            n = min(len(zeros), len(mm) - off)
+            mm[off : off + n] = zeros[:n]
 
     # ------------------------------------------------------------- scheduler
     def lookup(self, key: bytes) -> bool:

@@ -66,9 +66,10 @@ def load_keys(store: BlockStore, buffer: memoryview, keys: Sequence[bytes], job_
 
 
 def disk_usage_bytes(root: str) -> int:
-    """Allocated bytes of every file under ``root`` (what df would count)."""
+    """Allocated bytes of every file and directory below ``root`` (what ``du``
+    counts for the store; ``root`` itself is the user's directory)."""
     total = 0
-    for d, _dirs, files in os.walk(root):
-        for f in files:
-            total += os.stat(os.path.join(d, f)).st_blocks * 512
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            total += os.stat(os.path.join(d, name)).st_blocks * 512
     return total
