@@ -9,6 +9,7 @@ and at shutdown. The O_DIRECT probe runs once per directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -72,6 +73,28 @@ def _ensure_dir(path: str, key: str) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What the configuration asks a store to be (compared at every open)."""
+
+    capacity_bytes: int
+    chunk_bytes: int
+    ways: int
+    identity: dict[str, Any]
+    capacity_per_path: tuple[int, ...] | None = None
+
+    def geometry(self, n_paths: int) -> tuple[int, int]:
+        """``(slot_bytes, n_slots)`` of this layout over ``n_paths`` drives."""
+        return fmt.geometry(
+            self.capacity_bytes,
+            self.chunk_bytes,
+            self.ways,
+            n_paths,
+            self.identity,
+            self.capacity_per_path,
+        )
+
+
 class StoreFiles:
     """The open files of one store.
 
@@ -97,7 +120,6 @@ class StoreFiles:
         self.created = False
         self._lock_fd = -1
         self._index_fd = -1
-        self._per_path: tuple[int, ...] | None = None
 
     @classmethod
     def open(
@@ -124,11 +146,9 @@ class StoreFiles:
                 or layout identity.
         """
         self = cls()
-        self._per_path = capacity_per_path
+        layout = Layout(capacity_bytes, chunk_bytes, ways, identity, capacity_per_path)
         try:
-            self._open(
-                roots, store_name, capacity_bytes, chunk_bytes, ways, identity, o_direct, create
-            )
+            self._open(roots, store_name, layout, o_direct, create)
         except BaseException:
             # A failed open changes nothing: not even the clean flag.
             self.close(clean=False)
@@ -139,10 +159,7 @@ class StoreFiles:
         self,
         roots: Sequence[str],
         store_name: str,
-        capacity_bytes: int,
-        chunk_bytes: int,
-        ways: int,
-        identity: dict[str, Any],
+        layout: Layout,
         o_direct: str | bool,
         create: bool,
     ) -> None:
@@ -161,15 +178,15 @@ class StoreFiles:
         self._lock(main)
         if exists:
             self.sb = self._read_superblock(sb_path)
-            self._check_same_layout(capacity_bytes, chunk_bytes, ways, len(roots), identity)
+            self._check_same_layout(layout)
         else:
-            self._create(capacity_bytes, chunk_bytes, ways, identity)
+            self._create(layout)
             self.created = True
         self._choose_o_direct(o_direct)
         self._open_index()
         self._open_data()
         # Mark the store open (not clean) until an orderly close.
-        self._write_superblock(dataclasses_replace(self.sb, clean=False))
+        self._write_superblock(dataclasses.replace(self.sb, clean=False))
         self._record_owner()
 
     # --- lock -----------------------------------------------------------------
@@ -214,46 +231,42 @@ class StoreFiles:
         os.replace(tmp, path)
         self.sb = sb
 
-    def _check_same_layout(
-        self, capacity_bytes: int, chunk_bytes: int, ways: int, n_paths: int, identity: dict
-    ) -> None:
-        sb = self.sb
-        if sb.identity != identity:
+    def _check_same_layout(self, layout: Layout) -> None:
+        sb, main, n_paths = self.sb, self.dirs[0], len(self.dirs)
+        if sb.identity != layout.identity:
             raise FormatError(
-                f"store {self.dirs[0]!r} was written for another layout identity; "
+                f"store {main!r} was written for another layout identity; "
                 "its data will not be served. Remove the directory or use another root_dir"
             )
-        if sb.chunk_bytes != chunk_bytes:
+        if sb.chunk_bytes != layout.chunk_bytes:
             raise FormatError(
-                f"store {self.dirs[0]!r} holds {sb.chunk_bytes}-byte chunks, not {chunk_bytes}"
+                f"store {main!r} holds {sb.chunk_bytes}-byte chunks, not {layout.chunk_bytes}"
             )
-        _slot_bytes, n_slots = fmt.geometry(
-            capacity_bytes, chunk_bytes, ways, n_paths, identity, self._per_path
-        )
-        if (sb.ways, sb.n_paths, sb.n_slots) != (ways, n_paths, n_slots):
+        _slot_bytes, n_slots = layout.geometry(n_paths)
+        if (sb.ways, sb.n_paths, sb.n_slots) != (layout.ways, n_paths, n_slots):
             raise ConfigError(
-                f"store {self.dirs[0]!r} was created with ways={sb.ways}, {sb.n_paths} path(s) "
-                f"and {sb.n_slots} slots, but the configuration asks for ways={ways}, "
-                f"{n_paths} path(s) and {n_slots} slots (capacity_bytes={capacity_bytes}); "
-                "restore the original settings, or remove the store directory to start a new "
-                "cache with the new size"
+                f"store {main!r} was created with ways={sb.ways}, {sb.n_paths} path(s) "
+                f"and {sb.n_slots} slots, but the configuration asks for ways={layout.ways}, "
+                f"{n_paths} path(s) and {n_slots} slots "
+                f"(capacity_bytes={layout.capacity_bytes}); restore the original settings, or "
+                "remove the store directory to start a new cache with the new size"
             )
 
-    def _create(self, capacity_bytes: int, chunk_bytes: int, ways: int, identity: dict) -> None:
+    def _create(self, layout: Layout) -> None:
         try:
-            slot_bytes, n_slots = fmt.geometry(
-                capacity_bytes, chunk_bytes, ways, len(self.dirs), identity, self._per_path
-            )
+            slot_bytes, n_slots = layout.geometry(len(self.dirs))
         except FormatError as exc:
-            raise ConfigError(f"capacity_bytes={capacity_bytes} is too small: {exc}") from exc
+            raise ConfigError(
+                f"capacity_bytes={layout.capacity_bytes} is too small: {exc}"
+            ) from exc
         sb = fmt.Superblock(
-            chunk_bytes=chunk_bytes,
+            chunk_bytes=layout.chunk_bytes,
             slot_bytes=slot_bytes,
             n_slots=n_slots,
-            ways=ways,
+            ways=layout.ways,
             n_paths=len(self.dirs),
             created_ns=time.time_ns(),
-            identity=identity,
+            identity=layout.identity,
         )
         # Check space on every drive before writing anything big.
         need_main = sb.superblock_bytes + fmt.align_up(sb.index_bytes)
@@ -354,7 +367,7 @@ class StoreFiles:
         self.data_fds = []
         if clean and self._lock_fd >= 0 and hasattr(self, "sb"):
             with contextlib.suppress(OSError):
-                self._write_superblock(dataclasses_replace(self.sb, clean=True))
+                self._write_superblock(dataclasses.replace(self.sb, clean=True))
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
@@ -363,9 +376,3 @@ class StoreFiles:
         """Delete the store's directories (ephemeral mode). Call after close."""
         for d in self.dirs:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def dataclasses_replace(sb: fmt.Superblock, **changes: Any) -> fmt.Superblock:
-    import dataclasses
-
-    return dataclasses.replace(sb, **changes)
