@@ -149,7 +149,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_bench(argv: list[str]) -> int:
     try:
-        from nvmetier import bench  # type: ignore[attr-defined]
+        from nvmetier import bench
     except ImportError as exc:
         print(f"{PROG}: error: the benchmark is not available ({exc})", file=sys.stderr)
         return EXIT_OPERATIONAL

@@ -164,3 +164,20 @@ def test_backpressure_detector_is_honoured(tmp_path, make_engine) -> None:
     eng.store_all(keys)
     eng.reset_primary()
     assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+
+
+def test_write_admission_stores_only_chunks_asked_for(tmp_path, make_engine) -> None:
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), admit_after_lookups=1)], cpu_chunks=16)
+    store = eng.tiers[0].store
+    keys = [key_of(i) for i in range(8)]
+    eng.store_all(keys)  # never looked up: not written (SSD wear)
+    assert store.stats()["ops_written"] == 0
+    assert store.stats()["stores_not_admitted"] == 8
+    eng.reset_primary()
+    assert set(eng.promote(keys[:4]).values()) == {LookupResult.MISS}  # asked for once
+    eng.store_all(keys)
+    assert store.stats()["ops_written"] == 4
+    eng.reset_primary()
+    results = eng.promote(keys)
+    assert [results[k] for k in keys[:4]] == [LookupResult.HIT] * 4
+    assert eng.verify(keys[:4]) == 4
