@@ -15,6 +15,8 @@ from typing import Any
 
 from nvmetier.errors import ConfigError
 
+DEFAULT_WAYS = 16
+
 _UNITS = {
     "": 1,
     "b": 1,
@@ -90,7 +92,9 @@ class TierConfig:
             or ``uring``.
         io_threads: worker threads of the thread engine.
         queue_depth: ops in flight in the io_uring engine.
-        ways: slots per hash set (associativity of the slot index).
+        ways: slots per hash set (associativity of the slot index). None
+            (the default): ``DEFAULT_WAYS``, or fewer when the capacity holds
+            fewer slots; an explicit value that does not fit is an error.
         verify_checksums: verify the XXH3 checksum of every chunk loaded.
         o_direct: ``auto`` (probe, fall back to buffered with one warning),
             ``True`` (fail if refused) or ``False`` (buffered I/O).
@@ -109,7 +113,7 @@ class TierConfig:
     io_engine: str = "auto"
     io_threads: int = 16
     queue_depth: int = 64
-    ways: int = 16
+    ways: int | None = None
     verify_checksums: bool = True
     o_direct: str | bool = "auto"
     enable_kv_events: bool = False
@@ -175,12 +179,16 @@ class TierConfig:
         for key, lo, hi in (
             ("io_threads", 1, 256),
             ("queue_depth", 1, 4096),
-            ("ways", 1, 1024),
             ("admit_after_lookups", 0, 1 << 20),
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise ConfigError(f"{key}={value!r} must be an integer from {lo} to {hi}")
+        ways = self.ways
+        if ways is not None and (
+            isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 1024
+        ):
+            raise ConfigError(f"ways={self.ways!r} must be an integer from 1 to 1024")
         for key in ("verify_checksums", "enable_kv_events", "persist"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nvmetier import format as fmt
+from nvmetier.config import DEFAULT_WAYS
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 
 logger = logging.getLogger(__name__)
@@ -79,16 +80,28 @@ class Layout:
 
     capacity_bytes: int
     chunk_bytes: int
-    ways: int
+    ways: int | None  # None: DEFAULT_WAYS, or fewer when fewer slots fit
     identity: dict[str, Any]
     capacity_per_path: tuple[int, ...] | None = None
 
-    def geometry(self, n_paths: int) -> tuple[int, int]:
-        """``(slot_bytes, n_slots)`` of this layout over ``n_paths`` drives."""
+    def geometry(self, n_paths: int) -> tuple[int, int, int]:
+        """``(ways, slot_bytes, n_slots)`` of this layout over ``n_paths`` drives.
+
+        Raises:
+            FormatError: not one set fits (an explicit ``ways``), or not one
+                slot per drive (the default).
+        """
+        ways = self.ways
+        if ways is None:
+            _slot, most = self._geometry(1, n_paths)
+            ways = max(1, min(DEFAULT_WAYS, most // n_paths))
+        return (ways, *self._geometry(ways, n_paths))
+
+    def _geometry(self, ways: int, n_paths: int) -> tuple[int, int]:
         return fmt.geometry(
             self.capacity_bytes,
             self.chunk_bytes,
-            self.ways,
+            ways,
             n_paths,
             self.identity,
             self.capacity_per_path,
@@ -129,7 +142,7 @@ class StoreFiles:
         *,
         capacity_bytes: int,
         chunk_bytes: int,
-        ways: int,
+        ways: int | None,
         identity: dict[str, Any],
         o_direct: str | bool = "auto",
         create: bool = True,
@@ -242,11 +255,11 @@ class StoreFiles:
             raise FormatError(
                 f"store {main!r} holds {sb.chunk_bytes}-byte chunks, not {layout.chunk_bytes}"
             )
-        _slot_bytes, n_slots = layout.geometry(n_paths)
-        if (sb.ways, sb.n_paths, sb.n_slots) != (layout.ways, n_paths, n_slots):
+        ways, _slot_bytes, n_slots = layout.geometry(n_paths)
+        if (sb.ways, sb.n_paths, sb.n_slots) != (ways, n_paths, n_slots):
             raise ConfigError(
                 f"store {main!r} was created with ways={sb.ways}, {sb.n_paths} path(s) "
-                f"and {sb.n_slots} slots, but the configuration asks for ways={layout.ways}, "
+                f"and {sb.n_slots} slots, but the configuration asks for ways={ways}, "
                 f"{n_paths} path(s) and {n_slots} slots "
                 f"(capacity_bytes={layout.capacity_bytes}); restore the original settings, or "
                 "remove the store directory to start a new cache with the new size"
@@ -254,7 +267,7 @@ class StoreFiles:
 
     def _create(self, layout: Layout) -> None:
         try:
-            slot_bytes, n_slots = layout.geometry(len(self.dirs))
+            ways, slot_bytes, n_slots = layout.geometry(len(self.dirs))
         except FormatError as exc:
             raise ConfigError(
                 f"capacity_bytes={layout.capacity_bytes} is too small: {exc}"
@@ -263,7 +276,7 @@ class StoreFiles:
             chunk_bytes=layout.chunk_bytes,
             slot_bytes=slot_bytes,
             n_slots=n_slots,
-            ways=layout.ways,
+            ways=ways,
             n_paths=len(self.dirs),
             created_ns=time.time_ns(),
             identity=layout.identity,

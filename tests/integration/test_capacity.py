@@ -105,3 +105,34 @@ def test_lookup_hit_is_not_evicted_before_its_load(tmp_path, buffer) -> None:
         run(store)
     assert not store.contains(hot)  # no hold left behind
     store.close()
+
+
+def test_default_ways_shrink_to_fit_a_small_capacity(tmp_path, buffer) -> None:
+    from nvmetier.config import TierConfig
+    from nvmetier.store import BlockStore
+    from tests.integration.helpers import IDENTITY
+
+    cfg = TierConfig.from_dict({"root_dir": str(tmp_path), "capacity_bytes": 6 * ROW})
+    store = BlockStore(cfg, store_name="s", identity=IDENTITY, buffer=buffer, row_bytes=ROW)
+    assert 1 <= store.sb.ways < 16
+    assert store.sb.n_slots == store.sb.ways
+    keys = [key(i) for i in range(3)]
+    fill_rows(buffer, keys, [0, 1, 2])
+    store.submit_store(1, keys, [0, 1, 2])
+    assert all(o.success for o in run(store))
+    ready = store.stats()["slots_ready"]
+    assert ready >= 1
+    geometry = (store.sb.ways, store.sb.n_slots)
+    store.close()
+    # The same configuration reopens the same geometry, warm.
+    store = BlockStore(cfg, store_name="s", identity=IDENTITY, buffer=buffer, row_bytes=ROW)
+    assert (store.sb.ways, store.sb.n_slots) == geometry
+    assert store.stats()["slots_ready"] == ready
+    store.close()
+
+
+def test_explicit_ways_that_do_not_fit_are_refused(tmp_path, buffer) -> None:
+    from nvmetier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        make_store(str(tmp_path), buffer, capacity_bytes=6 * ROW, ways=16)
