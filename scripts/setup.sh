@@ -36,7 +36,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install "setuptools>=68" wheel 2>&1 | grep -v "^WARNING: Location" || true
   "${pip[@]}" install torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   "${pip[@]}" install --no-deps vllm==0.33.0 2>&1 | grep -v "^WARNING: Location" || true
-  "${pip[@]}" install -r requirements/vllm-cpu.txt 2>&1 | grep -v "^WARNING: Location" | grep -v "requires torch==" || true
+  "${pip[@]}" install -r requirements/vllm-cpu.txt 2>&1 | grep -v "^WARNING: Location" | grep -v "^vllm 0.33.0 requires" || true
   .venv/bin/python -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" \
     || { echo "setup: torch 2.13.0 (CPU) did not install" >&2; exit 1; }
   echo "$want" > "$stamp.pending"
@@ -46,7 +46,7 @@ NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
   "${pip[@]}" install --no-deps --no-build-isolation -e . 2>&1 | grep -v "^WARNING: Location" || true
 if [ -f "$stamp.pending" ]; then
   "${pip[@]}" install pytest pytest-timeout hypothesis ruff mypy matplotlib 2>&1 \
-    | grep -v "^WARNING: Location" | grep -v "requires torch==" || true
+    | grep -v "^WARNING: Location" | grep -v "^vllm 0.33.0 requires" || true
   mv "$stamp.pending" "$stamp"
 fi
 .venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec, nvmetier.vllm" \
