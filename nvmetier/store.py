@@ -192,7 +192,11 @@ class BlockStore:
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
         except BaseException:
+            engine_built = getattr(self, "engine", None)
+            if engine_built is not None:
+                engine_built.close()
             self.files.close(clean=False)
+            self._buf.release()
             raise
         self.engine_name = engine_name
         logger.info(

@@ -189,3 +189,32 @@ def test_checksums_can_be_switched_off(tmp_path, buffer) -> None:
     assert good == [keys[1]]
     assert store.stats()["checksum_failures"] == 0
     store.close()
+
+
+def test_failed_construction_leaves_no_thread_or_lock_behind(tmp_path, buffer) -> None:
+    import threading
+
+    from nvmetier.config import TierConfig
+    from nvmetier.store import BlockStore
+    from tests.integration.helpers import IDENTITY
+
+    before = threading.active_count()
+
+    def explode(engine):
+        raise RuntimeError("wrapper failed")
+
+    cfg = TierConfig.from_dict({"root_dir": str(tmp_path), "capacity_bytes": "8MiB"})
+    with pytest.raises(RuntimeError, match="wrapper failed"):
+        BlockStore(
+            cfg,
+            store_name="store",
+            identity=IDENTITY,
+            buffer=buffer,
+            row_bytes=ROW,
+            engine="threads",
+            engine_wrapper=explode,
+        )
+    assert threading.active_count() == before
+    # Not locked, and the primary region is not exported any more.
+    store = BlockStore(cfg, store_name="store", identity=IDENTITY, buffer=buffer, row_bytes=ROW)
+    store.close()
