@@ -24,9 +24,8 @@ import textwrap
 import time
 from typing import Any
 
-import numpy as np
-
 from nvmetier import format as fmt
+from nvmetier import recovery
 from nvmetier.config import format_size
 from nvmetier.errors import FormatError
 from nvmetier.files import INDEX_NAME, LOCK_NAME, SUPERBLOCK_NAME, probe_o_direct
@@ -113,7 +112,6 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
     out.capacity_bytes = sb.n_slots * sb.slot_bytes
     out.disk_bytes = sb.superblock_bytes + fmt.align_up(sb.index_bytes) + out.capacity_bytes
     index_path = os.path.join(store_dir, INDEX_NAME)
-    stamps: list[int] = []
     try:
         with open(index_path, "rb") as f:
             if os.fstat(f.fileno()).st_size < sb.index_bytes:
@@ -124,20 +122,12 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
         out.error = f"{index_path!r}: {exc.strerror}"
         return out
     try:
-        n, rb = sb.n_slots, fmt.RECORD_BYTES
-        words = np.frombuffer(index, dtype=np.uint64, count=n * rb // 8)
-        used = np.flatnonzero(words.reshape(n, rb // 8).any(axis=1)).tolist()
-        del words
-        for slot in used:
-            try:
-                rec = fmt.unpack_record(index[slot * rb : (slot + 1) * rb], slot)
-            except fmt.RecordError:
-                out.bad_records += 1
-                continue
-            if rec is not None:
-                stamps.append(rec.stored_ns)
+        # The rules a store open applies: what it would serve is what is used.
+        scan = recovery.scan_index(index, sb.n_slots, sb.ways)
     finally:
         index.close()
+    out.bad_records = len(scan.bad)
+    stamps = scan.stored_ns.tolist()
     out.slots_used = len(stamps)
     out.bytes_used = len(stamps) * sb.slot_bytes
     out.ages = {label: 0 for label, _ in AGE_BUCKETS}
