@@ -328,5 +328,5 @@ def unpack_record(data: bytes | memoryview, slot: int) -> Record | None:
 
 
 def set_of(key: bytes, n_sets: int) -> int:
-    """The hash set of ``key``: XXH3-64 of the key modulo the set count."""
-    return xxhash.xxh3_64_intdigest(key) % n_sets
+    """The hash set of ``key``: its ``key_seed`` modulo the set count."""
+    return key_seed(key) % n_sets

@@ -377,11 +377,15 @@ class BlockStore:
         slot = self.index.find(key)
         if slot is None or self.index.state[slot] == SlotState.WRITING or self.index.pins[slot]:
             return False
+        self._forget(slot, key)
+        return True
+
+    def _forget(self, slot: int, key: bytes) -> None:
+        """Zero ``slot``'s record, free it and report ``key`` removed."""
         self._write_record(slot, fmt.EMPTY_RECORD)
         self.index.clear(slot)
         if self.config.enable_kv_events:
             self._events.append((True, [key]))
-        return True
 
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
@@ -501,10 +505,7 @@ class BlockStore:
                 job.failed.add(key)
                 job.first_error = job.first_error or "checksum mismatch"
                 if self.index.keys[slot] == key:
-                    self._write_record(slot, fmt.EMPTY_RECORD)
-                    self.index.clear(slot)
-                    if self.config.enable_kv_events:
-                        self._events.append((True, [key]))
+                    self._forget(slot, key)
             else:
                 # A transient error is not corruption: keep the record, serve
                 # it as a miss until it is rewritten (no re-promotion loop).
