@@ -239,7 +239,7 @@ static void io_on_cqe(nvt_engine *e, unsigned idx, int res) {
             io_prep(e, idx);
             return;
         }
-        if (s->op.kind == NVT_OP_READ) {
+        if (s->op.kind == NVT_OP_READ && s->op.checksum) {
             /* Hashed next round, after the ring was refilled; the slot is free
              * now (the caller owns the buffer range until the completion). */
             nvt_read_done *r = &e->reads[e->n_reads++];
@@ -366,7 +366,7 @@ static void io_run(nvt_engine *e) {
         uint64_t hashed = 0;
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &e->slots[e->taken[i]];
-            if (s->op.kind == NVT_OP_WRITE) {
+            if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
                 s->checksum = nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length, s->op.seed);
                 hashed += (uint64_t)s->op.length;
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
@@ -561,7 +561,7 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
             batch_push(&e->done, ops[i].op_id, err, 0);
             immediate++;
         } else if (ops[i].length == 0) {
-            batch_push(&e->done, ops[i].op_id, 0, nvt_xxh3(NULL, 0, ops[i].seed));
+            batch_push(&e->done, ops[i].op_id, 0, ops[i].checksum ? nvt_xxh3(NULL, 0, ops[i].seed) : 0);
             immediate++;
         } else {
             e->pend[(e->pend_head + e->pend_len) & (e->pend_cap - 1)] = ops[i];

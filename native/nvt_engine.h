@@ -45,10 +45,12 @@ typedef struct {
     int64_t file_idx;     /* index into the engine's fd list */
     uint64_t seed;        /* XXH3-64 seed */
     int kind;             /* NVT_OP_READ or NVT_OP_WRITE */
+    int checksum;         /* 0: skip the hash (the completion's checksum is 0) */
 } nvt_op;
 
 /* The outcome of one op: result = length or -errno (a short transfer is -EIO);
- * checksum = XXH3-64(seed) of the bytes moved, 0 on failure. */
+ * checksum = XXH3-64(seed) of the bytes moved, 0 on failure or when the op
+ * asked for none. */
 typedef struct {
     void *op_id;
     int64_t result;

@@ -39,7 +39,7 @@ typedef struct {
 
 /* Interned attribute names of base.Op; set at module init. */
 static PyObject *nvt_str_op_id, *nvt_str_kind, *nvt_str_file_idx, *nvt_str_file_offset,
-    *nvt_str_buf_offset, *nvt_str_length, *nvt_str_seed;
+    *nvt_str_buf_offset, *nvt_str_length, *nvt_str_seed, *nvt_str_checksum;
 
 static PyObject *nvt_getattr_or_item(PyObject *obj, int is_tuple, Py_ssize_t i, PyObject *name) {
     if (is_tuple) {
@@ -62,14 +62,16 @@ static int nvt_get_i64(PyObject *obj, int is_tuple, Py_ssize_t i, PyObject *name
     return 0;
 }
 
-/* Fill `op` from a base.Op (or a 7-tuple in Op's field order). On success the
- * op owns a new reference to op_id. */
+/* Fill `op` from a base.Op (a tuple subclass, read by position), a 7- or
+ * 8-tuple in Op's field order, or any object with Op's attributes. On success
+ * the op owns a new reference to op_id. */
 static int nvt_parse_op(PyObject *obj, nvt_op *op) {
-    int is_tuple = PyTuple_CheckExact(obj);
+    int is_tuple = PyTuple_Check(obj);
+    Py_ssize_t fields = is_tuple ? PyTuple_GET_SIZE(obj) : 8;
     int64_t kind;
-    if (is_tuple && PyTuple_GET_SIZE(obj) != 7) {
-        PyErr_SetString(PyExc_TypeError, "an op tuple must have 7 fields (op_id, kind, file_idx, "
-                                         "file_offset, buf_offset, length, seed)");
+    if (fields != 7 && fields != 8) {
+        PyErr_SetString(PyExc_TypeError, "an op tuple must have 7 or 8 fields (op_id, kind, file_idx, "
+                                         "file_offset, buf_offset, length, seed[, checksum])");
         return -1;
     }
     if (nvt_get_i64(obj, is_tuple, 1, nvt_str_kind, &kind) || nvt_get_i64(obj, is_tuple, 2, nvt_str_file_idx, &op->file_idx) ||
@@ -85,6 +87,20 @@ static int nvt_parse_op(PyObject *obj, nvt_op *op) {
     Py_DECREF(seed);
     if (op->seed == (unsigned long long)-1 && PyErr_Occurred())
         return -1;
+    op->checksum = 1;
+    if (fields == 8) {
+        PyObject *flag = nvt_getattr_or_item(obj, is_tuple, 7, nvt_str_checksum);
+        if (!flag) {
+            if (is_tuple || !PyErr_ExceptionMatches(PyExc_AttributeError))
+                return -1;
+            PyErr_Clear(); /* an object without the attribute: checksummed */
+        } else {
+            op->checksum = PyObject_IsTrue(flag);
+            Py_DECREF(flag);
+            if (op->checksum < 0)
+                return -1;
+        }
+    }
     op->op_id = nvt_getattr_or_item(obj, is_tuple, 0, nvt_str_op_id);
     return op->op_id ? 0 : -1;
 }
@@ -195,8 +211,9 @@ static void NvtEngine_dealloc(NvtEngineObject *self) {
 }
 
 PyDoc_STRVAR(submit_doc, "submit(ops) -> bool\n\n"
-                         "Queue ops (base.Op objects or 7-tuples). Returns False, queuing nothing,\n"
-                         "once close() has begun. Never blocks on I/O.");
+                         "Queue ops (base.Op objects, or 7- or 8-tuples in Op's field order).\n"
+                         "Returns False, queuing nothing, once close() has begun. Never blocks\n"
+                         "on I/O.");
 
 static PyObject *NvtEngine_submit(NvtEngineObject *self, PyObject *ops) {
     nvt_op stack_ops[NVT_STACK_OPS];
@@ -394,7 +411,8 @@ PyMODINIT_FUNC PyInit__uring(void) {
         !(nvt_str_file_offset = PyUnicode_InternFromString("file_offset")) ||
         !(nvt_str_buf_offset = PyUnicode_InternFromString("buf_offset")) ||
         !(nvt_str_length = PyUnicode_InternFromString("length")) ||
-        !(nvt_str_seed = PyUnicode_InternFromString("seed")))
+        !(nvt_str_seed = PyUnicode_InternFromString("seed")) ||
+        !(nvt_str_checksum = PyUnicode_InternFromString("checksum")))
         return NULL;
     if (PyType_Ready(&NvtEngineType) < 0)
         return NULL;

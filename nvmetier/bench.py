@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import mmap
 import os
@@ -76,6 +77,14 @@ class PhaseResult:
     cpu_sys_s: float
     errors: int = 0
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # vllm level: CPU seconds of the tier alone (see ``_TierClock``).
+    tier_cpu_s: float | None = None
+
+    def tier_cpu_per_gb(self) -> float | None:
+        gb = self.bytes / GB
+        if self.tier_cpu_s is None or gb <= 0:
+            return None
+        return self.tier_cpu_s / gb
 
     @property
     def bw_gbps(self) -> float:
@@ -110,6 +119,14 @@ class PhaseResult:
                 "sys_s": round(self.cpu_sys_s, 4),
                 "usr_s_per_gb": round(usr, 4),
                 "sys_s_per_gb": round(sys_, 4),
+                **(
+                    {
+                        "tier_s": round(self.tier_cpu_s, 4),
+                        "tier_s_per_gb": round(self.tier_cpu_per_gb() or 0.0, 4),
+                    }
+                    if self.tier_cpu_s is not None
+                    else {}
+                ),
             },
             "errors": self.errors,
             **({"extra": self.extra} if self.extra else {}),
@@ -135,14 +152,84 @@ def _settle_heap() -> None:
 
 
 class _Cpu:
-    """Process CPU time (all threads) between construction and ``stop``."""
+    """Process CPU time (all threads) between construction and ``stop``, and
+    the calling thread's share of it (``thread_s`` after ``stop``)."""
 
     def __init__(self) -> None:
+        self.thread_s = 0.0
+        self._thread = time.thread_time()
         self._t = os.times()
 
     def stop(self) -> tuple[float, float]:
         t = os.times()
+        self.thread_s = time.thread_time() - self._thread
         return t.user - self._t.user, t.system - self._t.system
+
+
+class _TierClock:
+    """CPU time a secondary tier costs, apart from vLLM's and the harness's.
+
+    Every method of the ``SecondaryTierManager`` interface is wrapped on the
+    instance (the orchestrator calls them through the instance) to add up the
+    scheduler thread's CPU time spent inside them. The tier's own threads (our
+    engine's I/O thread or pool, the ``fs`` tier's workers) are the process's
+    other threads: in this benchmark every thread but the scheduler's belongs
+    to the tier. So the tier's CPU = time inside its methods + (process CPU -
+    scheduler-thread CPU). Scheduler thread only.
+    """
+
+    METHODS = (
+        "lookup",
+        "touch",
+        "on_new_request",
+        "on_request_finished",
+        "on_schedule_end",
+        "submit_store",
+        "submit_load",
+        "get_finished_jobs",
+        "has_pending_work",
+        "take_events",
+        "drain_jobs",
+        "serve_external_requests",
+    )
+
+    def __init__(self, tier: Any) -> None:
+        self.inside_ns = 0
+        self._tier = tier
+        self._wrapped: list[str] = []
+        for name in self.METHODS:
+            method = getattr(tier, name, None)
+            if callable(method) and name not in vars(tier):
+                setattr(tier, name, self._wrap(method))
+                self._wrapped.append(name)
+
+    def remove(self) -> None:
+        """Unwrap the methods (before timing one of them directly)."""
+        for name in self._wrapped:
+            delattr(self._tier, name)
+        self._wrapped = []
+
+    def _wrap(self, method: Callable) -> Callable:
+        clock = time.thread_time_ns
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.inside_ns += clock() - t0
+
+        return timed
+
+    def start(self) -> _Cpu:
+        self.inside_ns = 0
+        return _Cpu()
+
+    def tier_s(self, cpu: _Cpu, usr: float, sys_: float) -> float:
+        """The tier's CPU seconds since ``start`` (call after ``cpu.stop``)."""
+        other_threads = max(0.0, usr + sys_ - cpu.thread_s)
+        return other_threads + self.inside_ns / 1e9
 
 
 # ------------------------------------------------------------------ machine
@@ -217,6 +304,7 @@ def _engine_job(
     iodepth: int,
     deadline: float,
     out: dict[str, Any],
+    checksum: bool = True,
 ) -> None:
     """Drive one engine over one file: keep ``iodepth`` ops in flight."""
     from nvmetier.engine import Op, make_engine
@@ -236,7 +324,9 @@ def _engine_job(
             if perf() < deadline:
                 while free and issued < n:
                     slot = free.pop()
-                    batch.append(Op(issued, kind, 0, int(offsets[issued]), slot * bs, bs, 0))
+                    batch.append(
+                        Op(issued, kind, 0, int(offsets[issued]), slot * bs, bs, 0, checksum)
+                    )
                     slot_of[issued] = slot
                     issued += 1
             if batch:
@@ -308,6 +398,7 @@ def run_engine_level(
                         args.iodepth,
                         deadline if timed else 1e12,
                         outs[j],
+                        bool(args.checksum),
                     ),
                 )
                 for j, fd in enumerate(fds)
@@ -334,7 +425,12 @@ def run_engine_level(
                 cpu_usr_s=usr,
                 cpu_sys_s=sys_,
                 errors=sum(o["errors"] for o in outs),
-                extra={"iodepth": args.iodepth, "numjobs": args.numjobs, "direct": args.direct},
+                extra={
+                    "iodepth": args.iodepth,
+                    "numjobs": args.numjobs,
+                    "direct": args.direct,
+                    "checksum": bool(args.checksum),
+                },
             )
             log(_phase_line(res))
             results.append(res)
@@ -576,6 +672,7 @@ def run_vllm_level(
     tier = _vllm_tier_dict(args, which, root, bs, n)
     eng = SimulatedEngine(make_config([tier], chunk_bytes=bs, cpu_chunks=cpu_chunks))
     m = eng.manager
+    clock = _TierClock(eng.tiers[0])
     keys = [key_of(i) for i in range(n)]
     index_of = {k: i for i, k in enumerate(keys)}
     base = np.frombuffer(os.urandom(bs), dtype=np.uint8)
@@ -599,8 +696,13 @@ def run_vllm_level(
         _note_drop(args, log)
         # ---- store: GPU -> primary, cascaded by the orchestrator to the tier.
         batch = max(1, min(args.store_batch, cpu_chunks))
+        # In a deployment the GPU's copy engine fills a row, not a CPU: write
+        # the pattern into every row now, untimed, and only each chunk's 8-byte
+        # stamp inside the timed phase, so the CPU figures are the tier's and
+        # the orchestrator's rather than a simulated memcpy's.
+        eng.rows[:] = base
         _settle_heap()
-        cpu = _Cpu()
+        cpu = clock.start()
         t0 = time.perf_counter()
         i = 0
         req = 0
@@ -620,10 +722,9 @@ def run_vllm_level(
                 time.sleep(step_s)
                 continue
             for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
-                row = eng.rows[int(cid)]
-                row[:] = base
-                row[:8] = np.frombuffer(index_of[key].to_bytes(8, "little"), dtype=np.uint8)
-                del row  # no view of the primary may outlive the engine
+                eng.rows[int(cid), :8] = np.frombuffer(
+                    index_of[key].to_bytes(8, "little"), dtype=np.uint8
+                )
             with m.lock:
                 if out.keys_to_store:
                     m.complete_store(out.keys_to_store, ctx)
@@ -633,8 +734,10 @@ def run_vllm_level(
         wait_idle()
         elapsed = time.perf_counter() - t0
         usr, sys_ = cpu.stop()
+        tier_s = clock.tier_s(cpu, usr, sys_)
         stored_bytes = n * bs
         extra: dict[str, Any] = {
+            "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
             "chunks": n,
             "store_batch": batch,
             "primary_full_waits": full_waits,
@@ -658,6 +761,7 @@ def run_vllm_level(
             usr,
             sys_,
             extra=extra,
+            tier_cpu_s=tier_s,
         )
         log(_phase_line(res))
         results.append(res)
@@ -665,13 +769,15 @@ def run_vllm_level(
         # ---- load: empty the primary, then promote in batches of its capacity.
         _note_drop(args, log)
         eng.reset_primary()
+        # Zero the rows (untimed) so that a verified row proves its load.
+        eng.rows[:] = 0
         _settle_heap()
         per_req = cpu_chunks
         loaded = misses = retries = 0
         job_lat: list[float] = []
         lookup_s = 0.0
         retry_s = args.retry_ms / 1000.0
-        cpu = _Cpu()
+        cpu = clock.start()
         busy = 0.0
         last: list[bytes] = []
         for b in range(0, n, per_req):
@@ -714,6 +820,7 @@ def run_vllm_level(
             loaded += landed
             last = [k for k in promoted[:: max(1, len(promoted) // 32)]][:32]
         usr, sys_ = cpu.stop()
+        tier_s = clock.tier_s(cpu, usr, sys_)
         verified = _vllm_verify(eng, last, index_of, base)
         res = PhaseResult(
             "vllm",
@@ -728,6 +835,7 @@ def run_vllm_level(
             sys_,
             errors=n - loaded,
             extra={
+                "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
                 "chunks": n,
                 "chunks_per_request": per_req,
                 "lookup_misses": misses,
@@ -736,9 +844,11 @@ def run_vllm_level(
                 "verified_sample": f"{verified}/{len(last)}",
                 "latency_unit": "promotion batch",
             },
+            tier_cpu_s=tier_s,
         )
         log(_phase_line(res))
         results.append(res)
+        clock.remove()
         if which != "fs":
             lookups = _lookup_latency(eng, keys, n, args.lookups)
             log(
@@ -1038,7 +1148,10 @@ def _phase_line(r: PhaseResult) -> str:
     return (
         f"{r.level:>6} {r.target:<17} {name:<5} bs={_bs(r.bs):<7} "
         f"bw={r.bw_gbps:6.3f}GB/s iops={r.iops:9.0f} {_bytes(r.bytes)} in {r.runtime_s:.2f}s "
-        f"cpu usr={usr:.3f} sys={sys_:.3f} s/GB {lat}" + (f" errors={r.errors}" if r.errors else "")
+        f"cpu usr={usr:.3f} sys={sys_:.3f} s/GB "
+        + (f"tier={tier:.3f} s/GB " if (tier := r.tier_cpu_per_gb()) is not None else "")
+        + lat
+        + (f" errors={r.errors}" if r.errors else "")
     )
 
 
@@ -1111,16 +1224,20 @@ def summary_table(results: list[PhaseResult], bss: list[int]) -> tuple[list[str]
 
 def cpu_table(results: list[PhaseResult]) -> list[str]:
     lines = [
-        "| target | phase | bs | GB/s | IOPS | clat p50 | p90 | p99 | p99.9 | CPU usr+sys s/GB |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| target | phase | bs | GB/s | IOPS | clat p50 | p90 | p99 | p99.9 "
+        "| CPU usr+sys s/GB | tier CPU s/GB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         usr, sys_ = r.cpu_per_gb()
         c = r.clat_ns
+        tier = r.tier_cpu_per_gb()
         lines.append(
             f"| {r.target} | {r.phase} | {_bs(r.bs)} | {r.bw_gbps:.3f} | {r.iops:.0f} | "
             + " | ".join(_ns(c[k]) if k in c else "-" for k in ("p50", "p90", "p99", "p99.9"))
-            + f" | {usr:.3f}+{sys_:.3f} |"
+            + f" | {usr:.3f}+{sys_:.3f} | "
+            + ("-" if tier is None else f"{tier:.3f}")
+            + " |"
         )
     return lines
 
@@ -1191,6 +1308,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="threads, uring, or a comma-separated list (uring is skipped if unusable)",
     )
     p.add_argument("--direct", type=int, choices=(0, 1), default=1)
+    p.add_argument(
+        "--checksum",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="engine level: 0 skips the per-op XXH3 (the raw I/O cost, as fio)",
+    )
     p.add_argument("--dir", default=None, help="folder for the files (default: a temp dir under .)")
     p.add_argument("--output-format", choices=("normal", "json"), default="normal")
     p.add_argument("--compare-fio", action="store_true", help="run fio with the same parameters")

@@ -26,6 +26,9 @@ class SlotState(enum.IntEnum):
     BAD = 3  # a load of it failed (I/O error): a miss until rewritten; evicted first
 
 
+_EMPTY_BYTE = bytes([SlotState.EMPTY])
+
+
 class SlotIndex:
     """Set-associative table of ``n_slots`` slots in sets of ``ways``.
 
@@ -97,10 +100,19 @@ class SlotIndex:
                 raise ValueError("allocate() of a key already in the index")
             self.state[old] = SlotState.WRITING
             return old, None
+        state, pins, last = self.state, self.pins, self.last_used
+        base = (seed % self.n_sets) * self.ways
+        # Fast path, a C-level scan: the first EMPTY way (never pinned: a slot
+        # is pinned only while it holds a key, but check rather than assume).
+        victim = state.find(_EMPTY_BYTE, base, base + self.ways)
+        if victim >= 0 and not pins[victim]:
+            self.keys[victim] = key
+            self._slot_of[key] = victim
+            state[victim] = SlotState.WRITING
+            return victim, None
         victim = -1
         victim_rank = (3, 0)
-        state, pins, last = self.state, self.pins, self.last_used
-        for slot in self.set_slots(seed):
+        for slot in range(base, base + self.ways):
             st = state[slot]
             if pins[slot] or st == SlotState.WRITING:
                 continue  # a load or a write is using it

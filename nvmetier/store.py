@@ -303,36 +303,42 @@ class BlockStore:
         job = _Job(job_id, False, list(keys), time.monotonic())
         ops: list[Op] = []
         removed: list[bytes] = []
-        now_queued = self._outstanding * self.row_bytes
+        row_bytes, n_rows = self.row_bytes, self._n_rows
+        now_queued = self._outstanding * row_bytes
+        max_queued = self.config.max_queued_bytes
         admit_n = self.config.admit_after_lookups
+        stats = self._stats
+        # Locals: this loop runs once per chunk on the scheduler thread.
+        find, state, allocate = self.index.find, self.index.state, self.index.allocate
+        seed_of, write_record, new_op = fmt.key_seed, self._write_record, self._new_op
         for key, row in zip(job.keys, rows, strict=True):
-            slot = self.index.find(key)
-            if slot is not None and self.index.state[slot] != SlotState.BAD:
-                self._stats["stores_skipped_present"] += 1
+            slot = find(key)
+            if slot is not None and state[slot] != SlotState.BAD:
+                stats["stores_skipped_present"] += 1
                 continue
-            if len(key) > fmt.KEY_MAX_BYTES or not 0 <= row < self._n_rows:
+            if len(key) > fmt.KEY_MAX_BYTES or not 0 <= row < n_rows:
                 job.failed.add(key)
                 job.first_error = job.first_error or f"bad key length {len(key)} or row {row}"
                 continue
             if admit_n and self._lookup_counts.get(key, 0) < admit_n:
-                self._stats["stores_not_admitted"] += 1
+                stats["stores_not_admitted"] += 1
                 continue
-            if now_queued + self.row_bytes > self.config.max_queued_bytes:
-                self._stats["stores_dropped_queue_full"] += 1
+            if now_queued + row_bytes > max_queued:
+                stats["stores_dropped_queue_full"] += 1
                 continue
-            seed = fmt.key_seed(key)
-            claimed = self.index.allocate(key, seed)
+            seed = seed_of(key)
+            claimed = allocate(key, seed)
             if claimed is None:
-                self._stats["stores_dropped_set_busy"] += 1
+                stats["stores_dropped_set_busy"] += 1
                 continue
             slot, evicted = claimed
             if evicted is not None:
                 removed.append(evicted)
-                self._stats["evictions"] += 1
+                stats["evictions"] += 1
             # The old record stops being visible before the data changes.
-            self._write_record(slot, fmt.EMPTY_RECORD)
-            ops.append(self._new_op(job, key, slot, OP_WRITE, row, seed))
-            now_queued += self.row_bytes
+            write_record(slot, fmt.EMPTY_RECORD)
+            ops.append(new_op(job, key, slot, OP_WRITE, row, seed))
+            now_queued += row_bytes
         if removed and self.config.enable_kv_events:
             self._events.append((True, removed))
         self._start(job, ops)
@@ -345,6 +351,8 @@ class BlockStore:
         index, holds, n_rows = self.index, self._holds, self._n_rows
         find, state, pins, checksums = index.find, index.state, index.pins, self._checksums
         new_op, seed_of = self._new_op, fmt.key_seed
+        # Unverified loads skip the engine's hash: nobody reads the bytes.
+        verify = self.config.verify_checksums
         for key, row in zip(job.keys, rows, strict=True):
             slot = find(key)
             if slot is None:
@@ -364,7 +372,7 @@ class BlockStore:
             if not held:
                 pins[slot] += 1
             index.touch(slot)
-            ops.append(new_op(job, key, slot, OP_READ, row, seed_of(key), checksums[slot]))
+            ops.append(new_op(job, key, slot, OP_READ, row, seed_of(key), checksums[slot], verify))
         self._start(job, ops)
 
     def _fail_missing(self, job: _Job, key: bytes) -> None:
@@ -409,7 +417,15 @@ class BlockStore:
 
     # ---------------------------------------------------------------- ops
     def _new_op(
-        self, job: _Job, key: bytes, slot: int, kind: int, row: int, seed: int, expected: int = 0
+        self,
+        job: _Job,
+        key: bytes,
+        slot: int,
+        kind: int,
+        row: int,
+        seed: int,
+        expected: int = 0,
+        checksum: bool = True,
     ) -> Op:
         op_id = self._next_op_id
         self._next_op_id = op_id + 1
@@ -423,6 +439,7 @@ class BlockStore:
             row * length,
             length,
             seed,
+            checksum,
         )
 
     def _start(self, job: _Job, ops: list[Op]) -> None:
@@ -443,63 +460,66 @@ class BlockStore:
     def _collect(self, comps: list[Completion]) -> None:
         """Apply engine completions (scheduler thread).
 
-        A verified read, the common case of a promotion, is applied inline
-        (unpin, count, finish the job); everything else goes through
-        ``_apply``. Counters are added once per batch.
+        The common cases, a verified read (a promotion) and a successful
+        write (a cascade), are applied inline with counters added once per
+        batch; errors and mismatches go through ``_apply``.
         """
         self._outstanding -= len(comps)
-        ops, pins = self._ops, self.index.pins
+        ops, index, pins = self._ops, self.index, self.index.pins
         verify = self.config.verify_checksums
-        reads = read_bytes = 0
+        events = self.config.enable_kv_events
+        checksums, stored = self._checksums, self._stored
+        write_record, pack_record, commit = self._write_record, fmt.pack_record, index.commit
+        reads = read_bytes = writes = written_bytes = 0
+        now_ns = time.time_ns()
         for comp in comps:
             info = ops.pop(comp.op_id)
-            if (
-                info.kind == OP_READ
-                and comp.result == info.length
-                and (comp.checksum == info.expected or not verify)
-            ):
+            length = info.length
+            if comp.result != length:
+                self._apply(info, comp)
+                continue
+            if info.kind == OP_READ:
+                if verify and comp.checksum != info.expected:
+                    self._apply(info, comp)
+                    continue
                 pins[info.slot] -= 1
                 reads += 1
-                read_bytes += info.length
-                job = info.job
-                job.moved_bytes += info.length
-                job.remaining -= 1
-                if job.remaining == 0:
-                    del self._jobs[job.job_id]
-                    self._finish(job)
+                read_bytes += length
             else:
-                self._apply(info, comp)
+                # The data is written: only now does the new record appear.
+                slot = info.slot
+                write_record(slot, pack_record(slot, info.key, comp.checksum, now_ns))
+                commit(slot)
+                checksums[slot] = comp.checksum
+                if events:
+                    stored.append(info.key)
+                writes += 1
+                written_bytes += length
+            job = info.job
+            job.moved_bytes += length
+            job.remaining -= 1
+            if job.remaining == 0:
+                del self._jobs[job.job_id]
+                self._finish(job)
         if reads:
             self._stats["ops_read"] += reads
             self._stats["bytes_read"] += read_bytes
+        if writes:
+            self._stats["ops_written"] += writes
+            self._stats["bytes_written"] += written_bytes
 
     def _apply(self, info: _OpInfo, comp: Completion) -> None:
-        """Apply one completion to the index (scheduler thread)."""
+        """Apply a failed op or a read whose checksum did not verify
+        (scheduler thread; ``_collect`` applies the successes)."""
         job, key, slot = info.job, info.key, info.slot
-        ok = comp.result == info.length
         if info.kind == OP_WRITE:
-            if ok:
-                # The data is written: only now does the new record appear.
-                self._write_record(slot, fmt.pack_record(slot, key, comp.checksum, time.time_ns()))
-                self.index.commit(slot)
-                self._checksums[slot] = comp.checksum
-                if self.config.enable_kv_events:
-                    self._stored.append(key)
-                self._stats["bytes_written"] += info.length
-                self._stats["ops_written"] += 1
-                job.moved_bytes += info.length
-            else:
-                # The record was zeroed before the write: nothing to undo on disk.
-                self.index.abort(slot)
-                self._fail(job, key, comp, "write")
-                self._stats["write_errors"] += 1
+            # The record was zeroed before the write: nothing to undo on disk.
+            self.index.abort(slot)
+            self._fail(job, key, comp, "write")
+            self._stats["write_errors"] += 1
         else:
             self.index.unpin(slot)
-            if ok and (not self.config.verify_checksums or comp.checksum == info.expected):
-                self._stats["bytes_read"] += info.length
-                self._stats["ops_read"] += 1
-                job.moved_bytes += info.length
-            elif ok:
+            if comp.result == info.length:
                 # Proven corruption: a miss, and the slot is invalidated.
                 self._stats["checksum_failures"] += 1
                 job.failed.add(key)

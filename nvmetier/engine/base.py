@@ -35,6 +35,8 @@ class Op(NamedTuple):
         buf_offset: byte offset in the engine's buffer.
         length: bytes to move.
         seed: XXH3-64 seed for the checksum of the moved bytes.
+        checksum: False skips the checksum (the completion's is then 0): a
+            load whose bytes nobody will verify need not be read by the CPU.
     """
 
     op_id: int
@@ -44,6 +46,7 @@ class Op(NamedTuple):
     buf_offset: int
     length: int
     seed: int = 0
+    checksum: bool = True
 
 
 class Completion(NamedTuple):
@@ -53,7 +56,8 @@ class Completion(NamedTuple):
         op_id: the op's identifier.
         result: bytes moved (== length on success), or ``-errno`` on failure.
             A short transfer is reported as ``-EIO`` by every engine.
-        checksum: XXH3-64 (with the op's seed) of the bytes moved; 0 on failure.
+        checksum: XXH3-64 (with the op's seed) of the bytes moved; 0 on failure
+            or when the op asked for no checksum.
     """
 
     op_id: int

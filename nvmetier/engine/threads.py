@@ -106,12 +106,15 @@ class ThreadEngine(IoEngine):
             if len(view) != op.length:
                 return Completion(op.op_id, -errno.EFAULT, 0)
             fd = self._fds[op.file_idx]
+            checksum = 0
             if op.kind == OP_WRITE:
-                checksum = xxhash.xxh3_64_intdigest(view, op.seed)
+                if op.checksum:
+                    checksum = xxhash.xxh3_64_intdigest(view, op.seed)
                 n = os.pwritev(fd, [view], op.file_offset)
             else:
                 n = os.preadv(fd, [view], op.file_offset)
-                checksum = xxhash.xxh3_64_intdigest(view, op.seed) if n == op.length else 0
+                if op.checksum and n == op.length:
+                    checksum = xxhash.xxh3_64_intdigest(view, op.seed)
             if n != op.length:
                 return Completion(op.op_id, -errno.EIO, 0)
             return Completion(op.op_id, n, checksum)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from nvmetier.engine.base import OP_READ, OP_WRITE
 from nvmetier.errors import ConfigError
 from tests.integration.helpers import ROW, key, load_keys, make_store, run, store_keys
 
@@ -189,6 +190,46 @@ def test_checksums_can_be_switched_off(tmp_path, buffer) -> None:
     assert good == [keys[1]]
     assert store.stats()["checksum_failures"] == 0
     store.close()
+
+
+def test_unverified_loads_ask_the_engine_for_no_checksum(tmp_path, buffer) -> None:
+    from nvmetier.config import TierConfig
+    from nvmetier.store import BlockStore
+    from tests.integration.helpers import IDENTITY
+
+    submitted: list = []
+
+    def recording(engine):
+        real_submit = engine.submit
+
+        def submit(ops):
+            submitted.extend(ops)
+            real_submit(ops)
+
+        engine.submit = submit
+        return engine
+
+    raw = {"root_dir": str(tmp_path), "capacity_bytes": "16MiB", "ways": 8}
+    for verify in (True, False):
+        cfg = TierConfig.from_dict({**raw, "verify_checksums": verify})
+        store = BlockStore(
+            cfg,
+            store_name="store",
+            identity=IDENTITY,
+            buffer=buffer,
+            row_bytes=ROW,
+            engine_wrapper=recording,
+        )
+        submitted.clear()
+        keys = [key(i) for i in range(3)]
+        store_keys(store, buffer, keys)
+        outcome, good = load_keys(store, buffer, keys)
+        assert outcome.success and good == keys
+        writes = [op for op in submitted if op.kind == OP_WRITE]
+        reads = [op for op in submitted if op.kind == OP_READ]
+        assert all(op.checksum for op in writes)  # records always carry one
+        assert len(reads) == 3 and all(op.checksum is verify for op in reads)
+        store.close()
 
 
 def test_failed_construction_leaves_no_thread_or_lock_behind(tmp_path, buffer) -> None:

@@ -271,6 +271,29 @@ def test_zero_length_op_completes_with_checksum_of_nothing(region, data_fd, make
 
 
 @pytest.mark.timeout(60)
+def test_ops_without_checksum_move_the_data_and_report_checksum_zero(region, data_fd, make_engine):
+    engine = make_engine(region, [data_fd])
+    fill_rows(region, range(1))
+    done = run_ops(engine, [Op(1, OP_WRITE, 0, 0, 0, ROW, 5, False)])
+    assert done[1] == Completion(1, ROW, 0)
+    done = run_ops(
+        engine,
+        [Op(2, OP_READ, 0, 0, ROW, ROW, 5, False), (3, OP_READ, 0, 0, 2 * ROW, ROW, 5, True)],
+    )
+    assert done[2] == Completion(2, ROW, 0)
+    assert region[ROW : 2 * ROW] == region[0:ROW]
+    assert done[3] == Completion(3, ROW, xxh3(region[0:ROW], 5))
+
+
+@pytest.mark.timeout(60)
+def test_op_tuples_of_the_wrong_size_are_refused_whole(region, data_fd, make_engine):
+    engine = make_engine(region, [data_fd])
+    with pytest.raises(TypeError, match="7 or 8 fields"):
+        engine.submit([Op(1, OP_WRITE, 0, 0, 0, ROW), (2, OP_WRITE, 0, 0, 0)])
+    assert engine.wait_completions(0.2) == []  # the valid op was not queued either
+
+
+@pytest.mark.timeout(60)
 def test_ops_crossing_a_registered_chunk_boundary_are_split(tmp_path, region, make_engine):
     fd = open_direct_or_buffered(str(tmp_path / "x"), direct=True)
     try:
