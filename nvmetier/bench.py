@@ -1284,6 +1284,137 @@ def _parse_bs_list(value: str) -> list[int]:
     return [parse_size(v.strip(), "--bs") for v in value.split(",") if v.strip()]
 
 
+# ------------------------------------------------------------- summarize
+def _result_from_json(d: dict[str, Any]) -> PhaseResult:
+    cpu = d.get("cpu", {})
+    return PhaseResult(
+        level=d["level"],
+        target=d["target"],
+        phase=d["phase"],
+        bs=int(d["bs"]),
+        bytes=int(d["bytes"]),
+        runtime_s=float(d["runtime_s"]),
+        ops=int(d["ops"]),
+        clat_ns=dict(d.get("clat_ns", {})),
+        cpu_usr_s=float(cpu.get("usr_s", 0.0)),
+        cpu_sys_s=float(cpu.get("sys_s", 0.0)),
+        errors=int(d.get("errors", 0)),
+        extra=dict(d.get("extra", {})),
+        tier_cpu_s=cpu.get("tier_s"),
+    )
+
+
+def summarize(paths: Sequence[str], plot_path: str | None = None) -> tuple[list[str], int]:
+    """Median tables over several ``--output-format json`` reports.
+
+    For each (target, phase, bs): the median GB/s with (min-max), the ratios
+    of the medians (each of our engines to fio, to the fs tier, and uring to
+    threads), and the median CPU per GB (whole process, and the tier's own at
+    the vllm level). With ``plot_path``, the medians are plotted.
+
+    Returns the report lines and an exit code (2: a file is unreadable).
+    """
+    import statistics
+
+    runs: dict[tuple[str, str, int], list[PhaseResult]] = {}
+    order: list[str] = []
+    level = ""
+    for path in paths:
+        try:
+            with open(path, encoding="utf-8") as f:
+                report = json.load(f)
+            results = [_result_from_json(r) for r in report["results"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return [f"nvmetier bench: cannot read {path}: {exc}"], 2
+        for r in results:
+            level = r.level
+            if r.target not in order:
+                order.append(r.target)
+            runs.setdefault((r.target, r.phase, r.bs), []).append(r)
+    bss = sorted({bs for _, _, bs in runs})
+    med: dict[tuple[str, str, int], float] = {
+        k: statistics.median(r.bw_gbps for r in v) for k, v in runs.items()
+    }
+    ours = [t for t in order if t.startswith("nvmetier")]
+    pairs: list[tuple[str, str]] = [(o, ref) for o in ours for ref in ("fio", "fs") if ref in order]
+    if "nvmetier-uring" in order and "nvmetier-threads" in order:
+        pairs.append(("nvmetier-uring", "nvmetier-threads"))
+    short = {t: t.removeprefix("nvmetier-") for t in order}
+    lines = [f"{len(paths)} reports; GB/s median (min-max); ratios divide the medians", ""]
+    lines.append(
+        "| phase | bs | "
+        + " | ".join(short[t] for t in order)
+        + "".join(f" | {short[a]}/{short[b]}" for a, b in pairs)
+        + " |"
+    )
+    lines.append("|" + "---|" * (2 + len(order) + len(pairs)))
+    for phase in ("write", "read"):
+        for bs in bss:
+            if not any((t, phase, bs) in runs for t in order):
+                continue
+            cells = []
+            for t in order:
+                v = runs.get((t, phase, bs))
+                if not v:
+                    cells.append("-")
+                    continue
+                bws = [r.bw_gbps for r in v]
+                cells.append(f"{med[(t, phase, bs)]:.3f} ({min(bws):.2f}-{max(bws):.2f})")
+            for a, b in pairs:
+                ma, mb = med.get((a, phase, bs)), med.get((b, phase, bs))
+                cells.append(f"{ma / mb:.2f}" if ma and mb else "-")
+            name = {"write": "store", "read": "load"}[phase] if level == "vllm" else phase
+            lines.append(f"| {name} | {_bs(bs)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "CPU s/GB (usr+sys), median: whole process, and (vllm level) the tier's own",
+        "",
+    ]
+    both = ("nvmetier-uring", "nvmetier-threads")
+    with_ratio = all(t in order for t in both)
+    lines.append(
+        "| phase | bs | "
+        + " | ".join(f"{short[t]}" for t in order)
+        + (" | uring/threads |" if with_ratio else " |")
+    )
+    lines.append("|" + "---|" * (2 + len(order) + with_ratio))
+
+    def cpu_of(v: list[PhaseResult]) -> tuple[float, float | None]:
+        proc = statistics.median(sum(r.cpu_per_gb()) for r in v)
+        tiers = [x for r in v if (x := r.tier_cpu_per_gb()) is not None]
+        return proc, statistics.median(tiers) if tiers else None
+
+    for phase in ("write", "read"):
+        for bs in bss:
+            cells = []
+            cpu: dict[str, tuple[float, float | None]] = {}
+            for t in order:
+                v = runs.get((t, phase, bs))
+                if not v:
+                    cells.append("-")
+                    continue
+                cpu[t] = proc, tier = cpu_of(v)
+                cells.append(f"{proc:.2f}" + (f" (tier {tier:.2f})" if tier is not None else ""))
+            if with_ratio and all(t in cpu for t in both):
+                (pu, tu), (pt, tt) = cpu[both[0]], cpu[both[1]]
+                q = f"{pu / pt:.2f}" if pt else "-"
+                if tu is not None and tt:
+                    q += f" (tier {tu / tt:.2f})"
+                cells.append(q)
+            elif with_ratio:
+                cells.append("-")
+            if any(c != "-" for c in cells):
+                name = {"write": "store", "read": "load"}[phase] if level == "vllm" else phase
+                lines.append(f"| {name} | {_bs(bs)} | " + " | ".join(cells) + " |")
+    if plot_path:
+        medians = [
+            dataclasses.replace(v[0], bytes=round(med[k] * GB), runtime_s=1.0)
+            for k, v in runs.items()
+        ]
+        lines += ["", plot(medians, plot_path, f"median of {len(paths)} runs")]
+    return lines, 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="nvmetier bench",
@@ -1291,6 +1422,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with vLLM's fs tier and fio beside it.",
     )
     p.add_argument("--level", choices=LEVELS, default="tier")
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSON",
+        help="print median tables of earlier --output-format json reports (with --plot: "
+        "plot the medians) and exit",
+    )
     p.add_argument(
         "--rw",
         choices=RW_MODES,
@@ -1350,6 +1488,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.summarize:
+        lines, rc = summarize(args.summarize, args.plot)
+        print("\n".join(lines), file=sys.stderr if rc else sys.stdout)
+        return rc
     try:
         args.size = parse_size(args.size, "--size")
         args.primary = parse_size(args.primary, "--primary")

@@ -147,3 +147,74 @@ def test_unusable_uring_engine_is_skipped_with_a_note(tmp_path, capsys, monkeypa
 
 def test_bad_block_size_is_a_usage_error(tmp_path) -> None:
     assert bench.main(["--bs", "1000", "--dir", str(tmp_path)]) == 2
+
+
+def _fake_report(path, bws: dict[tuple[str, str], float]) -> str:
+    results = []
+    for (target, phase), gbps in bws.items():
+        results.append(
+            {
+                "level": "vllm",
+                "target": target,
+                "phase": phase,
+                "bs": 65536,
+                "bytes": int(gbps * 1e9),
+                "runtime_s": 1.0,
+                "ops": 1,
+                "clat_ns": {},
+                "cpu": {"usr_s": gbps, "sys_s": 0.0, "tier_s": gbps / 2},
+                "errors": 0,
+            }
+        )
+    path.write_text(json.dumps({"results": results}))
+    return str(path)
+
+
+def test_summarize_reports_medians_ranges_and_ratios(tmp_path, capsys) -> None:
+    paths = [
+        _fake_report(
+            tmp_path / f"r{i}.json",
+            {("nvmetier-threads", "write"): t, ("nvmetier-uring", "write"): u},
+        )
+        for i, (t, u) in enumerate([(1.0, 1.5), (2.0, 1.0), (3.0, 2.0)])
+    ]
+    assert bench.main(["--summarize", *paths]) == 0
+    out = capsys.readouterr().out
+    assert "3 reports" in out
+    # medians 2.0 (threads) and 1.5 (uring): ratio 0.75
+    assert "| store | 64KiB | 2.000 (1.00-3.00) | 1.500 (1.00-2.00) | 0.75 |" in out
+    # CPU 1 s of usr per GB for every run; the tier's half of it
+    assert "| store | 64KiB | 1.00 (tier 0.50) | 1.00 (tier 0.50) | 1.00 (tier 1.00) |" in out
+
+
+def test_summarize_of_an_unreadable_report_is_an_error(tmp_path, capsys) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("not json")
+    assert bench.main(["--summarize", str(bad)]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_tier_clock_counts_time_inside_wrapped_methods_only() -> None:
+    import time
+
+    class Tier:
+        def lookup(self, key):
+            end = time.thread_time() + 0.02
+            while time.thread_time() < end:
+                pass
+            return key
+
+    tier = Tier()
+    clock = bench._TierClock(tier)
+    cpu = clock.start()
+    assert tier.lookup("k") == "k"
+    end = time.thread_time() + 0.02  # outside the tier: not counted
+    while time.thread_time() < end:
+        pass
+    usr, sys_ = cpu.stop()
+    inside = clock.inside_ns / 1e9
+    assert 0.015 <= inside < 0.035
+    assert cpu.thread_s >= inside + 0.015
+    assert clock.tier_s(cpu, usr, sys_) >= inside
+    clock.remove()
+    assert "lookup" not in vars(tier)

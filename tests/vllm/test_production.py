@@ -181,3 +181,44 @@ def test_write_admission_stores_only_chunks_asked_for(tmp_path, make_engine) -> 
     results = eng.promote(keys)
     assert [results[k] for k in keys[:4]] == [LookupResult.HIT] * 4
     assert eng.verify(keys[:4]) == 4
+
+
+@pytest.mark.timeout(120)
+def test_bench_vllm_level_attributes_cpu_to_the_tier_and_verifies_loads(tmp_path, capsys) -> None:
+    import json
+
+    from nvmetier import bench
+
+    rc = bench.main(
+        [
+            "--level",
+            "vllm",
+            "--bs",
+            "64k",
+            "--size",
+            "4m",
+            "--primary",
+            "2m",
+            "--no-fs-tier",
+            "--engine",
+            os.environ.get("NVMETIER_ENGINE", "threads"),
+            "--lookups",
+            "50",
+            "--no-drop-caches",
+            "--dir",
+            str(tmp_path),
+            "--output-format",
+            "json",
+        ]
+    )
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    store, load = report["results"]
+    for r in (store, load):
+        cpu = r["cpu"]
+        assert 0 < cpu["tier_s"] <= cpu["usr_s"] + cpu["sys_s"] + 0.02
+        assert 0 <= r["extra"]["tier_cpu_on_scheduler_s"] <= cpu["tier_s"]
+    # A chunk evicted at store time by a full set is counted as an error.
+    assert load["bytes"] > 0 and load["bytes"] + load["errors"] * (64 << 10) == 4 << 20
+    n, total = load["extra"]["verified_sample"].split("/")
+    assert n == total and int(n) > 0
