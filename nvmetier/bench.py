@@ -1135,16 +1135,20 @@ def _bs(bs: int) -> str:
     return f"{bs >> 10}KiB" if bs % 1024 == 0 else f"{bs}B"
 
 
+def _phase_name(level: str, phase: str) -> str:
+    """``store``/``load`` at the vllm level (vLLM's words), else ``write``/``read``."""
+    if level == "vllm":
+        return "store" if phase == "write" else "load"
+    return phase
+
+
 def _phase_line(r: PhaseResult) -> str:
     usr, sys_ = r.cpu_per_gb()
     c = r.clat_ns
     lat = ""
     if c:
         lat = "clat " + " ".join(f"{k}={_ns(v)}" for k, v in c.items())
-    name = {
-        "write": "store" if r.level == "vllm" else "write",
-        "read": "load" if r.level == "vllm" else "read",
-    }[r.phase]
+    name = _phase_name(r.level, r.phase)
     return (
         f"{r.level:>6} {r.target:<17} {name:<5} bs={_bs(r.bs):<7} "
         f"bw={r.bw_gbps:6.3f}GB/s iops={r.iops:9.0f} {_bytes(r.bytes)} in {r.runtime_s:.2f}s "
@@ -1214,9 +1218,7 @@ def summary_table(results: list[PhaseResult], bss: list[int]) -> tuple[list[str]
                     row[f"{a}/{b}"] = round(q, 3)
                 else:
                     cells.append("-")
-            pname = phase
-            if results and results[0].level == "vllm":
-                pname = "store" if phase == "write" else "load"
+            pname = _phase_name(results[0].level, phase)
             lines.append(f"| {pname} | {_bs(bs)} | " + " | ".join(cells) + " |")
             rows.append(row)
     return lines, rows
@@ -1267,7 +1269,7 @@ def plot(results: list[PhaseResult], path: str, title: str) -> str:
         ax.set_xticks(bss)
         ax.set_xticklabels([_bs(b) for b in bss])
         ax.set_xlabel("chunk size (bs)")
-        name = ("store" if phase == "write" else "load") if level == "vllm" else phase
+        name = _phase_name(level, phase)
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("GB/s")
@@ -1363,8 +1365,7 @@ def summarize(paths: Sequence[str], plot_path: str | None = None) -> tuple[list[
             for a, b in pairs:
                 ma, mb = med.get((a, phase, bs)), med.get((b, phase, bs))
                 cells.append(f"{ma / mb:.2f}" if ma and mb else "-")
-            name = {"write": "store", "read": "load"}[phase] if level == "vllm" else phase
-            lines.append(f"| {name} | {_bs(bs)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_phase_name(level, phase)} | {_bs(bs)} | " + " | ".join(cells) + " |")
     lines += [
         "",
         "CPU s/GB (usr+sys), median: whole process, and (vllm level) the tier's own",
@@ -1404,8 +1405,9 @@ def summarize(paths: Sequence[str], plot_path: str | None = None) -> tuple[list[
             elif with_ratio:
                 cells.append("-")
             if any(c != "-" for c in cells):
-                name = {"write": "store", "read": "load"}[phase] if level == "vllm" else phase
-                lines.append(f"| {name} | {_bs(bs)} | " + " | ".join(cells) + " |")
+                lines.append(
+                    f"| {_phase_name(level, phase)} | {_bs(bs)} | " + " | ".join(cells) + " |"
+                )
     if plot_path:
         medians = [
             dataclasses.replace(v[0], bytes=round(med[k] * GB), runtime_s=1.0)
