@@ -1,0 +1,88 @@
+"""The machine under the benchmark: CPU clocks, heap settling, page cache, mounts.
+
+Owns: ``_Cpu`` (process and calling-thread CPU time), ``_settle_heap``,
+``drop_caches`` and ``machine_info`` for the report header. Called from the
+benchmark's own thread; ``drop_caches`` blocks on ``sync``. Imports nothing
+else of the benchmark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import time
+from typing import Any
+
+from nvmetier.config import format_size
+
+
+def _settle_heap() -> None:
+    """Collect, then freeze the heap, as vLLM's engine core does after start-up
+    (``vllm.utils.gc_utils.freeze_gc_heap``). Without it a gen-2 collection over
+    vLLM's and torch's objects lands inside the timed phase (tens of ms each)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+class _Cpu:
+    """Process CPU time (all threads) between construction and ``stop``, and
+    the calling thread's share of it (``thread_s`` after ``stop``)."""
+
+    def __init__(self) -> None:
+        self.thread_s = 0.0
+        self._thread = time.thread_time()
+        self._t = os.times()
+
+    def stop(self) -> tuple[float, float]:
+        t = os.times()
+        self.thread_s = time.thread_time() - self._thread
+        return t.user - self._t.user, t.system - self._t.system
+
+
+def drop_caches() -> tuple[bool, str]:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches``. Never raises."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True, "dropped"
+    except OSError as exc:
+        return False, f"could not drop the page cache ({exc}); buffered reads may be inflated"
+
+
+def _fs_of(path: str) -> str:
+    """``"ext4 on /dev/vda"`` for the mount holding ``path``."""
+    path = os.path.realpath(path)
+    best = ("", "?", "?")
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            dev, mnt, fstype = line.split()[:3]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) > len(best[0]):
+                best = (mnt, fstype, dev)
+    return f"{best[1]} on {best[2]} (mounted at {best[0]})"
+
+
+def machine_info(directory: str) -> dict[str, Any]:
+    cpu = "?"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = 0
+    with contextlib.suppress(OSError, ValueError):
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host_cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "memory": format_size(mem) if mem else "?",
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "filesystem": _fs_of(directory),
+        "free_bytes": shutil.disk_usage(directory).free,
+    }

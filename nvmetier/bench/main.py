@@ -1,0 +1,257 @@
+"""The ``nvmetier bench`` command line: options, dispatch to a level, the report.
+
+Owns: ``build_parser``, ``main`` and the level dispatch. Runs on the calling
+thread and blocks for the length of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+from nvmetier.bench.common import LEVELS, RW_MODES, _bs, _parse_bs_list
+from nvmetier.bench.engine import run_engine_level
+from nvmetier.bench.fio import fio_engine, run_fio
+from nvmetier.bench.machine import machine_info
+from nvmetier.bench.reopen import run_reopen
+from nvmetier.bench.report import PhaseResult, _bytes, cpu_table, plot, summarize, summary_table
+from nvmetier.bench.tier import run_tier_level
+from nvmetier.bench.vllm import run_vllm_level
+from nvmetier.config import parse_size
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="nvmetier bench",
+        description="fio-style benchmark of nvmetier (engine, tier, through vLLM) "
+        "with vLLM's fs tier and fio beside it.",
+    )
+    p.add_argument("--level", choices=LEVELS, default="tier")
+    p.add_argument(
+        "--summarize",
+        nargs="+",
+        metavar="JSON",
+        help="print median tables of earlier --output-format json reports (with --plot: "
+        "plot the medians) and exit",
+    )
+    p.add_argument(
+        "--rw",
+        choices=RW_MODES,
+        default="rw",
+        help="rw = a write pass then a read pass (not fio's mixed rw)",
+    )
+    p.add_argument("--bs", default="64k,256k,2m", help="block/chunk sizes, comma-separated")
+    p.add_argument("--iodepth", type=int, default=32)
+    p.add_argument("--size", default="1g", help="bytes per size, per target (per job)")
+    p.add_argument("--runtime", type=float, default=0.0, help="cap per phase in seconds (0: none)")
+    p.add_argument("--numjobs", type=int, default=1, help="engine/tier levels: parallel jobs")
+    p.add_argument(
+        "--engine",
+        default="threads",
+        help="threads, uring, or a comma-separated list (uring is skipped if unusable)",
+    )
+    p.add_argument("--direct", type=int, choices=(0, 1), default=1)
+    p.add_argument(
+        "--checksum",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="engine level: 0 skips the per-op XXH3 (the raw I/O cost, as fio)",
+    )
+    p.add_argument("--dir", default=None, help="folder for the files (default: a temp dir under .)")
+    p.add_argument("--output-format", choices=("normal", "json"), default="normal")
+    p.add_argument("--compare-fio", action="store_true", help="run fio with the same parameters")
+    p.add_argument("--no-fs-tier", action="store_true", help="vllm level: skip vLLM's fs tier")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of GB/s vs bs")
+    p.add_argument("--keep", action="store_true", help="keep the files it created")
+    p.add_argument("--no-drop-caches", action="store_true")
+    p.add_argument("--primary", default="512m", help="vllm level: CPU primary tier size")
+    p.add_argument(
+        "--store-batch",
+        type=int,
+        default=16,
+        help="vllm level: chunks per store request (one cascade job each)",
+    )
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.2,
+        help="vllm level: pause between simulated engine steps",
+    )
+    p.add_argument(
+        "--retry-ms",
+        type=float,
+        default=5.0,
+        help="vllm level: pause before re-scanning keys a tier answered RETRY (a step)",
+    )
+    p.add_argument("--job-chunks", type=int, default=1, help="tier level: chunks per job")
+    p.add_argument("--lookups", type=int, default=20000, help="vllm level: lookups timed")
+    p.add_argument("--slots", default="1m", help="reopen level: slots in the store (1m = 2^20)")
+    p.add_argument("--profile", action="store_true", help="reopen level: cProfile the open")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.summarize:
+        lines, rc = summarize(args.summarize, args.plot)
+        print("\n".join(lines), file=sys.stderr if rc else sys.stdout)
+        return rc
+    try:
+        args.size = parse_size(args.size, "--size")
+        args.primary = parse_size(args.primary, "--primary")
+        args.slots = parse_size(args.slots, "--slots")
+        bss = _parse_bs_list(args.bs)
+    except ValueError as exc:
+        print(f"nvmetier bench: {exc}", file=sys.stderr)
+        return 2
+    if args.iodepth < 1 or args.numjobs < 1:
+        print("nvmetier bench: --iodepth and --numjobs must be >= 1", file=sys.stderr)
+        return 2
+    if args.level == "vllm" and args.numjobs != 1:
+        print(
+            "nvmetier bench: the vllm level drives one orchestrator; use --numjobs 1",
+            file=sys.stderr,
+        )
+        return 2
+    for bs in bss:
+        if bs % 4096:
+            print(f"nvmetier bench: --bs {bs} is not a multiple of 4096", file=sys.stderr)
+            return 2
+    quiet = args.output_format == "json"
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
+
+    made_dir = args.dir is None
+    if made_dir:
+        args.dir = tempfile.mkdtemp(prefix="nvmetier-bench-", dir=os.getcwd())
+    else:
+        os.makedirs(args.dir, exist_ok=True)
+    args._notes = []
+    report: dict[str, Any] = {
+        "command": "nvmetier bench " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "level": args.level,
+        "params": {
+            "rw": args.rw,
+            "bs": bss,
+            "iodepth": args.iodepth,
+            "size": args.size,
+            "runtime": args.runtime,
+            "numjobs": args.numjobs,
+            "direct": args.direct,
+            "dir": args.dir,
+        },
+        "machine": machine_info(args.dir),
+    }
+    try:
+        rc = _run(args, bss, report, log)
+    finally:
+        import gc
+
+        gc.unfreeze()  # let extension objects die normally at exit
+        if made_dir and not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
+    report["notes"] = args._notes
+    if quiet:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        for n in args._notes:
+            print("note:", n)
+    return rc
+
+
+def _engines(args: argparse.Namespace, log: Callable) -> list[str]:
+    from nvmetier.engine import uring_status
+
+    out = []
+    for e in (x.strip() for x in args.engine.split(",") if x.strip()):
+        if e not in ("threads", "uring"):
+            raise ValueError(f"--engine {e!r}: use threads or uring")
+        if e == "uring":
+            ok, why = uring_status()
+            if not ok:
+                msg = f"skipping --engine uring: io_uring engine unusable here ({why})"
+                args._notes.append(msg)
+                log("note: " + msg)
+                continue
+        out.append(e)
+    return out
+
+
+def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: Callable) -> int:
+    m = report["machine"]
+    log(
+        f"nvmetier bench: level={args.level} rw={args.rw} bs={','.join(_bs(b) for b in bss)} "
+        f"iodepth={args.iodepth} size={_bytes(args.size)} direct={args.direct} dir={args.dir}"
+    )
+    log(
+        f"machine: {m['host_cpus']} CPUs ({m['cpu_model']}), {m['memory']} RAM, "
+        f"kernel {m['kernel']}, {m['filesystem']}"
+    )
+    if args.level == "reopen":
+        report["reopen"] = run_reopen(args, log)
+        return 0
+    try:
+        engines = _engines(args, log)
+    except ValueError as exc:
+        print(f"nvmetier bench: {exc}", file=sys.stderr)
+        return 2
+    fio = None
+    if args.compare_fio:
+        engine, extra, desc = fio_engine(args.dir)
+        if engine is None:
+            args._notes.append(f"--compare-fio skipped: {desc}")
+            log("note: " + args._notes[-1])
+        else:
+            fio = (engine, extra)
+            report["fio_engine"] = desc
+            log(f"fio: {desc}")
+    results: list[PhaseResult] = []
+    lookups: dict[str, Any] = {}
+    for bs in bss:
+        for e in engines:
+            if args.level == "engine":
+                results += run_engine_level(args, bs, e, log)
+            elif args.level == "tier":
+                results += run_tier_level(args, bs, e, log)
+            else:
+                res, lk = run_vllm_level(args, bs, f"nvmetier-{e}", log)
+                results += res
+                if lk is not None:
+                    lookups[f"nvmetier-{e}/{_bs(bs)}"] = lk.to_json()
+        if args.level == "vllm" and not args.no_fs_tier:
+            res, _ = run_vllm_level(args, bs, "fs", log)
+            results += res
+        if fio is not None:
+            # Our tiers place chunks by key hash: compare with fio's random pattern.
+            rand = args.rw.startswith("rand") or args.level in ("tier", "vllm")
+            results += run_fio(args, bs, args.rw, rand, fio[0], fio[1], log, args.level)
+    report["results"] = [r.to_json() for r in results]
+    table, rows = summary_table(results, bss)
+    report["summary"] = rows
+    if lookups:
+        report["lookup_latency"] = lookups
+    if args.output_format != "json":
+        print()
+        print("\n".join(table))
+        print()
+        print("\n".join(cpu_table(results)))
+        for name, lk in lookups.items():
+            print(f"lookup {name}: hit {lk['hit_ns']} miss {lk['miss_ns']} results {lk['results']}")
+    if args.plot:
+        title = (
+            f"nvmetier bench --level {args.level}, iodepth {args.iodepth}, "
+            f"{_bytes(args.size)} per size, direct={args.direct}"
+        )
+        msg = plot(results, args.plot, title)
+        log(msg)
+        if msg.startswith("matplotlib"):
+            args._notes.append(msg)
+    return 0

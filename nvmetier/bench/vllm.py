@@ -1,0 +1,358 @@
+"""The ``vllm`` level: vLLM's real orchestrator with our tier and with vLLM's ``fs`` tier.
+
+Owns: ``run_vllm_level`` (store, then load, through ``TieringOffloadingManager``
+with a simulated GPU worker), the direct lookup timing, and ``_TierClock``,
+which attributes CPU time to a secondary tier (also used by the trace level).
+Runs on the calling thread, which plays vLLM's scheduler thread; blocks for
+the length of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from nvmetier.bench.common import _bs, _note_drop
+from nvmetier.bench.machine import _Cpu, _settle_heap
+from nvmetier.bench.report import LookupStats, PhaseResult, _percentiles, _phase_line
+
+
+class _TierClock:
+    """CPU time a secondary tier costs, apart from vLLM's and the harness's.
+
+    Every method of the ``SecondaryTierManager`` interface is wrapped on the
+    instance (the orchestrator calls them through the instance) to add up the
+    scheduler thread's CPU time spent inside them. The tier's own threads (our
+    engine's I/O thread or pool, the ``fs`` tier's workers) are the process's
+    other threads: in this benchmark every thread but the scheduler's belongs
+    to the tier. So the tier's CPU = time inside its methods + (process CPU -
+    scheduler-thread CPU). Scheduler thread only.
+    """
+
+    METHODS = (
+        "lookup",
+        "touch",
+        "on_new_request",
+        "on_request_finished",
+        "on_schedule_end",
+        "submit_store",
+        "submit_load",
+        "get_finished_jobs",
+        "has_pending_work",
+        "take_events",
+        "drain_jobs",
+        "serve_external_requests",
+    )
+
+    def __init__(self, tier: Any) -> None:
+        self.inside_ns = 0
+        self._tier = tier
+        self._wrapped: list[str] = []
+        for name in self.METHODS:
+            method = getattr(tier, name, None)
+            if callable(method) and name not in vars(tier):
+                setattr(tier, name, self._wrap(method))
+                self._wrapped.append(name)
+
+    def remove(self) -> None:
+        """Unwrap the methods (before timing one of them directly)."""
+        for name in self._wrapped:
+            delattr(self._tier, name)
+        self._wrapped = []
+
+    def _wrap(self, method: Callable) -> Callable:
+        clock = time.thread_time_ns
+
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.inside_ns += clock() - t0
+
+        return timed
+
+    def start(self) -> _Cpu:
+        self.inside_ns = 0
+        return _Cpu()
+
+    def tier_s(self, cpu: _Cpu, usr: float, sys_: float) -> float:
+        """The tier's CPU seconds since ``start`` (call after ``cpu.stop``)."""
+        other_threads = max(0.0, usr + sys_ - cpu.thread_s)
+        return other_threads + self.inside_ns / 1e9
+
+
+def _vllm_tier_dict(args: argparse.Namespace, which: str, root: str, bs: int, n: int) -> dict:
+    if which == "fs":
+        return {"type": "fs", "root_dir": root}
+    cap = 2 * n * (bs + 128) + (64 << 20)
+    return {
+        "type": "NvmeTierManager",
+        "module_path": "nvmetier.vllm",
+        "root_dir": root,
+        "capacity_bytes": cap,
+        "io_engine": which.removeprefix("nvmetier-"),
+        "io_threads": args.iodepth,
+        "queue_depth": args.iodepth,
+        "o_direct": bool(args.direct),
+        "persist": False,
+    }
+
+
+def run_vllm_level(
+    args: argparse.Namespace, bs: int, which: str, log: Callable
+) -> tuple[list[PhaseResult], LookupStats | None]:
+    """Store then load ``--size`` bytes of ``bs`` chunks through vLLM's orchestrator."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    from nvmetier.vllm.harness import SimulatedEngine, key_of, make_config
+
+    n = args.size // bs
+    cpu_chunks = max(1, args.primary // bs)
+    root = os.path.join(args.dir, f"vllm-{which}-{bs}")
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    tier = _vllm_tier_dict(args, which, root, bs, n)
+    eng = SimulatedEngine(make_config([tier], chunk_bytes=bs, cpu_chunks=cpu_chunks))
+    m = eng.manager
+    clock = _TierClock(eng.tiers[0])
+    keys = [key_of(i) for i in range(n)]
+    index_of = {k: i for i, k in enumerate(keys)}
+    base = np.frombuffer(os.urandom(bs), dtype=np.uint8)
+    end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+    step_s = args.step_ms / 1000.0
+    results: list[PhaseResult] = []
+    lookups: LookupStats | None = None
+
+    def wait_idle(timeout_s: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with m.lock:
+                m.on_schedule_end(end)
+                if not m.has_pending_work():
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{which}: tiers still busy after {timeout_s:.0f}s")
+            time.sleep(step_s)
+
+    try:
+        _note_drop(args, log)
+        # ---- store: GPU -> primary, cascaded by the orchestrator to the tier.
+        batch = max(1, min(args.store_batch, cpu_chunks))
+        # In a deployment the GPU's copy engine fills a row, not a CPU: write
+        # the pattern into every row now, untimed, and only each chunk's 8-byte
+        # stamp inside the timed phase, so the CPU figures are the tier's and
+        # the orchestrator's rather than a simulated memcpy's.
+        eng.rows[:] = base
+        _settle_heap()
+        cpu = clock.start()
+        t0 = time.perf_counter()
+        i = 0
+        req = 0
+        full_waits = 0
+        while i < n:
+            part = keys[i : i + batch]
+            ctx = ReqContext(req_id=f"store-{req}")
+            req += 1
+            with m.lock:
+                m.on_new_request(ctx)
+                out = m.prepare_store(part, ctx)
+                if out is None:
+                    m.on_request_finished(ctx)
+                    m.on_schedule_end(end)
+            if out is None:  # primary full of chunks still being cascaded
+                full_waits += 1
+                time.sleep(step_s)
+                continue
+            for key, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+                eng.rows[int(cid), :8] = np.frombuffer(
+                    index_of[key].to_bytes(8, "little"), dtype=np.uint8
+                )
+            with m.lock:
+                if out.keys_to_store:
+                    m.complete_store(out.keys_to_store, ctx)
+                m.on_request_finished(ctx)
+                m.on_schedule_end(end)
+            i += batch
+        wait_idle()
+        elapsed = time.perf_counter() - t0
+        usr, sys_ = cpu.stop()
+        tier_s = clock.tier_s(cpu, usr, sys_)
+        stored_bytes = n * bs
+        extra: dict[str, Any] = {
+            "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
+            "chunks": n,
+            "store_batch": batch,
+            "primary_full_waits": full_waits,
+        }
+        if which != "fs":
+            st = eng.tiers[0].store.stats()
+            stored_bytes = int(st.get("bytes_written", 0))
+            extra["dropped"] = {
+                k: st.get(k, 0)
+                for k in ("stores_dropped_set_busy", "stores_dropped_queue_full", "evictions")
+            }
+        res = PhaseResult(
+            "vllm",
+            which,
+            "write",
+            bs,
+            stored_bytes,
+            elapsed,
+            stored_bytes // bs,
+            {},
+            usr,
+            sys_,
+            extra=extra,
+            tier_cpu_s=tier_s,
+        )
+        log(_phase_line(res))
+        results.append(res)
+
+        # ---- load: empty the primary, then promote in batches of its capacity.
+        _note_drop(args, log)
+        eng.reset_primary()
+        # Zero the rows (untimed) so that a verified row proves its load.
+        eng.rows[:] = 0
+        _settle_heap()
+        per_req = cpu_chunks
+        loaded = misses = retries = 0
+        job_lat: list[float] = []
+        lookup_s = 0.0
+        retry_s = args.retry_ms / 1000.0
+        cpu = clock.start()
+        busy = 0.0
+        last: list[bytes] = []
+        for b in range(0, n, per_req):
+            part = keys[b : b + per_req]
+            ctx = ReqContext(req_id=f"load-{b}")
+            t0 = time.perf_counter()
+            with m.lock:
+                m.on_new_request(ctx)
+            pending = part
+            promoted = []
+            while pending:
+                still = []
+                with m.lock:
+                    for key in pending:
+                        r = m.lookup(key, ctx)
+                        if r is LookupResult.RETRY:
+                            still.append(key)
+                        elif r is LookupResult.MISS:
+                            misses += 1
+                        else:
+                            promoted.append(key)
+                    m.on_schedule_end(ScheduleEndContext((ctx.req_id,), ()))
+                retries += len(still)
+                pending = still
+                if pending:
+                    # A real scheduler re-scans a deferred request once per
+                    # step; re-scanning every 0.2 ms would starve the tier's
+                    # lookup thread of the GIL.
+                    time.sleep(retry_s)
+            lookup_s += time.perf_counter() - t0
+            wait_idle()
+            dt = time.perf_counter() - t0
+            busy += dt
+            job_lat.append(dt)
+            # Not timed: which promoted keys actually landed in the primary.
+            probe = ReqContext(req_id=f"probe-{b}")
+            with m.lock:
+                landed = sum(m.primary_tier.lookup(k, probe) is LookupResult.HIT for k in promoted)
+                m.on_request_finished(ctx)
+            loaded += landed
+            last = [k for k in promoted[:: max(1, len(promoted) // 32)]][:32]
+        usr, sys_ = cpu.stop()
+        tier_s = clock.tier_s(cpu, usr, sys_)
+        verified = _vllm_verify(eng, last, index_of, base)
+        res = PhaseResult(
+            "vllm",
+            which,
+            "read",
+            bs,
+            loaded * bs,
+            busy,
+            loaded,
+            _percentiles(job_lat),
+            usr,
+            sys_,
+            errors=n - loaded,
+            extra={
+                "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
+                "chunks": n,
+                "chunks_per_request": per_req,
+                "lookup_misses": misses,
+                "lookup_retries": retries,
+                "lookup_and_submit_s": round(lookup_s, 4),
+                "verified_sample": f"{verified}/{len(last)}",
+                "latency_unit": "promotion batch",
+            },
+            tier_cpu_s=tier_s,
+        )
+        log(_phase_line(res))
+        results.append(res)
+        clock.remove()
+        if which != "fs":
+            lookups = _lookup_latency(eng, keys, n, args.lookups)
+            log(
+                f"  lookup {which} bs={_bs(bs)}: "
+                f"hit p50 {lookups.hit_ns.get('p50', 0) / 1e3:.2f} us"
+                f" p99 {lookups.hit_ns.get('p99', 0) / 1e3:.2f} us; miss p50 "
+                f"{lookups.miss_ns.get('p50', 0) / 1e3:.2f} us p99 "
+                f"{lookups.miss_ns.get('p99', 0) / 1e3:.2f} us; {lookups.results}"
+            )
+    finally:
+        eng.shutdown()
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return results, lookups
+
+
+def _vllm_verify(
+    eng: Any, sample: list[bytes], index_of: dict[bytes, int], base: np.ndarray
+) -> int:
+    """Count sample keys whose primary bytes are the ones stored."""
+    if not sample:
+        return 0
+    got = eng.read_primary(sample)
+    ok = 0
+    for key, row in zip(sample, got, strict=True):
+        want = base.copy()
+        want[:8] = np.frombuffer(index_of[key].to_bytes(8, "little"), dtype=np.uint8)
+        ok += bool(np.array_equal(row, want))
+    return ok
+
+
+def _lookup_latency(eng: Any, keys: list[bytes], n: int, count: int) -> LookupStats:
+    """Time ``NvmeTierManager.lookup`` directly: stored keys (hits) and absent ones."""
+    from vllm.v1.kv_offload.base import ReqContext, ScheduleEndContext
+
+    from nvmetier.vllm.harness import key_of
+
+    tier = eng.tiers[0]
+    ctx = ReqContext(req_id="lookup-bench")
+    rng = np.random.default_rng(7)
+    hits = [keys[int(i)] for i in rng.integers(0, n, size=count)]
+    misses = [key_of(n + 1_000_000 + i) for i in range(count)]
+    outcomes: dict[str, int] = {}
+    perf = time.perf_counter_ns
+    out: list[list[float]] = []
+    with eng.manager.lock:
+        for sample in (hits, misses):
+            lat = []
+            for key in sample:
+                t = perf()
+                r = tier.lookup(key, ctx)
+                lat.append((perf() - t) / 1e9)
+                outcomes[r.name] = outcomes.get(r.name, 0) + 1
+            out.append(lat)
+            tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+    return LookupStats(_percentiles(out[0]), _percentiles(out[1]), outcomes)
