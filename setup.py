@@ -1,8 +1,10 @@
-"""Build hook for the optional native io_uring extension (``nvmetier._uring``).
+"""Build hooks for the native extensions.
 
-The extension is optional: when liburing or a C compiler is missing, the build
-prints one warning and the package installs without it (the thread engine is
-then used). liburing is linked statically where ``liburing.a`` exists, so an
+- ``nvmetier._table`` (the process-shared slot table and the data path) needs
+  only a C compiler and is required: a store cannot open without it.
+- ``nvmetier._uring`` (the io_uring engine) is optional: when liburing is
+  missing, the build prints one warning and the package installs without it
+  (the thread engine is then used). liburing is linked statically where ``liburing.a`` exists, so an
 installed wheel needs nothing at run time.
 """
 
@@ -27,17 +29,11 @@ def _uring_link_args() -> tuple[list[str], list[str]]:
 class OptionalBuildExt(build_ext):
     """build_ext that tolerates a failed optional extension."""
 
-    def run(self) -> None:
-        try:
-            super().run()
-        except Exception as exc:  # compiler missing
-            self._warn(exc)
-
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
         except Exception as exc:  # liburing missing, compile error
-            if os.environ.get("NVMETIER_REQUIRE_NATIVE") == "1":
+            if ext.name in REQUIRED or os.environ.get("NVMETIER_REQUIRE_NATIVE") == "1":
                 raise
             self._warn(exc)
 
@@ -49,9 +45,22 @@ class OptionalBuildExt(build_ext):
         )
 
 
+REQUIRED = ("nvmetier._table",)
+COMPILE_ARGS = ["-O2", "-Wall", "-Werror", "-std=gnu11", "-fvisibility=hidden"]
+TABLE_SOURCES = ["native/nvt_table.c", "native/nvt_hash.c", "native/nvt_hash_avx2.c"]
+
 extra_objects, libraries = _uring_link_args()
-native_sources = sorted(glob.glob("native/*.c"))
-ext_modules = []
+native_sources = sorted(set(glob.glob("native/*.c")) - {"native/nvt_table.c"})
+ext_modules = [
+    Extension(
+        "nvmetier._table",
+        sources=TABLE_SOURCES,
+        depends=sorted(glob.glob("native/*.h")),
+        include_dirs=["native"],
+        extra_compile_args=COMPILE_ARGS,
+        libraries=["pthread"],
+    )
+]
 if native_sources:
     ext_modules.append(
         Extension(
@@ -62,7 +71,7 @@ if native_sources:
             # Hidden visibility (and, for the static liburing, --exclude-libs) so
             # only PyInit__uring is exported: another liburing.so loaded in the
             # process cannot interpose on the one this module was built with.
-            extra_compile_args=["-O2", "-Wall", "-Werror", "-std=gnu11", "-fvisibility=hidden"],
+            extra_compile_args=COMPILE_ARGS,
             extra_link_args=["-Wl,--exclude-libs,ALL"] if extra_objects else [],
             extra_objects=extra_objects,
             libraries=libraries,

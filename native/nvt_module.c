@@ -35,7 +35,20 @@ typedef struct {
     nvt_config cfg;
     nvt_completion_batch spare; /* reused by wait(); guarded by the GIL */
     int spare_busy;
+    int mode; /* 0: no op yet, 1: object ops (submit/wait), 2: raw ops (submit_raw/wait_raw) */
 } NvtEngineObject;
+
+/* An engine carries either op objects (op_id = a strong reference) or raw
+ * ops (op_id = the caller's integer); mixing them would decref integers. */
+static int nvt_use_mode(NvtEngineObject *self, int mode) {
+    if (self->mode && self->mode != mode) {
+        PyErr_SetString(PyExc_ValueError, mode == 2 ? "raw ops on an engine that carries op objects"
+                                                    : "op objects on an engine that carries raw ops");
+        return -1;
+    }
+    self->mode = mode;
+    return 0;
+}
 
 /* Interned attribute names of base.Op; set at module init. */
 static PyObject *nvt_str_op_id, *nvt_str_kind, *nvt_str_file_idx, *nvt_str_file_offset,
@@ -197,7 +210,8 @@ static void NvtEngine_dealloc(NvtEngineObject *self) {
         nvt_engine_close(self->eng);
         Py_END_ALLOW_THREADS
         nvt_engine_wait(self->eng, 0, &left);
-        nvt_drop_completions(&left);
+        if (self->mode != 2)
+            nvt_drop_completions(&left);
         free(left.items);
         nvt_engine_free(self->eng);
         self->eng = NULL;
@@ -217,6 +231,8 @@ PyDoc_STRVAR(submit_doc, "submit(ops) -> bool\n\n"
 
 static PyObject *NvtEngine_submit(NvtEngineObject *self, PyObject *ops) {
     nvt_op stack_ops[NVT_STACK_OPS];
+    if (nvt_use_mode(self, 1) < 0)
+        return NULL;
     PyObject *seq = PySequence_Fast(ops, "ops must be a sequence");
     if (!seq)
         return NULL;
@@ -254,6 +270,10 @@ static PyObject *NvtEngine_wait(NvtEngineObject *self, PyObject *arg) {
     double timeout_s = PyFloat_AsDouble(arg);
     if (timeout_s == -1.0 && PyErr_Occurred())
         return NULL;
+    if (self->mode == 2) {
+        PyErr_SetString(PyExc_ValueError, "wait() on an engine that carries raw ops: use wait_raw()");
+        return NULL;
+    }
 
     nvt_completion_batch batch = {0};
     int own_spare = !self->spare_busy;
@@ -316,6 +336,92 @@ static PyObject *NvtEngine_wait(NvtEngineObject *self, PyObject *arg) {
     return list;
 }
 
+PyDoc_STRVAR(submit_raw_doc, "submit_raw(ops) -> bool\n\n"
+                             "Queue packed nvt_op records (a bytes-like object, OP_BYTES each; op_id is\n"
+                             "the caller's integer, echoed in wait_raw()). Returns False, queuing\n"
+                             "nothing, once close() has begun. Never blocks on I/O.");
+
+static PyObject *NvtEngine_submit_raw(NvtEngineObject *self, PyObject *arg) {
+    if (nvt_use_mode(self, 2) < 0)
+        return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (v.len % (Py_ssize_t)sizeof(nvt_op)) {
+        PyBuffer_Release(&v);
+        PyErr_Format(PyExc_ValueError, "packed ops must be a multiple of %zu bytes", sizeof(nvt_op));
+        return NULL;
+    }
+    size_t n = (size_t)v.len / sizeof(nvt_op);
+    int ret = 0;
+    if (n) {
+        /* The engine copies the ops; the buffer may be unaligned, so copy first when it is. */
+        if (((uintptr_t)v.buf % _Alignof(nvt_op)) == 0) {
+            ret = nvt_engine_submit(self->eng, (const nvt_op *)v.buf, n);
+        } else {
+            nvt_op *tmp = PyMem_Malloc(v.len);
+            if (!tmp) {
+                PyBuffer_Release(&v);
+                return PyErr_NoMemory();
+            }
+            memcpy(tmp, v.buf, (size_t)v.len);
+            ret = nvt_engine_submit(self->eng, tmp, n);
+            PyMem_Free(tmp);
+        }
+    }
+    PyBuffer_Release(&v);
+    if (ret == -ENOMEM)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(ret == 0);
+}
+
+PyDoc_STRVAR(wait_raw_doc, "wait_raw(timeout_s) -> bytes\n\n"
+                           "Like wait(), for raw ops: packed nvt_completion records (COMPLETION_BYTES\n"
+                           "each: op_id u64, result i64, checksum u64). b'' on timeout.");
+
+static PyObject *NvtEngine_wait_raw(NvtEngineObject *self, PyObject *arg) {
+    double timeout_s = PyFloat_AsDouble(arg);
+    if (timeout_s == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (self->mode == 1) {
+        PyErr_SetString(PyExc_ValueError, "wait_raw() on an engine that carries op objects");
+        return NULL;
+    }
+    nvt_completion_batch batch = {0};
+    int own_spare = !self->spare_busy;
+    if (own_spare) {
+        batch = self->spare;
+        self->spare_busy = 1;
+    }
+    batch.len = 0;
+    if (timeout_s <= 0) {
+        nvt_engine_wait(self->eng, 0, &batch);
+    } else {
+        double left = timeout_s;
+        while (!batch.len && left > 0) {
+            double slice = left < NVT_WAIT_SLICE_S ? left : NVT_WAIT_SLICE_S;
+            Py_BEGIN_ALLOW_THREADS
+            nvt_engine_wait(self->eng, slice, &batch);
+            Py_END_ALLOW_THREADS
+            left -= slice;
+            if (!batch.len && left > 0 && PyErr_CheckSignals() < 0)
+                break;
+        }
+    }
+    PyObject *out = NULL;
+    if (!PyErr_Occurred())
+        out = PyBytes_FromStringAndSize((const char *)batch.items,
+                                        (Py_ssize_t)(batch.len * sizeof(nvt_completion)));
+    batch.len = 0;
+    if (own_spare) {
+        self->spare = batch;
+        self->spare_busy = 0;
+    } else {
+        free(batch.items);
+    }
+    return out;
+}
+
 PyDoc_STRVAR(close_doc, "close()\n\n"
                         "Cancel queued ops (-ECANCELED), let ops in the ring finish, join the I/O\n"
                         "thread, close the ring and release the buffer. Idempotent.");
@@ -348,6 +454,8 @@ static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignor
 static PyMethodDef NvtEngine_methods[] = {
     {"submit", (PyCFunction)NvtEngine_submit, METH_O, submit_doc},
     {"wait", (PyCFunction)NvtEngine_wait, METH_O, wait_doc},
+    {"submit_raw", (PyCFunction)NvtEngine_submit_raw, METH_O, submit_raw_doc},
+    {"wait_raw", (PyCFunction)NvtEngine_wait_raw, METH_O, wait_raw_doc},
     {"close", (PyCFunction)NvtEngine_close, METH_NOARGS, close_doc},
     {"info", (PyCFunction)NvtEngine_info, METH_NOARGS, info_doc},
     {NULL, NULL, 0, NULL},

@@ -16,6 +16,7 @@ from typing import Any
 from nvmetier.errors import ConfigError
 
 DEFAULT_WAYS = 16
+SHARING_MODES = ("node", "process")
 
 _UNITS = {
     "": 1,
@@ -122,6 +123,7 @@ class TierConfig:
     admit_after_lookups: int = 0
     persist: bool = True
     locality: str | None = None
+    sharing: str = "node"
     capacity_per_path: tuple[int, ...] | None = None
 
     @classmethod
@@ -194,6 +196,11 @@ class TierConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
         if self.o_direct not in ("auto", True, False):
             raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")
+        if self.sharing not in SHARING_MODES:
+            raise ConfigError(
+                f"sharing={self.sharing!r} is not a sharing mode; use 'node' (one store shared by "
+                "every process on this machine) or 'process' (an exclusive store per process)"
+            )
         if self.locality not in (None, "local", "remote", "LOCAL", "REMOTE"):
             raise ConfigError(f"locality={self.locality!r} must be 'local' or 'remote'")
 

@@ -1,9 +1,27 @@
-"""Files of a store: directories, the lock, the superblock, the mapped index
-and the preallocated data files (one per root directory, one per drive).
+"""Files of a store: directories, the locks, the superblock, the mapped index,
+the mapped shared slot table and the preallocated data files (one per root
+directory, one per drive).
 
-Owns: every fd of a store and the mapping of its index. Called on the
+Owns: every fd of a store, the mappings of its index and table, and this
+process's attachment to the store (``nvmetier._table.Table``). Called on the
 constructing thread (open/create, blocking, may take seconds to preallocate)
 and at shutdown. The O_DIRECT probe runs once per directory.
+
+Sharing protocol (``sharing: node``), with two files in the main store dir:
+
+- ``lock.init``: an exclusive flock held only while a process opens or closes
+  the store, so opens and closes never interleave (a dead holder's flock is
+  released by the kernel);
+- ``lock``: every attached process holds a *shared* flock on it for its whole
+  life. An opener that gets it *exclusively* (non-blocking) is alone: it may
+  create the store, rebuild the table from the records and clear the clean
+  flags, then converts to shared (safe: ``lock.init`` keeps other openers
+  out). A closer that gets it exclusively is the last sharer: it sweeps the
+  table and marks the store clean. ``sharing: process`` keeps it exclusive
+  for the process's life, so any other opener gets ``StoreLockedError``, and
+  so does an exclusive opener while sharers are attached. Each sharer also
+  holds an OFD byte lock on ``lock`` naming its registry entry in the table
+  (its pid), which is how the table tells a dead writer from a live one.
 """
 
 from __future__ import annotations
@@ -20,6 +38,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from nvmetier import format as fmt
 from nvmetier.config import DEFAULT_WAYS
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
@@ -30,9 +50,75 @@ SUPERBLOCK_NAME = "superblock"
 INDEX_NAME = "index"
 DATA_NAME = "data"
 LOCK_NAME = "lock"
+INIT_LOCK_NAME = "lock.init"
+TABLE_NAME = "table"
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
+_MAX_LOGGED_DROPS = 20
+
+
+def _lock_file(directory: str, name: str, how: int) -> int:
+    """Open ``directory/name`` and flock it (blocking); returns the fd."""
+    fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+    try:
+        fcntl.flock(fd, how)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unlock_file(fd: int) -> None:
+    if fd >= 0:
+        os.close(fd)  # closing the only fd of the open file drops its flock
+
+
+def _fallocate(fd: int, size: int, path: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreSpaceError(
+                f"preallocating {size} bytes at {path!r} failed: no space left; "
+                "lower capacity_bytes or free space on that drive"
+            ) from exc
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
+
+
+def _zero(mm: mmap.mmap) -> None:
+    zeros = bytes(1 << 20)
+    for off in range(0, len(mm), len(zeros)):
+        n = min(len(zeros), len(mm) - off)
+        mm[off : off + n] = zeros[:n]
+
+
+def sharers(store_dir: str) -> list[tuple[int, int]]:
+    """``(pid, attached_ns)`` of every process attached to the store in
+    ``store_dir`` (read-only; empty when none, or when it has no table)."""
+    try:
+        import nvmetier._table as _table
+    except ImportError:  # pragma: no cover - the table is a required extension
+        return []
+    try:
+        lock_fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return []
+    try:
+        with open(os.path.join(store_dir, TABLE_NAME), "rb") as f:
+            head = f.read(fmt.TABLE_HEADER_BYTES)
+        return [(pid, at) for _i, pid, at in _table.sharers(head, lock_fd)]
+    except (OSError, ValueError):
+        return []
+    finally:
+        os.close(lock_fd)
+
+
+def sharer_pids(store_dir: str) -> list[int]:
+    """The pids of the processes attached to the store in ``store_dir``."""
+    return [pid for pid, _at in sharers(store_dir)]
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
@@ -131,8 +217,20 @@ class StoreFiles:
         self.o_direct = False
         self.o_direct_reason = ""
         self.created = False
+        self.alone = False  # the first process attached (it prepared the table)
+        self.exclusive = False
+        self.table: Any = None  # nvmetier._table.Table once attached
+        self.table_map: mmap.mmap
+        self.records_dropped = 0
+        self.table_rebuilt = False
         self._lock_fd = -1
+        self._init_fd = -1
         self._index_fd = -1
+        self._table_fd = -1
+        self._row_bytes = 0
+        self._n_rows = 0
+        self._lease_ns = 0
+        self._wipe = False
 
     @classmethod
     def open(
@@ -147,19 +245,37 @@ class StoreFiles:
         o_direct: str | bool = "auto",
         create: bool = True,
         capacity_per_path: tuple[int, ...] | None = None,
+        sharing: str = "node",
+        row_bytes: int | None = None,
+        n_rows: int = 0,
+        lease_ns: int = 5_000_000_000,
+        wipe: bool = False,
     ) -> StoreFiles:
-        """Open the store ``store_name`` under ``roots``, creating it if absent.
+        """Open the store ``store_name`` under ``roots``, creating it if absent,
+        and attach to its shared slot table.
+
+        Args:
+            sharing: ``node`` (attach beside other processes) or ``process``
+                (exclusive; fails while any other process is attached).
+            row_bytes, n_rows: the caller's buffer geometry (ops address rows).
+            lease_ns: how long a lookup hit or a load protects its slot.
+            wipe: forget every chunk when this process is the first attached
+                (an ephemeral store left behind by a crash).
 
         Raises:
             ConfigError: a root is a file, unwritable, or the existing store
                 has another geometry than the configuration asks for.
-            StoreLockedError: another process has the store open.
+            StoreLockedError: another process has the store open exclusively,
+                or ``sharing="process"`` while other processes are attached.
             StoreSpaceError: not enough free space to preallocate.
             FormatError: the existing store is corrupt or of another version
                 or layout identity.
         """
         self = cls()
         layout = Layout(capacity_bytes, chunk_bytes, ways, identity, capacity_per_path)
+        self.exclusive = sharing == "process"
+        self._row_bytes = row_bytes or chunk_bytes
+        self._n_rows, self._lease_ns, self._wipe = n_rows, lease_ns, wipe
         try:
             self._open(roots, store_name, layout, o_direct, create)
         except BaseException:
@@ -188,41 +304,141 @@ class StoreFiles:
             raise FormatError(f"{main!r} is not an nvmetier store (no superblock)")
         for d in self.dirs:
             _ensure_dir(d, "store directory")
-        self._lock(main)
-        if exists:
-            self.sb = self._read_superblock(sb_path)
-            self._check_same_layout(layout)
-        else:
-            self._create(layout)
-            self.created = True
-        self._choose_o_direct(o_direct)
-        self._open_index()
-        self._open_data()
-        # Mark the store open (not clean) until an orderly close.
-        self._write_superblock(dataclasses.replace(self.sb, clean=False))
-        self._record_owner()
+        self._init_fd = _lock_file(main, INIT_LOCK_NAME, fcntl.LOCK_EX)
+        try:
+            self._lock(main)
+            exists = os.path.exists(sb_path)
+            if exists:
+                self.sb = self._read_superblock(sb_path)
+                self._check_same_layout(layout)
+            elif not self.alone:
+                raise FormatError(f"{main!r} has sharers attached but no superblock")
+            else:
+                self._create(layout)
+                self.created = True
+            self._choose_o_direct(o_direct)
+            self._open_index()
+            self._open_data()
+            self._open_table()
+            if self.alone:
+                # Mark the store open (not clean) until the last sharer closes it.
+                self._write_superblock(dataclasses.replace(self.sb, clean=False))
+                if not self.exclusive:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
+            self._record_owner()
+        finally:
+            _unlock_file(self._init_fd)
+            self._init_fd = -1
 
     # --- lock -----------------------------------------------------------------
     def _lock(self, main: str) -> None:
+        """Take ``lock``: exclusively when alone (or ``sharing: process``),
+        else shared. Called with ``lock.init`` held."""
         path = os.path.join(main, LOCK_NAME)
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        self._lock_fd = fd
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.alone = True
+            return
         except OSError as exc:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        holders = [str(p) for p in sharer_pids(main)] or [
+            os.pread(fd, 64, 0).decode(errors="replace").strip()
+        ]
+        who = ", ".join(p for p in holders if p) or "unknown"
+        if self.exclusive:
+            raise StoreLockedError(
+                f"store {main!r} is in use by another process (pid {who}) and sharing is "
+                "'process' (exclusive); stop that process, give this one another root_dir, "
+                "or set sharing: 'node' to share the store"
+            )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise StoreLockedError(
-                    f"store {main!r} is in use by another process (pid {holder}); "
-                    "stop that process or give this one another root_dir"
+                    f"store {main!r} is in use by another process (pid {who}) that holds it "
+                    "exclusively (sharing: 'process', or fsck --repair); stop that process "
+                    "or give this one another root_dir"
                 ) from exc
             raise
-        self._lock_fd = fd
 
     def _record_owner(self) -> None:
-        """Write our pid into the lock file (only once the open succeeded)."""
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        """Write our pid into the lock file of an exclusive store (only once
+        the open succeeded); sharers are named by the table's registry."""
+        if self.exclusive:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+
+    # --- shared table ---------------------------------------------------------
+    def _open_table(self) -> None:
+        """Map the table; when alone, prove it or rebuild it from the records.
+
+        The table is trusted as it stands only when the last process to use
+        the store marked it clean (and the superblock agrees); otherwise it is
+        rebuilt from the index records, which are the durable truth.
+        """
+        import nvmetier._table as _table
+
+        path = os.path.join(self.dirs[0], TABLE_NAME)
+        size = self.sb.table_bytes
+        rebuild: np.ndarray | None = None
+        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        self._table_fd = fd
+        if os.fstat(fd).st_size != size:
+            if not self.alone:
+                raise FormatError(f"{path!r} has the wrong size while sharers are attached")
+            os.ftruncate(fd, 0)
+            _fallocate(fd, size, path)
+        self.table_map = mmap.mmap(fd, size)
+        if self.alone:
+            head = _table.header(self.table_map)
+            trusted = (
+                head["valid"]
+                and head["clean"]
+                and self.sb.clean
+                and head["n_slots"] == self.sb.n_slots
+                and head["ways"] == self.sb.ways
+                and not self._wipe
+            )
+            if self._wipe:
+                _zero(self.index)
+            _table.format(self.table_map, self.sb.n_slots, self.sb.ways, trusted)
+            if not trusted:
+                rebuild = self._scan_records()
+        elif not _table.header(self.table_map)["valid"]:
+            raise FormatError(f"{path!r} is not a valid table while sharers are attached")
+        self.table = _table.Table(
+            self.table_map,
+            self.index,
+            self._lock_fd,
+            n_paths=self.sb.n_paths,
+            slot_bytes=self.sb.slot_bytes,
+            row_bytes=self._row_bytes,
+            n_rows=self._n_rows,
+            lease_ns=self._lease_ns,
+        )
+        if rebuild is not None:
+            self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64))
+            self.table_rebuilt = True
+        self.table.attach()
+
+    def _scan_records(self) -> np.ndarray:
+        """The slots whose records prove valid; bad records are zeroed."""
+        from nvmetier import recovery
+
+        scan = recovery.scan_index(self.index, self.sb.n_slots, self.sb.ways)
+        rb = fmt.RECORD_BYTES
+        for slot, _reason in scan.bad:
+            self.index[slot * rb : (slot + 1) * rb] = fmt.EMPTY_RECORD
+        for slot, reason in scan.bad[:_MAX_LOGGED_DROPS]:
+            logger.warning("nvmetier: dropping index record of slot %d: %s", slot, reason)
+        if len(scan.bad) > _MAX_LOGGED_DROPS:
+            logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
+        self.records_dropped = len(scan.bad)
+        return scan.slots
 
     # --- superblock -----------------------------------------------------------
     def _read_superblock(self, path: str) -> fmt.Superblock:
@@ -282,7 +498,7 @@ class StoreFiles:
             identity=layout.identity,
         )
         # Check space on every drive before writing anything big.
-        need_main = sb.superblock_bytes + fmt.align_up(sb.index_bytes)
+        need_main = sb.superblock_bytes + fmt.align_up(sb.index_bytes) + sb.table_bytes
         for i, d in enumerate(self.dirs):
             need = sb.data_file_bytes + (need_main if i == 0 else 0)
             free = shutil.disk_usage(d).free
@@ -301,17 +517,7 @@ class StoreFiles:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
         try:
             os.ftruncate(fd, 0)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
-                    raise StoreSpaceError(
-                        f"preallocating {size} bytes at {path!r} failed: no space left; "
-                        "lower capacity_bytes or free space on that drive"
-                    ) from exc
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
+            _fallocate(fd, size, path)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -365,25 +571,64 @@ class StoreFiles:
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
 
-    def close(self, clean: bool = True) -> None:
-        """Flush, mark the superblock clean (if ``clean``), close every fd."""
-        if hasattr(self, "index") and not self.index.closed:
-            self.flush_index()
-            self.index.close()
-        if self._index_fd >= 0:
-            os.close(self._index_fd)
-            self._index_fd = -1
-        for fd in self.data_fds:
+    def close(self, clean: bool = True) -> bool:
+        """Detach; the last sharer also sweeps the table and, when ``clean``,
+        marks the table and the superblock clean. Closes every fd.
+
+        Returns:
+            True when this process was the last one attached (nobody else
+            holds the store now).
+        """
+        last = False
+        init_fd = -1
+        if self._lock_fd >= 0 and self.table is not None and self.dirs:
+            # Serialize with opens: no process attaches while we decide.
             with contextlib.suppress(OSError):
-                os.fsync(fd)
-            os.close(fd)
-        self.data_fds = []
-        if clean and self._lock_fd >= 0 and hasattr(self, "sb"):
-            with contextlib.suppress(OSError):
-                self._write_superblock(dataclasses.replace(self.sb, clean=True))
-        if self._lock_fd >= 0:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+                init_fd = _lock_file(self.dirs[0], INIT_LOCK_NAME, fcntl.LOCK_EX)
+        try:
+            if self.table is not None:
+                self.table.detach()
+            if self._lock_fd >= 0:
+                try:
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    last = True
+                except OSError:
+                    last = False
+            if last and self.table is not None:
+                self.table.sweep()
+            if hasattr(self, "index") and not self.index.closed:
+                self.flush_index()
+            for fd in self.data_fds:
+                with contextlib.suppress(OSError):
+                    os.fsync(fd)
+            if last and clean and self.table is not None:
+                import nvmetier._table as _table
+
+                with contextlib.suppress(ValueError, OSError):
+                    _table.set_clean(self.table_map, True)
+                    self.table_map.flush()
+                with contextlib.suppress(OSError):
+                    self._write_superblock(dataclasses.replace(self.sb, clean=True))
+            self.table = None
+            if hasattr(self, "table_map") and not self.table_map.closed:
+                with contextlib.suppress(BufferError):
+                    self.table_map.close()
+            if hasattr(self, "index") and not self.index.closed:
+                with contextlib.suppress(BufferError):
+                    self.index.close()
+            for fd in (self._index_fd, self._table_fd):
+                if fd >= 0:
+                    os.close(fd)
+            self._index_fd = self._table_fd = -1
+            for fd in self.data_fds:
+                os.close(fd)
+            self.data_fds = []
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+        finally:
+            _unlock_file(init_fd)
+        return last
 
     def remove(self) -> None:
         """Delete the store's directories (ephemeral mode). Call after close."""

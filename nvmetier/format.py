@@ -9,6 +9,8 @@ A store directory holds:
   identity (a JSON object), checksummed as a whole;
 - ``index``: ``n_slots`` fixed-size records, one per slot, each with its own
   checksum (``RECORD_BYTES`` each, slot ``s`` at offset ``s * RECORD_BYTES``);
+- ``table``: the process-shared slot table (``native/nvt_table.h``), derived
+  from the records and rebuilt from them when its consistency is not proven;
 - ``data`` (in each root directory): the slots, ``slot_bytes`` each.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os.path
 import struct
 from typing import Any
 
@@ -24,7 +27,8 @@ import xxhash
 from nvmetier.errors import FormatError
 
 # Changing any layout below requires bumping FORMAT_VERSION.
-FORMAT_VERSION = 1
+# 2: the process-shared slot table (file ``table``) joined the store.
+FORMAT_VERSION = 2
 MAGIC = b"NVMETIER"
 ALIGN_BYTES = 4096
 
@@ -45,6 +49,18 @@ _REC_SUM = struct.Struct("<Q")
 STATE_EMPTY = 0
 STATE_VALID = 1
 EMPTY_RECORD = bytes(RECORD_BYTES)
+
+# --- shared slot table (native/nvt_table.h holds the same numbers) ----------
+TABLE_HEADER_BYTES = 8192
+TABLE_SET_HEAD_BYTES = 64
+TABLE_SLOT_BYTES = 32
+
+
+def table_bytes(n_slots: int, ways: int) -> int:
+    """Size of the ``table`` file of a store of ``n_slots`` in sets of ``ways``
+    (whole pages, so it can be mapped)."""
+    n_sets = n_slots // ways
+    return align_up(TABLE_HEADER_BYTES + n_sets * (TABLE_SET_HEAD_BYTES + ways * TABLE_SLOT_BYTES))
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
@@ -92,6 +108,10 @@ class Superblock:
     @property
     def index_bytes(self) -> int:
         return self.n_slots * RECORD_BYTES
+
+    @property
+    def table_bytes(self) -> int:
+        return table_bytes(self.n_slots, self.ways)
 
     def identity_json(self) -> bytes:
         return identity_json(self.identity)
@@ -167,9 +187,11 @@ def unpack_superblock(data: bytes, where: str = "superblock") -> Superblock:
     if magic != MAGIC:
         raise FormatError(f"{where}: not an nvmetier store (bad magic {magic!r})")
     if version != FORMAT_VERSION:
+        store_dir = os.path.dirname(os.path.abspath(where)) if where != "superblock" else where
         raise FormatError(
             f"{where}: store format version {version}, this nvmetier reads version "
-            f"{FORMAT_VERSION}; remove the store directory to start a new cache"
+            f"{FORMAT_VERSION}; the cache can be rebuilt: remove the store directory "
+            f"{store_dir!r} (rm -r) to start a new cache there"
         )
     if size > len(data) or size % ALIGN_BYTES:
         raise FormatError(f"{where}: superblock size {size} does not match the file")
@@ -210,8 +232,8 @@ def geometry(
     path's own budget when ``per_path_bytes`` is given (path 0 also holds the
     superblock and the index; every path holds as many slots).
 
-    Disk usage = superblock + index (``RECORD_BYTES`` per slot) + data files,
-    never more than ``capacity_bytes``. ``n_slots`` is a multiple of
+    Disk usage = superblock + index (``RECORD_BYTES`` per slot) + the shared
+    slot table + data files, never more than ``capacity_bytes``. ``n_slots`` is a multiple of
     ``ways * n_paths`` so every set is whole and every drive holds as many.
 
     Raises:
@@ -224,15 +246,20 @@ def geometry(
         overhead = reserved_bytes(identity, 1)
         return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
     overhead = reserved_bytes(identity, n_paths)
-    usable = capacity_bytes - overhead
-    n_slots = max(0, usable // (slot_bytes + RECORD_BYTES)) // unit * unit
-    # The index file is rounded up to whole pages so it can be mapped.
-    while n_slots and overhead + align_up(n_slots * RECORD_BYTES) + n_slots * slot_bytes > (
-        capacity_bytes
-    ):
+    usable = capacity_bytes - overhead - TABLE_HEADER_BYTES
+    per_slot = slot_bytes + RECORD_BYTES + TABLE_SLOT_BYTES + -(-TABLE_SET_HEAD_BYTES // ways)
+    n_slots = max(0, usable // per_slot) // unit * unit
+
+    # The index and table files are rounded up to whole pages so they can be mapped.
+    def fits(n: int) -> bool:
+        return overhead + _meta_bytes(n, ways) + n * slot_bytes <= capacity_bytes
+
+    while n_slots and not fits(n_slots):
         n_slots -= unit
+    while fits(n_slots + unit):  # the estimate may round a unit too low
+        n_slots += unit
     if n_slots == 0:
-        need = overhead + align_up(unit * RECORD_BYTES) + unit * slot_bytes
+        need = overhead + _meta_bytes(unit, ways) + unit * slot_bytes
         raise FormatError(
             f"capacity of {capacity_bytes} bytes holds no complete set: one set of {ways} ways "
             f"over {n_paths} path(s) of {slot_bytes}-byte slots needs at least {need} bytes"
@@ -240,25 +267,36 @@ def geometry(
     return slot_bytes, n_slots
 
 
+def _meta_bytes(n_slots: int, ways: int) -> int:
+    """Index plus table file bytes of ``n_slots`` slots."""
+    return align_up(n_slots * RECORD_BYTES) + table_bytes(n_slots, ways)
+
+
 def reserved_bytes(identity: dict[str, Any], n_dirs: int) -> int:
     """Disk a store uses besides its index and data files, counted in the bound.
 
     The superblock twice (it is rewritten through a temporary file), the lock
-    file (one block once it holds the pid) and one block per store directory.
+    files (``lock``, one block once it holds a pid, and ``lock.init``) and one
+    block per store directory.
     """
     sb_bytes = align_up(SB_HEAD_BYTES + len(identity_json(identity)) + SB_CHECKSUM_BYTES)
-    return 2 * sb_bytes + ALIGN_BYTES + n_dirs * ALIGN_BYTES
+    return 2 * sb_bytes + 2 * ALIGN_BYTES + n_dirs * ALIGN_BYTES
 
 
 def _per_path_slots(caps: tuple[int, ...], slot_bytes: int, ways: int, overhead: int) -> int:
     n = len(caps)
+    meta_per_slot = RECORD_BYTES + TABLE_SLOT_BYTES + -(-TABLE_SET_HEAD_BYTES // ways)
     spp = min(
         [max(0, c - ALIGN_BYTES) // slot_bytes for c in caps[1:]]
-        + [max(0, caps[0] - overhead) // (slot_bytes + n * RECORD_BYTES)]
+        + [max(0, caps[0] - overhead - TABLE_HEADER_BYTES) // (slot_bytes + n * meta_per_slot)]
     )
     spp = spp // ways * ways
-    while spp and overhead + align_up(spp * n * RECORD_BYTES) + spp * slot_bytes > caps[0]:
+    while spp and overhead + _meta_bytes(spp * n, ways) + spp * slot_bytes > caps[0]:
         spp -= ways
+    while overhead + _meta_bytes((spp + ways) * n, ways) + (spp + ways) * slot_bytes <= caps[
+        0
+    ] and all(c - ALIGN_BYTES >= (spp + ways) * slot_bytes for c in caps[1:]):
+        spp += ways
     if spp == 0:
         raise FormatError(
             f"per-path capacities {list(caps)} hold no complete set of {ways} ways of "

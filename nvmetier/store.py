@@ -1,21 +1,25 @@
-"""BlockStore: the tier's data path — index + files + engine + completions.
+"""BlockStore: the tier's data path — shared table + files + engine + jobs.
 
-Owns: one store (its ``StoreFiles``, ``SlotIndex``, ``IoEngine``).
+Owns: this process's view of one store (its ``StoreFiles``, with the
+process-shared slot table ``nvmetier._table.Table``, and its ``IoEngine``),
+and the jobs it submitted. Other processes may be attached to the same store
+at the same time (``sharing: node``): every slot decision is made in the
+shared table under its set's lock, so they see each other's chunks at once.
 
-Threads: one. Every method is called by the *scheduler thread* (any single
-thread at a time; vLLM calls us under its manager lock), and all index state,
-the record table and the job table are touched only there, so the store needs
-no lock of its own. The engine's threads (Python workers, or the native
-io_uring thread) move bytes and compute checksums; their completions wait in
-the engine until ``poll`` collects them without blocking. Only ``wait_idle``
-and ``close`` block (they wait for the engine).
+Threads: one at a time. Every method is called by the *scheduler thread* or
+vLLM's tier-poll thread, under vLLM's manager lock, so the store needs no lock
+of its own. Per job, the native table turns the keys into an array of ops in
+one call and applies an array of completions in one call; the engine's threads
+(Python workers, or the native io_uring thread) move bytes and compute
+checksums. Only ``wait_idle`` and ``close`` block (they wait for the engine).
 
-Crash protocol: an overwritten slot's record is zeroed (in the shared mapping
-of the index, so a killed process cannot lose it) before its data write is
-submitted; the new record is written only after the data write completed
-(when ``poll`` collects it, before the store is reported to vLLM). A load
-verifies the payload checksum, seeded with the key, before it reports
-success.
+Crash protocol: a claimed slot is marked WRITING (owned by this process) and
+its old record zeroed (in the shared mapping of the index, so a killed process
+cannot lose it) before its data write is submitted; the new record is written,
+then the slot published READY, only after the data write completed (when
+``poll`` collects it, before the store is reported to vLLM). A load succeeds
+only if its slot's generation did not change while it ran and the payload
+checksum, seeded with the key, verifies.
 """
 
 from __future__ import annotations
@@ -24,32 +28,23 @@ import collections
 import dataclasses
 import errno
 import logging
-import os
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-from nvmetier import format as fmt
-from nvmetier import recovery
 from nvmetier.config import TierConfig
-from nvmetier.engine import (
-    OP_READ,
-    OP_WRITE,
-    Completion,
-    IoEngine,
-    Op,
-    make_engine,
-    resolve_engine_name,
-)
-from nvmetier.files import StoreFiles
-from nvmetier.index import SlotIndex, SlotState
+from nvmetier.engine import COMPLETION_DTYPE, OP_DTYPE, IoEngine, make_engine, resolve_engine_name
+from nvmetier.files import StoreFiles, sharer_pids
 
 logger = logging.getLogger(__name__)
 
 _MAX_LOOKUP_COUNTS = 1 << 20
-_MAX_LOGGED_DROPS = 20
+# How long a lookup hit or a load protects its slot from every sharer's
+# eviction. A lease expires on its own, so a dead process pins nothing for long.
+LEASE_S = 5.0
+_SHARERS_EVERY_S = 1.0
 
 # Every counter ``stats()`` reports (zero until it happens).
 COUNTERS = (
@@ -71,6 +66,9 @@ COUNTERS = (
     "stores_dropped_set_busy",
     "stores_not_admitted",
     "records_dropped_at_open",
+    "loads_raced",
+    "dead_slots_reclaimed",
+    "lock_recoveries",
 )
 
 
@@ -99,27 +97,27 @@ class JobOutcome:
 class _Job:
     job_id: int
     is_load: bool
-    keys: list[bytes]
+    keys: Sequence[bytes]
     start: float
-    remaining: int = 0
-    failed: set[bytes] = dataclasses.field(default_factory=set)
-    moved_bytes: int = 0
+    failed: set[int] = dataclasses.field(default_factory=set)  # key positions
     first_error: str = ""
 
 
-class _OpInfo(NamedTuple):
-    """What the store remembers of one op (a tuple: built once per chunk)."""
+def _rows_array(rows: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Rows as an int32/int64 array the table reads directly (vLLM's chunk_ids
+    already are one: no copy)."""
+    if isinstance(rows, np.ndarray) and rows.dtype in (np.int32, np.int64):
+        return np.ascontiguousarray(rows)
+    return np.asarray(rows, dtype=np.int64)
 
-    job: _Job
-    key: bytes
-    slot: int
-    kind: int
-    length: int
-    expected: int  # payload checksum a read must reproduce
+
+def _key_list(keys: Collection[bytes]) -> Sequence[bytes]:
+    return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
 class BlockStore:
-    """A persistent, bounded, checksummed store of fixed-size chunks.
+    """A persistent, bounded, checksummed store of fixed-size chunks, shared
+    live with every other process that opens it (``sharing: node``).
 
     Args:
         config: validated tier configuration.
@@ -166,20 +164,18 @@ class BlockStore:
             identity=identity,
             o_direct=config.o_direct,
             capacity_per_path=config.capacity_per_path,
+            sharing=config.sharing,
+            row_bytes=row_bytes,
+            n_rows=self._n_rows,
+            lease_ns=int(LEASE_S * 1e9),
+            wipe=not config.persist,
         )
         self.sb = self.files.sb
-        self._n_paths, self._slot_bytes = self.sb.n_paths, self.sb.slot_bytes
-        self.index = SlotIndex(self.sb.n_slots, self.sb.ways)
-        # Payload checksum per slot (a list: scalar access on the hot path).
-        self._checksums: list[int] = [0] * self.sb.n_slots
+        self._table = self.files.table
         self._stats: collections.Counter[str] = collections.Counter()
+        self._stats["records_dropped_at_open"] += self.files.records_dropped
         self._events: list[tuple[bool, list[bytes]]] = []
-        self._stored: list[bytes] = []
         try:
-            if not config.persist and not self.files.created:
-                # An ephemeral store left behind by a crash: serve none of it.
-                self._wipe_index()
-            self._recover()
             self.open_time_s = time.monotonic() - t0
             self.engine: IoEngine = make_engine(
                 engine_name,
@@ -195,17 +191,20 @@ class BlockStore:
             engine_built = getattr(self, "engine", None)
             if engine_built is not None:
                 engine_built.close()
+            self._table = None
             self.files.close(clean=False)
             self._buf.release()
             raise
         self.engine_name = engine_name
+        _used, ready, _ops, _jobs = self._table.usage()
         logger.info(
-            "nvmetier: opened store %s (%d slots of %d bytes, %d ready, engine %s: %s, "
+            "nvmetier: opened store %s (%d slots of %d bytes, %d ready, %s, engine %s: %s, "
             "O_DIRECT %s) in %.3fs",
             self.files.dirs[0],
             self.sb.n_slots,
             self.sb.slot_bytes,
-            len(self.index),
+            ready,
+            "first process attached" if self.files.alone else "attached beside other processes",
             engine_name,
             self.engine_reason,
             self.files.o_direct,
@@ -214,58 +213,19 @@ class BlockStore:
         # Scheduler-thread state.
         self._jobs: dict[int, _Job] = {}
         self._finished: list[JobOutcome] = []
-        self._holds: dict[bytes, int] = {}
         self._lookup_counts: dict[bytes, int] = {}
-        self._next_op_id = 0
-        self._ops: dict[int, _OpInfo] = {}
         self._outstanding = 0  # ops submitted to the engine, not yet collected
         self._closed = False
-
-    # ------------------------------------------------------------------ open
-    def _recover(self) -> None:
-        """Rebuild the index from the record table; drop what does not verify.
-
-        ``recovery.scan_index`` checks every record (native batch when built);
-        records that fail are zeroed here so they are never trusted again.
-        """
-        mm = self.files.index
-        scan = recovery.scan_index(mm, self.sb.n_slots, self.sb.ways)
-        rb = fmt.RECORD_BYTES
-        for slot, _reason in scan.bad:
-            mm[slot * rb : (slot + 1) * rb] = fmt.EMPTY_RECORD
-        for slot, reason in scan.bad[:_MAX_LOGGED_DROPS]:
-            logger.warning("nvmetier: dropping index record of slot %d: %s", slot, reason)
-        if len(scan.bad) > _MAX_LOGGED_DROPS:
-            logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
-        self.index.load_many(scan.slots, scan.keys, scan.stored_ns)
-        sums = np.zeros(self.sb.n_slots, dtype=np.uint64)
-        sums[scan.slots] = scan.payload_checksums
-        self._checksums = sums.tolist()
-        self.index.advance_clock(max(scan.newest_ns, time.time_ns()))
-        self._stats["records_dropped_at_open"] += len(scan.bad)
-
-    def _wipe_index(self) -> None:
-        logger.info(
-            "nvmetier: persist is false; forgetting the chunks a previous run left in %s",
-            self.files.dirs[0],
-        )
-        mm = self.files.index
-        zeros = bytes(1 << 20)
-        for off in range(0, len(mm), len(zeros)):
-            n = min(len(zeros), len(mm) - off)
-            mm[off : off + n] = zeros[:n]
+        self._verify = config.verify_checksums
+        self._events_on = config.enable_kv_events
+        self._sharers = (0.0, 1)
 
     # ------------------------------------------------------------- scheduler
     def lookup(self, key: bytes) -> bool:
-        """Whether ``key`` is READY. A hit is held (not evictable) until
-        ``submit_load`` takes it or ``release_holds`` is called. Never blocks."""
-        slot = self.index.find(key)
-        if slot is not None and self.index.state[slot] == SlotState.READY:
-            self.index.pins[slot] += 1
-            self._holds[key] = self._holds.get(key, 0) + 1
-            self._stats["hits"] += 1
+        """Whether ``key`` is READY in the shared table. A hit is leased: no
+        sharer evicts it for ``LEASE_S`` (the HIT -> load window). Never blocks."""
+        if self._table.lookup(key):
             return True
-        self._stats["misses"] += 1
         if self.config.admit_after_lookups:
             counts = self._lookup_counts
             counts[key] = counts.get(key, 0) + 1
@@ -274,136 +234,90 @@ class BlockStore:
         return False
 
     def contains(self, key: bytes) -> bool:
-        """Whether ``key`` is READY, without holding it or counting."""
-        return self.index.is_ready(key)
+        """Whether ``key`` is READY, without leasing it or counting."""
+        return bool(self._table.contains(key))
+
+    def slot_of(self, key: bytes) -> int | None:
+        """The slot holding ``key`` READY, or None (tools and tests: where a
+        chunk lives on disk, ``sb.slot_location(slot)``)."""
+        return self._table.slot_of(key)  # type: ignore[no-any-return]
 
     def release_holds(self) -> None:
-        """Release every lookup hold not taken by a load (end of a step)."""
-        for key, n in self._holds.items():
-            slot = self.index.find(key)
-            if slot is not None:
-                for _ in range(n):
-                    self.index.unpin(slot)
-        self._holds.clear()
+        """End of a step: lookup hits that no load took stop protecting their
+        slots. (A lease that another sharer extended stays; every lease also
+        runs out on its own after ``LEASE_S``, so a dead process pins nothing.)"""
+        if self._table is not None:
+            self._table.release_leases()
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        for key in keys:
-            slot = self.index.find(key)
-            if slot is not None:
-                self.index.touch(slot)
+        self._table.touch(keys if isinstance(keys, (list, tuple)) else list(keys))
 
-    def submit_store(self, job_id: int, keys: Collection[bytes], rows: Sequence[int]) -> None:
+    def submit_store(
+        self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
+    ) -> None:
         """Write the chunks of ``rows`` under ``keys``. Never blocks.
 
-        Keys already present are skipped (success). Keys that cannot be
-        admitted (queue over ``max_queued_bytes``, all ways of the set busy,
-        not yet looked up ``admit_after_lookups`` times) are dropped, counted,
-        and do not fail the job.
+        Keys already present, or being written by any sharer, are skipped
+        (success). Keys that cannot be admitted (queue over
+        ``max_queued_bytes``, all ways of the set busy, not yet looked up
+        ``admit_after_lookups`` times) are dropped, counted, and do not fail
+        the job.
         """
-        job = _Job(job_id, False, list(keys), time.monotonic())
-        ops: list[Op] = []
-        removed: list[bytes] = []
-        row_bytes, n_rows = self.row_bytes, self._n_rows
-        now_queued = self._outstanding * row_bytes
-        max_queued = self.config.max_queued_bytes
+        key_list = _key_list(keys)
+        row_arr = _rows_array(rows)
+        job = _Job(job_id, False, key_list, time.monotonic())
         admit_n = self.config.admit_after_lookups
-        stats = self._stats
-        # Locals: this loop runs once per chunk on the scheduler thread.
-        find, state, allocate = self.index.find, self.index.state, self.index.allocate
-        seed_of, write_record, new_op = fmt.key_seed, self._write_record, self._new_op
-        for key, row in zip(job.keys, rows, strict=True):
-            slot = find(key)
-            if slot is not None and state[slot] != SlotState.BAD:
-                stats["stores_skipped_present"] += 1
-                continue
-            if len(key) > fmt.KEY_MAX_BYTES or not 0 <= row < n_rows:
-                job.failed.add(key)
-                job.first_error = job.first_error or f"bad key length {len(key)} or row {row}"
-                continue
-            if admit_n and self._lookup_counts.get(key, 0) < admit_n:
-                stats["stores_not_admitted"] += 1
-                continue
-            if now_queued + row_bytes > max_queued:
-                stats["stores_dropped_queue_full"] += 1
-                continue
-            seed = seed_of(key)
-            claimed = allocate(key, seed)
-            if claimed is None:
-                stats["stores_dropped_set_busy"] += 1
-                continue
-            slot, evicted = claimed
-            if evicted is not None:
-                removed.append(evicted)
-                stats["evictions"] += 1
-            # The old record stops being visible before the data changes.
-            write_record(slot, fmt.EMPTY_RECORD)
-            ops.append(new_op(job, key, slot, OP_WRITE, row, seed))
-            now_queued += row_bytes
-        if removed and self.config.enable_kv_events:
-            self._events.append((True, removed))
+        todo_keys: Sequence[bytes] = key_list
+        todo_rows = row_arr
+        positions: list[int] | None = None
+        if admit_n:
+            counts = self._lookup_counts
+            positions = [i for i, k in enumerate(key_list) if counts.get(k, 0) >= admit_n]
+            self._stats["stores_not_admitted"] += len(key_list) - len(positions)
+            todo_keys = [key_list[i] for i in positions]
+            todo_rows = row_arr[positions] if positions else row_arr[:0]
+        room = self.config.max_queued_bytes - self._outstanding * self.row_bytes
+        max_ops = max(0, room // self.row_bytes)
+        ops, failed, evicted = self._table.store_ops(
+            job_id, todo_keys, todo_rows, max_ops, self._events_on
+        )
+        if failed:
+            job.failed.update(positions[i] for i in failed) if positions else job.failed.update(
+                failed
+            )
+            job.first_error = "bad key length or row"
+        if evicted:
+            self._events.append((True, evicted))
         self._start(job, ops)
 
-    def submit_load(self, job_id: int, keys: Collection[bytes], rows: Sequence[int]) -> None:
+    def submit_load(
+        self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
+    ) -> None:
         """Read ``keys`` into ``rows``. Never blocks. A key that is not READY
         fails at once (reported in ``successful_keys`` of the outcome)."""
-        job = _Job(job_id, True, list(keys), time.monotonic())
-        ops: list[Op] = []
-        index, holds, n_rows = self.index, self._holds, self._n_rows
-        find, state, pins, checksums = index.find, index.state, index.pins, self._checksums
-        new_op, seed_of = self._new_op, fmt.key_seed
-        # Unverified loads skip the engine's hash: nobody reads the bytes.
-        verify = self.config.verify_checksums
-        for key, row in zip(job.keys, rows, strict=True):
-            slot = find(key)
-            if slot is None:
-                self._fail_missing(job, key)
-                continue
-            held = holds.get(key, 0)
-            if held:  # the lookup's hold becomes this load's pin
-                if held == 1:
-                    del holds[key]
-                else:
-                    holds[key] = held - 1
-            if state[slot] != SlotState.READY or not 0 <= row < n_rows:
-                if held:
-                    index.unpin(slot)
-                self._fail_missing(job, key)
-                continue
-            if not held:
-                pins[slot] += 1
-            index.touch(slot)
-            ops.append(new_op(job, key, slot, OP_READ, row, seed_of(key), checksums[slot], verify))
+        key_list = _key_list(keys)
+        job = _Job(job_id, True, key_list, time.monotonic())
+        ops, missing = self._table.load_ops(job_id, key_list, _rows_array(rows), self._verify)
+        if missing:
+            job.failed.update(missing)
+            job.first_error = "key not present"
         self._start(job, ops)
 
-    def _fail_missing(self, job: _Job, key: bytes) -> None:
-        job.failed.add(key)
-        job.first_error = job.first_error or "key not present"
-        self._stats["load_keys_missing"] += 1
-
     def invalidate(self, key: bytes) -> bool:
-        """Remove ``key`` (its record first). False when absent or busy."""
-        slot = self.index.find(key)
-        if slot is None or self.index.state[slot] == SlotState.WRITING or self.index.pins[slot]:
+        """Remove ``key`` (its record first). False when absent, being
+        written, or leased by a lookup or load (of any sharer)."""
+        if not self._table.invalidate(key):
             return False
-        self._forget(slot, key)
-        return True
-
-    def _forget(self, slot: int, key: bytes) -> None:
-        """Zero ``slot``'s record, free it and report ``key`` removed."""
-        self._write_record(slot, fmt.EMPTY_RECORD)
-        self.index.clear(slot)
-        if self.config.enable_kv_events:
+        if self._events_on:
             self._events.append((True, [key]))
+        return True
 
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
         if self._outstanding:
-            self._collect(self.engine.wait_completions(0))
-        if self._stored:
-            # Evictions are recorded by submit_store on this same thread, so
-            # appending here keeps stored(k) ahead of any later removed(k).
-            self._events.append((False, self._stored))
-            self._stored = []
+            comps = self.engine.wait_raw(0)
+            if comps:
+                self._collect(comps)
         out, self._finished = self._finished, []
         return out
 
@@ -416,140 +330,48 @@ class BlockStore:
         return bool(self._jobs)
 
     # ---------------------------------------------------------------- ops
-    def _new_op(
-        self,
-        job: _Job,
-        key: bytes,
-        slot: int,
-        kind: int,
-        row: int,
-        seed: int,
-        expected: int = 0,
-        checksum: bool = True,
-    ) -> Op:
-        op_id = self._next_op_id
-        self._next_op_id = op_id + 1
-        n_paths, length = self._n_paths, self.row_bytes
-        self._ops[op_id] = _OpInfo(job, key, slot, kind, length, expected)
-        return Op(
-            op_id,
-            kind,
-            slot % n_paths,
-            (slot // n_paths) * self._slot_bytes,
-            row * length,
-            length,
-            seed,
-            checksum,
-        )
-
-    def _start(self, job: _Job, ops: list[Op]) -> None:
-        job.remaining = len(ops)
-        if not ops:
-            self._finish(job)
+    def _start(self, job: _Job, ops: bytes) -> None:
+        n = len(ops) // OP_DTYPE.itemsize
+        if not n:
+            self._finish(job, 0)
             return
-        self._jobs[job.job_id] = job
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")
-        self._outstanding += len(ops)
-        self.engine.submit(ops)
+        self._jobs[job.job_id] = job
+        self._outstanding += n
+        try:
+            self.engine.submit_raw(ops)
+        except Exception as exc:  # engine closed: fail the job, never the caller
+            logger.warning("nvmetier: job %d could not be submitted: %s", job.job_id, exc)
+            cancelled = np.zeros(n, dtype=COMPLETION_DTYPE)
+            cancelled["op_id"] = np.frombuffer(ops, dtype=OP_DTYPE)["op_id"]
+            cancelled["result"] = -errno.ECANCELED
+            self._collect(cancelled.tobytes())
 
-    def _write_record(self, slot: int, record: bytes) -> None:
-        off = slot * fmt.RECORD_BYTES
-        self.files.index[off : off + fmt.RECORD_BYTES] = record
+    def _collect(self, comps: bytes) -> None:
+        """Apply engine completions (scheduler thread), in one native call."""
+        self._outstanding -= len(comps) // COMPLETION_DTYPE.itemsize
+        finished, stored, removed = self._table.complete(comps, self._verify, self._events_on)
+        if stored:
+            self._events.append((False, stored))
+        if removed:
+            self._events.append((True, removed))
+        jobs = self._jobs
+        for job_id, _is_load, moved, failed, error in finished:
+            job = jobs.pop(job_id)
+            if failed:
+                job.failed.update(failed)
+                if error and (not job.first_error or job.first_error == "key not present"):
+                    job.first_error = error
+            self._finish(job, moved)
 
-    def _collect(self, comps: list[Completion]) -> None:
-        """Apply engine completions (scheduler thread).
-
-        The common cases, a verified read (a promotion) and a successful
-        write (a cascade), are applied inline with counters added once per
-        batch; errors and mismatches go through ``_apply``.
-        """
-        self._outstanding -= len(comps)
-        ops, index, pins = self._ops, self.index, self.index.pins
-        verify = self.config.verify_checksums
-        events = self.config.enable_kv_events
-        checksums, stored = self._checksums, self._stored
-        write_record, pack_record, commit = self._write_record, fmt.pack_record, index.commit
-        reads = read_bytes = writes = written_bytes = 0
-        now_ns = time.time_ns()
-        for comp in comps:
-            info = ops.pop(comp.op_id)
-            length = info.length
-            if comp.result != length:
-                self._apply(info, comp)
-                continue
-            if info.kind == OP_READ:
-                if verify and comp.checksum != info.expected:
-                    self._apply(info, comp)
-                    continue
-                pins[info.slot] -= 1
-                reads += 1
-                read_bytes += length
-            else:
-                # The data is written: only now does the new record appear.
-                slot = info.slot
-                write_record(slot, pack_record(slot, info.key, comp.checksum, now_ns))
-                commit(slot)
-                checksums[slot] = comp.checksum
-                if events:
-                    stored.append(info.key)
-                writes += 1
-                written_bytes += length
-            job = info.job
-            job.moved_bytes += length
-            job.remaining -= 1
-            if job.remaining == 0:
-                del self._jobs[job.job_id]
-                self._finish(job)
-        if reads:
-            self._stats["ops_read"] += reads
-            self._stats["bytes_read"] += read_bytes
-        if writes:
-            self._stats["ops_written"] += writes
-            self._stats["bytes_written"] += written_bytes
-
-    def _apply(self, info: _OpInfo, comp: Completion) -> None:
-        """Apply a failed op or a read whose checksum did not verify
-        (scheduler thread; ``_collect`` applies the successes)."""
-        job, key, slot = info.job, info.key, info.slot
-        if info.kind == OP_WRITE:
-            # The record was zeroed before the write: nothing to undo on disk.
-            self.index.abort(slot)
-            self._fail(job, key, comp, "write")
-            self._stats["write_errors"] += 1
-        else:
-            self.index.unpin(slot)
-            if comp.result == info.length:
-                # Proven corruption: a miss, and the slot is invalidated.
-                self._stats["checksum_failures"] += 1
-                job.failed.add(key)
-                job.first_error = job.first_error or "checksum mismatch"
-                if self.index.keys[slot] == key:
-                    self._forget(slot, key)
-            else:
-                # A transient error is not corruption: keep the record, serve
-                # it as a miss until it is rewritten (no re-promotion loop).
-                self._stats["read_errors"] += 1
-                if self.index.keys[slot] == key:
-                    self.index.mark_bad(slot)
-                self._fail(job, key, comp, "read")
-        job.remaining -= 1
-        if job.remaining == 0:
-            del self._jobs[job.job_id]
-            self._finish(job)
-
-    def _fail(self, job: _Job, key: bytes, comp: Completion, what: str) -> None:
-        job.failed.add(key)
-        if not job.first_error:
-            err = -comp.result
-            job.first_error = f"{what} failed: {os.strerror(err)} ({errno.errorcode.get(err, err)})"
-
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: _Job, moved_bytes: int) -> None:
         elapsed = time.monotonic() - job.start
         success = not job.failed
         successful: list[bytes] | None = None
         if not success:
-            successful = [k for k in job.keys if k not in job.failed]
+            failed = job.failed
+            successful = [k for i, k in enumerate(job.keys) if i not in failed]
             self._stats["load_jobs_failed" if job.is_load else "store_jobs_failed"] += 1
             if job.first_error != "key not present":
                 logger.warning(
@@ -561,7 +383,7 @@ class BlockStore:
                     job.first_error,
                 )
         self._finished.append(
-            JobOutcome(job.job_id, job.is_load, success, successful, elapsed, job.moved_bytes)
+            JobOutcome(job.job_id, job.is_load, success, successful, elapsed, moved_bytes)
         )
 
     # ----------------------------------------------------------- blocking
@@ -578,44 +400,64 @@ class BlockStore:
                 wait_s = min(wait_s, deadline - time.monotonic())
                 if wait_s <= 0:
                     return False
-            self._collect(self.engine.wait_completions(wait_s))
+            comps = self.engine.wait_raw(wait_s)
+            if comps:
+                self._collect(comps)
         return True
 
     def close(self, persist: bool | None = None) -> None:
-        """Finish in-flight ops, stop the engine, mark the store clean, unlock.
+        """Finish in-flight ops, stop the engine and detach. The last process
+        attached also marks the store clean. Idempotent.
 
         With ``persist=False`` (default: ``config.persist``) the store's
-        directories are removed afterwards. Idempotent.
+        directories are removed afterwards, by the last process attached.
         """
         if self._closed:
             return
         self._closed = True
         self.wait_idle()
         self.poll()
-        self.release_holds()
         self.engine.close()
-        self.files.close(clean=True)
+        self._table = None  # drop our reference: files.close releases the mappings
+        last = self.files.close(clean=True)
         # Drop our export of the primary region so its owner can unmap it.
         self._buf.release()
         keep = self.config.persist if persist is None else persist
-        if not keep:
+        if not keep and last:
             self.files.remove()
 
     # --------------------------------------------------------------- stats
+    def sharers(self) -> int:
+        """Processes attached to this store now (this one included); looked
+        up at most once a second (it costs a syscall per registry entry)."""
+        at, n = self._sharers
+        now = time.monotonic()
+        if now - at >= _SHARERS_EVERY_S and not self._closed:
+            n = max(1, len(sharer_pids(self.files.dirs[0])))
+            self._sharers = (now, n)
+        return n
+
     def stats(self) -> dict[str, int]:
-        """Cumulative counters and current gauges."""
+        """Cumulative counters (this process's) and current gauges (the shared
+        store's: slots used and ready count every sharer's chunks)."""
         out = {name: 0 for name in COUNTERS}
         out.update(self._stats)
+        table = self._table
+        used = ready = 0
+        if table is not None:
+            out.update(table.counters())
+            used, ready, _ops, _jobs = table.usage()
         outstanding_bytes = self._outstanding * self.row_bytes
         out["bytes_in_flight"] = outstanding_bytes
         out["bytes_queued"] = max(0, outstanding_bytes - self.config.max_inflight_bytes)
         out["ops_outstanding"] = self._outstanding
         out["slots_total"] = self.sb.n_slots
-        out["slots_used"] = len(self.index)
-        out["slots_ready"] = self.index.count(SlotState.READY)
+        out["slots_used"] = used
+        out["slots_ready"] = ready
         out["capacity_bytes"] = self.sb.n_slots * self.sb.slot_bytes
-        out["bytes_used"] = len(self.index) * self.sb.slot_bytes
+        out["bytes_used"] = used * self.sb.slot_bytes
         out["jobs_in_flight"] = len(self._jobs)
+        out["sharers"] = self.sharers()
         return out
 
     def describe(self) -> dict[str, Any]:
@@ -628,5 +470,6 @@ class BlockStore:
             "o_direct": self.files.o_direct,
             "o_direct_reason": self.files.o_direct_reason,
             "engine_reason": self.engine_reason,
+            "sharing": self.config.sharing,
             **self.engine.describe(),
         }

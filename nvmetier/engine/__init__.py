@@ -12,11 +12,21 @@ import logging
 import os
 from collections.abc import Sequence
 
-from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, IoEngine, Op
+from nvmetier.engine.base import (
+    COMPLETION_DTYPE,
+    OP_DTYPE,
+    OP_READ,
+    OP_WRITE,
+    Completion,
+    IoEngine,
+    Op,
+)
 from nvmetier.engine.threads import ThreadEngine
 from nvmetier.errors import ConfigError, EngineUnavailableError
 
 __all__ = [
+    "COMPLETION_DTYPE",
+    "OP_DTYPE",
     "OP_READ",
     "OP_WRITE",
     "Completion",

@@ -20,8 +20,28 @@ import abc
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 OP_READ = 0
 OP_WRITE = 1
+
+# Packed ops and completions (``submit_raw``/``wait_raw``): the C layouts of
+# nvt_op and nvt_completion in native/nvt_engine.h, which the native table
+# produces and consumes. Changing them requires changing that header.
+OP_DTYPE = np.dtype(
+    [
+        ("op_id", "<u8"),
+        ("file_offset", "<i8"),
+        ("buf_offset", "<i8"),
+        ("length", "<i8"),
+        ("file_idx", "<i8"),
+        ("seed", "<u8"),
+        ("kind", "<i4"),
+        ("checksum", "<i4"),
+    ]
+)
+COMPLETION_DTYPE = np.dtype([("op_id", "<u8"), ("result", "<i8"), ("checksum", "<u8")])
+assert OP_DTYPE.itemsize == 56 and COMPLETION_DTYPE.itemsize == 24
 
 
 class Op(NamedTuple):
@@ -93,6 +113,36 @@ class IoEngine(abc.ABC):
         running finish first (a half-done transfer would corrupt data).
         Completions remain available from ``wait_completions``. Idempotent.
         """
+
+    def submit_raw(self, ops: bytes) -> None:
+        """Queue packed ops (``OP_DTYPE`` records, as the native table makes
+        them). Never blocks on I/O. This default converts them to ``Op`` and
+        calls ``submit`` (engines and test wrappers that only implement the
+        object interface keep working); the io_uring engine takes the bytes
+        as they are.
+
+        Raises:
+            EngineClosedError: after ``close``.
+        """
+        self.submit(
+            [
+                Op(op_id, kind, file_idx, file_off, buf_off, length, seed, bool(checksum))
+                for op_id, file_off, buf_off, length, file_idx, seed, kind, checksum in (
+                    np.frombuffer(ops, dtype=OP_DTYPE).tolist()
+                )
+            ]
+        )
+
+    def wait_raw(self, timeout_s: float) -> bytes:
+        """``wait_completions`` as packed ``COMPLETION_DTYPE`` records."""
+        comps = self.wait_completions(timeout_s)
+        if not comps:
+            return b""
+        arr = np.empty(len(comps), dtype=COMPLETION_DTYPE)
+        arr["op_id"] = [c.op_id for c in comps]
+        arr["result"] = [c.result for c in comps]
+        arr["checksum"] = [c.checksum for c in comps]
+        return arr.tobytes()
 
     def describe(self) -> dict[str, object]:
         """Facts for ``config_info`` and ``nvmetier info``."""

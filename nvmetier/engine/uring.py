@@ -170,6 +170,20 @@ class UringEngine(IoEngine):
         if not self._native.submit(ops):
             raise EngineClosedError("the I/O engine is closed")
 
+    def submit_raw(self, ops: bytes) -> None:
+        """Queue packed ops (``OP_DTYPE``) as they are: no Python object per op.
+        An engine carries either op objects or packed ops, never both.
+
+        Raises:
+            EngineClosedError: after ``close`` began; no op was queued.
+        """
+        if not self._native.submit_raw(ops):
+            raise EngineClosedError("the I/O engine is closed")
+
+    def wait_raw(self, timeout_s: float) -> bytes:
+        """Completions of packed ops as packed ``COMPLETION_DTYPE`` records."""
+        return bytes(self._native.wait_raw(timeout_s))
+
     def wait_completions(self, timeout_s: float) -> list[Completion]:
         """Return completed ops, waiting up to ``timeout_s`` for the first.
 

@@ -15,8 +15,10 @@ scheduler thread (or its tier-poll thread) and never blocks on disk, except
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -89,8 +91,34 @@ METRICS: dict[str, tuple[str, str]] = {
     "bytes_queued": ("gauge", "Bytes waiting for the I/O engine (admission bound)."),
     "bytes_used": ("gauge", "Bytes of the data files holding chunks."),
     "capacity_bytes": ("gauge", "Bytes of the data files (the capacity bound)."),
-    "slots_used": ("gauge", "Slots holding a chunk."),
+    "slots_used": ("gauge", "Slots holding a chunk (every sharer's)."),
+    "sharers": ("gauge", "Processes attached to the NVMe tier's store (this one included)."),
+    "loads_raced": (
+        "counter",
+        "Chunk loads failed because another process reused the slot while loading (a miss).",
+    ),
 }
+
+_warned_random_seed = False
+
+
+def none_hash_seed_is_random() -> bool:
+    """Whether vLLM derived its block hashes from a random per-process seed.
+
+    vLLM seeds ``NONE_HASH`` with ``PYTHONHASHSEED`` when set, a fixed default
+    for cryptographic hashes (sha256 family), and ``os.urandom`` for the
+    non-cryptographic ones (xxhash) otherwise (``resolve_none_hash_seed`` in
+    ``vllm/v1/core/kv_cache_utils.py``). Only the random case makes block
+    hashes, hence our keys, unreproducible by any other process or restart.
+    """
+    try:
+        from vllm.v1.core import kv_cache_utils as kcu
+    except ImportError:  # pragma: no cover - depends on the vLLM build
+        return False
+    seed = getattr(kcu, "_NONE_HASH_SEED", None)
+    if seed is None or os.getenv("PYTHONHASHSEED") is not None:
+        return False
+    return seed != getattr(kcu, "DEFAULT_NONE_HASH_SEED", seed)
 
 
 def layout_identity(spec: OffloadingSpec, chunk_bytes: int) -> dict[str, Any]:
@@ -114,12 +142,16 @@ def layout_identity(spec: OffloadingSpec, chunk_bytes: int) -> dict[str, Any]:
     return identity
 
 
-def store_name(identity: dict[str, Any], dp_index: int = 0, dp_size: int = 1) -> str:
-    """``<model>_<sha256 prefix>[_dp<i>]``: one store per identity and DP replica."""
+def store_name(
+    identity: dict[str, Any], dp_index: int = 0, dp_size: int = 1, sharing: str = "process"
+) -> str:
+    """``<model>_<sha256 prefix>``: one store per layout identity, shared by
+    every data-parallel rank with ``sharing="node"``; with ``"process"`` each
+    rank of a data-parallel group keeps its own ``..._dp<i>`` store."""
     digest = hashlib.sha256(fmt.identity_json(identity)).hexdigest()[:12]
     model = str(identity.get("model_name", "model")).replace("/", "_") or "model"
     name = f"{model}_{digest}"
-    return f"{name}_dp{dp_index}" if dp_size > 1 else name
+    return f"{name}_dp{dp_index}" if dp_size > 1 and sharing == "process" else name
 
 
 class NvmeTierManager(SecondaryTierManager):
@@ -155,8 +187,14 @@ class NvmeTierManager(SecondaryTierManager):
         self.identity = layout_identity(offloading_spec, chunk_bytes)
         parallel = offloading_spec.config.parallel
         self.store_name = store_name(
-            self.identity, parallel.data_parallel_index, parallel.data_parallel_size
+            self.identity,
+            parallel.data_parallel_index,
+            parallel.data_parallel_size,
+            self.config.sharing,
         )
+        self.private_store = none_hash_seed_is_random()
+        if self.private_store:
+            self._use_private_store()
         self._events_enabled = self.config.enable_kv_events
         if self._events_enabled and not offloading_spec.kv_events_config.enable_kv_cache_events:
             logger.warning(
@@ -166,8 +204,6 @@ class NvmeTierManager(SecondaryTierManager):
             )
             self._events_enabled = False
         if self._events_enabled != self.config.enable_kv_events:
-            import dataclasses
-
             self.config = dataclasses.replace(self.config, enable_kv_events=False)
         self.store = BlockStore(
             self.config,
@@ -178,6 +214,24 @@ class NvmeTierManager(SecondaryTierManager):
             engine_wrapper=ENGINE_WRAPPER,
         )
         self._reported: dict[str, int] = {}
+
+    def _use_private_store(self) -> None:
+        """Random block-hash seed: nobody else can ever hit our chunks, so keep
+        them in a store of our own, removed at shutdown, instead of filling
+        the shared one with unreachable data."""
+        global _warned_random_seed
+        if not _warned_random_seed:
+            _warned_random_seed = True
+            logger.warning(
+                "nvmetier: vLLM uses a random per-process block-hash seed (a non-cryptographic "
+                "prefix_caching_hash_algo such as xxhash, and PYTHONHASHSEED unset), so no other "
+                "process and no restart can hit this process's chunks. They go to a private "
+                "store that is removed at shutdown. To share the cache between processes and "
+                "keep it warm across restarts, set PYTHONHASHSEED to the same value for every "
+                "vLLM process, or use --prefix-caching-hash-algo sha256."
+            )
+        self.store_name = f"{self.store_name}_private_{os.getpid()}"
+        self.config = dataclasses.replace(self.config, sharing="process", persist=False)
 
     # ------------------------------------------------------------ lookups
     @override
@@ -205,15 +259,11 @@ class NvmeTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ transfers
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
-        self.store.submit_store(
-            job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids.tolist()
-        )
+        self.store.submit_store(job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self.store.submit_load(
-            job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids.tolist()
-        )
+        self.store.submit_load(job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:

@@ -40,8 +40,8 @@ def test_reopen_in_a_new_process_serves_every_chunk(tmp_path, buffer) -> None:
     store.close()
 
 
-def test_second_opener_in_another_process_gets_a_clear_error(tmp_path, buffer) -> None:
-    store = make_store(str(tmp_path), buffer)
+def test_second_opener_of_an_exclusive_store_gets_a_clear_error(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer, sharing="process")
     import pathlib
 
     repo = str(pathlib.Path(__file__).resolve().parents[2])
@@ -52,7 +52,7 @@ def test_second_opener_in_another_process_gets_a_clear_error(tmp_path, buffer) -
         from nvmetier.errors import StoreLockedError
         from tests.integration.helpers import make_store
         try:
-            make_store({str(tmp_path)!r}, memoryview(mmap.mmap(-1, 64 * 65536)))
+            make_store({str(tmp_path)!r}, memoryview(mmap.mmap(-1, 64 * 65536)), sharing="node")
         except StoreLockedError as exc:
             print(exc)
             sys.exit(3)

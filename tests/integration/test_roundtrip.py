@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import pytest
 
-from nvmetier.engine.base import OP_READ, OP_WRITE
+from nvmetier.engine.base import OP_DTYPE, OP_READ, OP_WRITE, Op
 from nvmetier.errors import ConfigError
 from tests.integration.helpers import ROW, key, load_keys, make_store, run, store_keys
 
@@ -101,7 +102,7 @@ def test_checksum_mismatch_is_a_miss_and_invalidates(tmp_path, buffer) -> None:
     store = make_store(str(tmp_path), buffer, o_direct=False)
     keys = [key(i) for i in range(3)]
     store_keys(store, buffer, keys)
-    slot = store.index.find(keys[1])
+    slot = store.slot_of(keys[1])
     file_idx, offset = store.sb.slot_location(slot)
     fd = store.files.data_fds[file_idx]
     os.pwrite(fd, b"\xff" * 16, offset + 100)
@@ -183,7 +184,7 @@ def test_checksums_can_be_switched_off(tmp_path, buffer) -> None:
     store = make_store(str(tmp_path), buffer, o_direct=False, verify_checksums=False)
     keys = [key(i) for i in range(2)]
     store_keys(store, buffer, keys)
-    file_idx, offset = store.sb.slot_location(store.index.find(keys[0]))
+    file_idx, offset = store.sb.slot_location(store.slot_of(keys[0]))
     os.pwrite(store.files.data_fds[file_idx], b"\xff" * 16, offset + 100)
     outcome, good = load_keys(store, buffer, keys)
     assert outcome.success  # not verified: served as stored on disk
@@ -200,13 +201,25 @@ def test_unverified_loads_ask_the_engine_for_no_checksum(tmp_path, buffer) -> No
     submitted: list = []
 
     def recording(engine):
-        real_submit = engine.submit
+        real_submit = engine.submit_raw
 
-        def submit(ops):
-            submitted.extend(ops)
+        def submit_raw(ops):
+            submitted.extend(
+                Op(
+                    o["op_id"],
+                    o["kind"],
+                    o["file_idx"],
+                    o["file_offset"],
+                    o["buf_offset"],
+                    o["length"],
+                    o["seed"],
+                    bool(o["checksum"]),
+                )
+                for o in np.frombuffer(ops, dtype=OP_DTYPE)
+            )
             real_submit(ops)
 
-        engine.submit = submit
+        engine.submit_raw = submit_raw
         return engine
 
     raw = {"root_dir": str(tmp_path), "capacity_bytes": "16MiB", "ways": 8}

@@ -18,7 +18,7 @@ def test_slots_stripe_over_every_root(tmp_path, buffer) -> None:
     store_keys(store, buffer, keys)
     per_root = [0, 0]
     for k in keys:
-        file_idx, offset = store.sb.slot_location(store.index.find(k))
+        file_idx, offset = store.sb.slot_location(store.slot_of(k))
         with open(os.path.join(roots[file_idx], "store", "data"), "rb") as f:
             f.seek(offset)
             assert f.read(ROW) == payload(k)

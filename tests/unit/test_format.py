@@ -113,14 +113,15 @@ def test_geometry_never_exceeds_capacity(capacity: int, chunk: int, ways: int, p
     except FormatError:
         return
     sb = _sb(chunk_bytes=chunk, slot_bytes=slot_bytes, n_slots=n_slots, ways=ways, n_paths=paths)
-    # Superblock + its temporary copy + lock file + one block per directory.
-    reserved = 2 * sb.superblock_bytes + 4096 + paths * 4096
+    # Superblock + its temporary copy + two lock files + one block per directory.
+    reserved = 2 * sb.superblock_bytes + 2 * 4096 + paths * 4096
     assert fmt.reserved_bytes(IDENT, paths) == reserved
-    used = reserved + fmt.align_up(sb.index_bytes) + n_slots * slot_bytes
+    used = reserved + fmt.align_up(sb.index_bytes) + sb.table_bytes + n_slots * slot_bytes
     assert used <= capacity
     assert n_slots % (ways * paths) == 0
     # Nearly all of the budget is used: less than one more unit would fit.
-    assert capacity - used < (ways * paths) * (slot_bytes + fmt.RECORD_BYTES) + 4096
+    per_slot = slot_bytes + fmt.RECORD_BYTES + fmt.TABLE_SLOT_BYTES + fmt.TABLE_SET_HEAD_BYTES
+    assert capacity - used < (ways * paths) * per_slot + 3 * 4096
 
 
 def test_geometry_too_small_says_what_is_needed() -> None:

@@ -1,0 +1,1451 @@
+/*
+ * nvmetier._table: the process-shared slot table and the per-process data
+ * path over it (see nvt_table.h for the shared layout and its lock rules).
+ *
+ * Owns, per process (a `Table` object): the in-flight op slab and job slab,
+ * the counters, and this process's entry in the sharer registry. The shared
+ * table and the index records belong to the store (mapped by files.py).
+ *
+ * Threads: every method is called with the GIL held by the store's caller
+ * (vLLM's scheduler thread or its tier-poll thread, one at a time). Methods
+ * take set mutexes for a few hundred nanoseconds each and never wait for I/O;
+ * a set mutex held by another process is waited for (its holder also holds
+ * it for nanoseconds; a holder that dies is recovered through EOWNERDEAD).
+ *
+ * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
+ * layout, op_id = an index into the op slab) that an engine takes as one
+ * buffer, and applies an array of nvt_completion in one call: no Python
+ * object per chunk on the caller's thread beyond the keys vLLM hands us.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nvt_engine.h"
+#include "nvt_hash.h"
+#include "nvt_table.h"
+
+/* Index record layout (format.py; changing it requires bumping FORMAT_VERSION). */
+#define REC_BYTES 128
+#define REC_BODY_BYTES 120
+#define REC_MAGIC 0x5254564Eu
+#define REC_KEY_OFFSET 32
+#define REC_KEY_MAX 88
+#define REC_STATE_VALID 1
+/* A WRITING slot older than this has its owner's liveness checked. */
+#define DEAD_CHECK_AGE_NS 200000000ULL
+
+enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED };
+
+typedef struct {
+    uint32_t slot;
+    uint32_t gen;
+    uint64_t fp;
+    uint64_t expected;
+    uint64_t lease; /* a read's lease end, dropped at completion if still ours */
+    uint32_t job;
+    uint32_t pos;
+    int64_t length;
+    uint8_t kind;
+    uint8_t key_len;
+    uint8_t in_use;
+    char key[REC_KEY_MAX];
+} op_info;
+
+typedef struct {
+    int64_t job_id;
+    uint32_t remaining;
+    uint8_t is_load;
+    uint8_t in_use;
+    uint8_t first_fail;
+    int first_errno;
+    uint64_t moved;
+    uint32_t *failed;
+    uint32_t n_failed, cap_failed;
+} job_info;
+
+typedef struct {
+    unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
+        loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
+        load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
+        lock_recoveries;
+} counters;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer tbuf, ibuf;
+    int have_tbuf, have_ibuf;
+    char *base;      /* table mapping */
+    char *index;     /* index record mapping */
+    nvt_table_header *hdr;
+    uint64_t n_slots, n_sets;
+    uint32_t ways, set_bytes;
+    int lock_fd;
+    int64_t n_paths, slot_bytes, row_bytes, n_rows;
+    uint64_t lease_ns;
+    int me;            /* registry index, -1 before attach */
+    uint32_t my_inc;
+    op_info *ops;
+    uint32_t n_ops_cap, *op_free, n_op_free, ops_live;
+    job_info *jobs;
+    uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
+    uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
+    size_t n_held, cap_held;
+    counters c;
+} TableObject;
+
+/* ------------------------------------------------------------------ helpers */
+static inline uint64_t now_mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static inline uint64_t now_wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t set) {
+    return (nvt_set_head *)(base + NVT_TABLE_HEADER_BYTES + set * (uint64_t)set_bytes);
+}
+
+static inline nvt_slot *set_slots(char *base, uint32_t set_bytes, uint64_t set) {
+    return (nvt_slot *)((char *)set_head(base, set_bytes, set) + NVT_SET_HEAD_BYTES);
+}
+
+static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
+
+static inline unsigned char *record(TableObject *t, uint64_t slot) {
+    return (unsigned char *)t->index + slot * REC_BYTES;
+}
+
+static int record_has_key(TableObject *t, uint64_t slot, const char *key, Py_ssize_t n) {
+    const unsigned char *r = record(t, slot);
+    uint32_t magic;
+    memcpy(&magic, r, 4);
+    return magic == REC_MAGIC && r[4] == REC_STATE_VALID && r[5] == (unsigned char)n &&
+           memcmp(r + REC_KEY_OFFSET, key, (size_t)n) == 0;
+}
+
+static uint64_t record_payload(TableObject *t, uint64_t slot) {
+    uint64_t v;
+    memcpy(&v, record(t, slot) + 8, 8);
+    return v;
+}
+
+static void write_record(TableObject *t, uint64_t slot, const char *key, uint8_t key_len,
+                         uint64_t payload) {
+    unsigned char body[REC_BYTES];
+    memset(body, 0, sizeof(body));
+    uint32_t magic = REC_MAGIC, slot32 = (uint32_t)slot;
+    uint64_t stored = now_wall_ns();
+    memcpy(body, &magic, 4);
+    body[4] = REC_STATE_VALID;
+    body[5] = key_len;
+    memcpy(body + 8, &payload, 8);
+    memcpy(body + 16, &stored, 8);
+    memcpy(body + 28, &slot32, 4);
+    memcpy(body + REC_KEY_OFFSET, key, key_len);
+    uint64_t sum = nvt_xxh3(body, REC_BODY_BYTES, slot);
+    memcpy(body + REC_BODY_BYTES, &sum, 8);
+    memcpy(record(t, slot), body, REC_BYTES);
+}
+
+static inline void zero_record(TableObject *t, uint64_t slot) { memset(record(t, slot), 0, REC_BYTES); }
+
+static inline uint64_t tick(TableObject *t) {
+    return __atomic_add_fetch(&t->hdr->clock, 1, __ATOMIC_RELAXED);
+}
+
+/* Whether the sharer that claimed a WRITING slot is still attached. */
+static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
+    if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
+        return 1;
+    nvt_sharer *s = &sharers(t->base)[owner];
+    if ((uint16_t)__atomic_load_n(&s->incarnation, __ATOMIC_ACQUIRE) != inc)
+        return 0; /* the entry was claimed again: the old owner detached or died */
+    if (t->lock_fd < 0)
+        return 1;
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = NVT_REGISTRY_LOCK_BASE + owner;
+    fl.l_len = 1;
+    if (fcntl(t->lock_fd, F_OFD_GETLK, &fl) != 0)
+        return 1; /* cannot tell: assume alive (the slot stays busy, never wrong) */
+    return fl.l_type != F_UNLCK;
+}
+
+/* Free a slot (its record first). The set lock is held. */
+static void clear_slot_locked(TableObject *t, nvt_slot *s, uint64_t slot) {
+    zero_record(t, slot);
+    if (s->state == NVT_READY)
+        __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+    if (s->state != NVT_EMPTY)
+        __atomic_sub_fetch(&t->hdr->used, 1, __ATOMIC_RELAXED);
+    __atomic_store_n(&s->state, NVT_EMPTY, __ATOMIC_RELEASE);
+    s->fp = 0;
+    s->gen++;
+    s->stamp_ns = 0;
+}
+
+/* Reclaim WRITING slots of dead sharers in one set (held). */
+static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ns, uint64_t now) {
+    nvt_slot *slots = set_slots(t->base, t->set_bytes, set);
+    int n = 0;
+    for (uint32_t w = 0; w < t->ways; w++) {
+        nvt_slot *s = &slots[w];
+        if (s->state == NVT_WRITING && now - s->stamp_ns >= min_age_ns &&
+            !owner_alive(t, s->owner, s->owner_inc)) {
+            clear_slot_locked(t, s, set * t->ways + w);
+            n++;
+        }
+    }
+    t->c.dead_reclaimed += (unsigned long long)n;
+    return n;
+}
+
+static int set_lock(TableObject *t, uint64_t set) {
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    int r = pthread_mutex_lock(&h->mu);
+    if (r == 0)
+        return 0;
+    if (r == EOWNERDEAD) {
+        /* A sharer died inside this set's critical section: every state it can
+         * have left is a WRITING slot of its own (claims mark the slot before
+         * touching the record), which is reclaimed here. */
+        repair_set_locked(t, set, 0, now_mono_ns());
+        pthread_mutex_consistent(&h->mu);
+        t->c.lock_recoveries++;
+        return 0;
+    }
+    return -1;
+}
+
+static inline void set_unlock(TableObject *t, uint64_t set) {
+    pthread_mutex_unlock(&set_head(t->base, t->set_bytes, set)->mu);
+}
+
+static int init_mutex(pthread_mutex_t *mu) {
+    pthread_mutexattr_t a;
+    if (pthread_mutexattr_init(&a))
+        return -1;
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int r = pthread_mutex_init(mu, &a);
+    pthread_mutexattr_destroy(&a);
+    return r ? -1 : 0;
+}
+
+static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "a key must be bytes, not %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    *p = PyBytes_AS_STRING(key);
+    *n = PyBytes_GET_SIZE(key);
+    return 0;
+}
+
+/* Slot of `fp`/key in `slots` in one of the states of `mask`, or -1. */
+static int find_way(TableObject *t, nvt_slot *slots, uint64_t base_slot, uint64_t fp,
+                    const char *key, Py_ssize_t n, unsigned mask) {
+    for (uint32_t w = 0; w < t->ways; w++) {
+        nvt_slot *s = &slots[w];
+        if (s->fp != fp || !((1u << s->state) & mask))
+            continue;
+        if (s->state == NVT_READY && !record_has_key(t, base_slot + w, key, n))
+            continue; /* a fingerprint collision: another key */
+        return (int)w;
+    }
+    return -1;
+}
+
+/* ------------------------------------------------------------------ slabs */
+static int64_t op_alloc(TableObject *t) {
+    if (!t->n_op_free) {
+        uint32_t old = t->n_ops_cap, cap = old ? old * 2 : 1024;
+        op_info *ops = PyMem_Realloc(t->ops, cap * sizeof(op_info));
+        if (!ops)
+            return -1;
+        t->ops = ops;
+        uint32_t *fr = PyMem_Realloc(t->op_free, cap * sizeof(uint32_t));
+        if (!fr)
+            return -1;
+        t->op_free = fr;
+        for (uint32_t i = cap; i > old; i--)
+            t->op_free[t->n_op_free++] = i - 1;
+        t->n_ops_cap = cap;
+    }
+    uint32_t i = t->op_free[--t->n_op_free];
+    t->ops[i].in_use = 1;
+    t->ops_live++;
+    return i;
+}
+
+static void op_release(TableObject *t, uint32_t i) {
+    t->ops[i].in_use = 0;
+    t->op_free[t->n_op_free++] = i;
+    t->ops_live--;
+}
+
+static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
+    if (!t->n_job_free) {
+        uint32_t old = t->n_jobs_cap, cap = old ? old * 2 : 64;
+        job_info *jobs = PyMem_Realloc(t->jobs, cap * sizeof(job_info));
+        if (!jobs)
+            return -1;
+        t->jobs = jobs;
+        uint32_t *fr = PyMem_Realloc(t->job_free, cap * sizeof(uint32_t));
+        if (!fr)
+            return -1;
+        t->job_free = fr;
+        for (uint32_t i = cap; i > old; i--) {
+            memset(&t->jobs[i - 1], 0, sizeof(job_info));
+            t->job_free[t->n_job_free++] = i - 1;
+        }
+        t->n_jobs_cap = cap;
+    }
+    uint32_t i = t->job_free[--t->n_job_free];
+    job_info *j = &t->jobs[i];
+    j->job_id = job_id;
+    j->remaining = 0;
+    j->is_load = (uint8_t)is_load;
+    j->in_use = 1;
+    j->first_fail = FAIL_NONE;
+    j->first_errno = 0;
+    j->moved = 0;
+    j->n_failed = 0;
+    t->jobs_live++;
+    return i;
+}
+
+static void job_release(TableObject *t, uint32_t i) {
+    t->jobs[i].in_use = 0;
+    t->job_free[t->n_job_free++] = i;
+    t->jobs_live--;
+}
+
+static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
+    if (j->n_failed == j->cap_failed) {
+        uint32_t cap = j->cap_failed ? j->cap_failed * 2 : 8;
+        uint32_t *f = PyMem_Realloc(j->failed, cap * sizeof(uint32_t));
+        if (!f)
+            return -1;
+        j->failed = f;
+        j->cap_failed = cap;
+    }
+    j->failed[j->n_failed++] = pos;
+    if (j->first_fail == FAIL_NONE) {
+        j->first_fail = (uint8_t)kind;
+        j->first_errno = err;
+    }
+    return 0;
+}
+
+/* Rows: a buffer of int32 or int64 (vLLM's chunk_ids are an int32 array). */
+static int rows_arg(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return -1;
+    if ((view->itemsize != 4 && view->itemsize != 8) || view->len / view->itemsize != n) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "rows must be %zd int32 or int64 values", n);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int64_t row_at(Py_buffer *v, Py_ssize_t i) {
+    return v->itemsize == 4 ? (int64_t)((int32_t *)v->buf)[i] : ((int64_t *)v->buf)[i];
+}
+
+static int append_pos(PyObject **list, Py_ssize_t pos) {
+    if (!*list && !(*list = PyList_New(0)))
+        return -1;
+    PyObject *v = PyLong_FromSsize_t(pos);
+    if (!v)
+        return -1;
+    int r = PyList_Append(*list, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static int append_key(PyObject **list, const char *key, Py_ssize_t n) {
+    if (!*list && !(*list = PyList_New(0)))
+        return -1;
+    PyObject *v = PyBytes_FromStringAndSize(key, n);
+    if (!v)
+        return -1;
+    int r = PyList_Append(*list, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, int64_t row, int kind,
+                    uint64_t seed, int checksum) {
+    op->op_id = (void *)(uintptr_t)op_idx;
+    op->file_idx = (int64_t)(slot % (uint64_t)t->n_paths);
+    op->file_offset = (int64_t)(slot / (uint64_t)t->n_paths) * t->slot_bytes;
+    op->buf_offset = row * t->row_bytes;
+    op->length = t->row_bytes;
+    op->seed = seed;
+    op->kind = kind;
+    op->checksum = checksum;
+}
+
+/* ------------------------------------------------------------------ type */
+static void Table_dealloc(TableObject *self) {
+    if (self->jobs) {
+        for (uint32_t i = 0; i < self->n_jobs_cap; i++)
+            PyMem_Free(self->jobs[i].failed);
+    }
+    PyMem_Free(self->jobs);
+    PyMem_Free(self->job_free);
+    PyMem_Free(self->ops);
+    PyMem_Free(self->op_free);
+    PyMem_Free(self->held);
+    if (self->have_tbuf)
+        PyBuffer_Release(&self->tbuf);
+    if (self->have_ibuf)
+        PyBuffer_Release(&self->ibuf);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static uint64_t table_bytes(uint64_t n_slots, uint32_t ways) {
+    uint64_t set_bytes = NVT_SET_HEAD_BYTES + (uint64_t)ways * NVT_SLOT_BYTES;
+    return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * set_bytes;
+}
+
+static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
+                             "n_rows", "lease_ns", NULL};
+    PyObject *tobj, *iobj;
+    int lock_fd;
+    long long n_paths, slot_bytes, row_bytes, n_rows;
+    unsigned long long lease_ns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi$LLLLK", kwlist, &tobj, &iobj, &lock_fd, &n_paths,
+                                     &slot_bytes, &row_bytes, &n_rows, &lease_ns))
+        return NULL;
+    TableObject *self = (TableObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->me = -1;
+    if (PyObject_GetBuffer(tobj, &self->tbuf, PyBUF_WRITABLE) < 0)
+        goto fail;
+    self->have_tbuf = 1;
+    if (PyObject_GetBuffer(iobj, &self->ibuf, PyBUF_WRITABLE) < 0)
+        goto fail;
+    self->have_ibuf = 1;
+    self->base = self->tbuf.buf;
+    self->index = self->ibuf.buf;
+    self->hdr = (nvt_table_header *)self->base;
+    if (self->tbuf.len < NVT_TABLE_HEADER_BYTES || self->hdr->magic != NVT_TABLE_MAGIC ||
+        self->hdr->version != NVT_TABLE_VERSION || self->hdr->ways == 0) {
+        PyErr_SetString(PyExc_ValueError, "the table is not formatted (call format() first)");
+        goto fail;
+    }
+    self->n_slots = self->hdr->n_slots;
+    self->ways = self->hdr->ways;
+    self->n_sets = self->hdr->n_sets;
+    self->set_bytes = self->hdr->set_bytes;
+    if ((uint64_t)self->tbuf.len < table_bytes(self->n_slots, self->ways) ||
+        (uint64_t)self->ibuf.len < self->n_slots * REC_BYTES || n_paths < 1 ||
+        self->n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes || n_rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "table, index and geometry do not match");
+        goto fail;
+    }
+    self->lock_fd = lock_fd;
+    self->n_paths = n_paths;
+    self->slot_bytes = slot_bytes;
+    self->row_bytes = row_bytes;
+    self->n_rows = n_rows;
+    self->lease_ns = lease_ns;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+PyDoc_STRVAR(attach_doc, "attach() -> (index, incarnation)\n\n"
+                         "Claim a free entry of the sharer registry: an OFD write lock on its byte\n"
+                         "of the lock file (dropped by the kernel when this process dies), then\n"
+                         "pid, incarnation and time. Raises OSError when all entries are taken.");
+
+static PyObject *Table_attach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->me >= 0)
+        return Py_BuildValue("(iI)", self->me, self->my_inc);
+    for (int i = 0; i < NVT_MAX_SHARERS; i++) {
+        struct flock fl;
+        memset(&fl, 0, sizeof(fl));
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
+        fl.l_len = 1;
+        if (fcntl(self->lock_fd, F_OFD_SETLK, &fl) != 0) {
+            if (errno == EAGAIN || errno == EACCES)
+                continue;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        nvt_sharer *s = &sharers(self->base)[i];
+        uint32_t inc = s->incarnation + 1;
+        if ((inc & 0xffff) == 0)
+            inc++;
+        s->pid = (uint32_t)getpid();
+        s->attached_ns = now_wall_ns();
+        __atomic_store_n(&s->incarnation, inc, __ATOMIC_RELEASE);
+        self->me = i;
+        self->my_inc = inc;
+        return Py_BuildValue("(iI)", i, inc);
+    }
+    errno = EUSERS;
+    PyErr_Format(PyExc_OSError, "the store already has %d sharers attached", NVT_MAX_SHARERS);
+    return NULL;
+}
+
+PyDoc_STRVAR(detach_doc, "detach()\n\nLeave the sharer registry (pid cleared, OFD lock released).");
+
+static PyObject *Table_detach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->me >= 0) {
+        nvt_sharer *s = &sharers(self->base)[self->me];
+        s->pid = 0;
+        struct flock fl;
+        memset(&fl, 0, sizeof(fl));
+        fl.l_type = F_UNLCK;
+        fl.l_whence = SEEK_SET;
+        fl.l_start = NVT_REGISTRY_LOCK_BASE + self->me;
+        fl.l_len = 1;
+        fcntl(self->lock_fd, F_OFD_SETLK, &fl);
+        self->me = -1;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
+                         "Whether key is READY (its record holds this key). A hit is leased:\n"
+                         "no sharer evicts it for lease_ns, and counts as an access.");
+
+static PyObject *Table_lookup(TableObject *self, PyObject *key) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return NULL;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+    int hit = 0;
+    if (set_lock(self, set) == 0) {
+        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        int w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+        if (w >= 0) {
+            uint64_t until = now_mono_ns() + self->lease_ns;
+            if (slots[w].stamp_ns < until)
+                slots[w].stamp_ns = until;
+            slots[w].last_used = tick(self);
+            hit = 1;
+            if (self->n_held == self->cap_held) {
+                size_t cap = self->cap_held ? self->cap_held * 2 : 256;
+                uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
+                if (h) {
+                    self->held = h;
+                    self->cap_held = cap;
+                }
+            }
+            if (self->n_held < self->cap_held) { /* else the lease just runs out */
+                self->held[2 * self->n_held] = set * self->ways + (uint64_t)w;
+                self->held[2 * self->n_held + 1] = slots[w].stamp_ns;
+                self->n_held++;
+            }
+        }
+        set_unlock(self, set);
+    }
+    if (hit) {
+        self->c.hits++;
+        Py_RETURN_TRUE;
+    }
+    self->c.misses++;
+    Py_RETURN_FALSE;
+}
+
+PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
+
+static PyObject *Table_contains(TableObject *self, PyObject *key) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return NULL;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+    int w = -1;
+    if (set_lock(self, set) == 0) {
+        w = find_way(self, set_slots(self->base, self->set_bytes, set), set * self->ways, fp, k, n,
+                     1u << NVT_READY);
+        set_unlock(self, set);
+    }
+    return PyBool_FromLong(w >= 0);
+}
+
+PyDoc_STRVAR(slot_of_doc, "slot_of(key) -> int | None\n\nThe slot holding key READY, or None.");
+
+static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return NULL;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+    int w = -1;
+    if (set_lock(self, set) == 0) {
+        w = find_way(self, set_slots(self->base, self->set_bytes, set), set * self->ways, fp, k, n,
+                     1u << NVT_READY);
+        set_unlock(self, set);
+    }
+    if (w < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(set * self->ways + (uint64_t)w);
+}
+
+PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
+
+static PyObject *Table_touch(TableObject *self, PyObject *keys) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const char *k;
+        Py_ssize_t n;
+        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+        if (set_lock(self, set) != 0)
+            continue;
+        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        int w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+        if (w >= 0)
+            slots[w].last_used = tick(self);
+        set_unlock(self, set);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* Choose the way to write `fp` into (the set is locked). Returns the way, or
+ * -1 when every way is being written or leased, or -2 when the key is already
+ * present or being written. *evict is set when a READY/BAD key is displaced. */
+static int claim_way(TableObject *t, nvt_slot *slots, uint64_t set, uint64_t fp, const char *k,
+                     Py_ssize_t n, uint64_t now, int *evict) {
+    int empty = -1, victim = -1, victim_bad = 0;
+    uint64_t victim_used = 0;
+    *evict = 0;
+    for (uint32_t w = 0; w < t->ways; w++) {
+        nvt_slot *s = &slots[w];
+        uint8_t st = s->state;
+        if (st != NVT_EMPTY && s->fp == fp) {
+            if (st == NVT_WRITING)
+                return -2; /* another store of this key is in flight (any sharer) */
+            if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
+                return -2;
+            if (st == NVT_BAD) /* a failed load left it: rewrite in place */
+                return (int)w;
+        }
+        if (st == NVT_EMPTY) {
+            if (empty < 0)
+                empty = (int)w;
+            continue;
+        }
+        if (st == NVT_WRITING) {
+            if (now - s->stamp_ns >= DEAD_CHECK_AGE_NS && !owner_alive(t, s->owner, s->owner_inc)) {
+                clear_slot_locked(t, s, set * t->ways + w);
+                t->c.dead_reclaimed++;
+                if (empty < 0)
+                    empty = (int)w;
+            }
+            continue;
+        }
+        if (s->stamp_ns > now)
+            continue; /* leased: a lookup hit or a load in flight */
+        int bad = st == NVT_BAD;
+        if (victim < 0 || bad > victim_bad || (bad == victim_bad && s->last_used < victim_used)) {
+            victim = (int)w;
+            victim_bad = bad;
+            victim_used = s->last_used;
+        }
+    }
+    if (empty >= 0)
+        return empty;
+    if (victim >= 0)
+        *evict = 1;
+    return victim;
+}
+
+PyDoc_STRVAR(store_ops_doc,
+             "store_ops(job_id, keys, rows, max_ops, events) -> (ops, failed, evicted)\n\n"
+             "Claim a slot for every key to write (rows: int32/int64 buffer) and return the\n"
+             "ops as packed nvt_op (bytes). Keys already stored or being stored by any sharer\n"
+             "are skipped (success); keys beyond max_ops or whose set is all busy are dropped\n"
+             "(counted, success). failed: positions of keys that cannot be stored (bad key or\n"
+             "row), or None. evicted: keys displaced (when events), or None. Each claimed\n"
+             "slot is WRITING and its old record zeroed before its op exists.");
+
+static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
+    long long job_id, max_ops;
+    PyObject *keys, *rows_obj;
+    int events;
+    if (!PyArg_ParseTuple(args, "LOOLp", &job_id, &keys, &rows_obj, &max_ops, &events))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer rows;
+    if (rows_arg(rows_obj, &rows, m) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
+    PyObject *failed = NULL, *evicted = NULL;
+    int64_t job = -1;
+    Py_ssize_t n_ops = 0;
+    if (!out)
+        goto error;
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    uint64_t now = now_mono_ns();
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const char *k;
+        Py_ssize_t n;
+        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
+            goto error;
+        int64_t row = row_at(&rows, i);
+        if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
+            if (append_pos(&failed, i) < 0)
+                goto error;
+            continue;
+        }
+        if (n_ops >= max_ops) {
+            self->c.stores_dropped_queue_full++;
+            continue;
+        }
+        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+        if (set_lock(self, set) != 0) {
+            self->c.stores_dropped_set_busy++;
+            continue;
+        }
+        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        int evict;
+        int w = claim_way(self, slots, set, fp, k, n, now, &evict);
+        if (w < 0) {
+            set_unlock(self, set);
+            if (w == -2)
+                self->c.stores_skipped_present++;
+            else
+                self->c.stores_dropped_set_busy++;
+            continue;
+        }
+        uint64_t slot = set * self->ways + (uint64_t)w;
+        nvt_slot *s = &slots[w];
+        if (evict) {
+            self->c.evictions++;
+            const unsigned char *r = record(self, slot);
+            if (events && r[5] <= REC_KEY_MAX && record_has_key(self, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
+                append_key(&evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
+                set_unlock(self, set);
+                goto error;
+            }
+        }
+        if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
+            set_unlock(self, set);
+            PyErr_NoMemory();
+            goto error;
+        }
+        int64_t oi = op_alloc(self);
+        if (oi < 0) {
+            set_unlock(self, set);
+            PyErr_NoMemory();
+            goto error;
+        }
+        /* Mark the slot ours before its record changes: a death from here on
+         * leaves a WRITING slot of a dead sharer, which is reclaimed. */
+        uint8_t old = s->state;
+        if (old == NVT_EMPTY)
+            __atomic_add_fetch(&self->hdr->used, 1, __ATOMIC_RELAXED);
+        else if (old == NVT_READY)
+            __atomic_sub_fetch(&self->hdr->ready, 1, __ATOMIC_RELAXED);
+        s->owner = (uint8_t)(self->me < 0 ? 0 : self->me);
+        s->owner_inc = (uint16_t)self->my_inc;
+        s->stamp_ns = now;
+        s->gen++;
+        s->fp = fp;
+        __atomic_store_n(&s->state, NVT_WRITING, __ATOMIC_RELEASE);
+        /* The old record stops being visible before the data changes. */
+        zero_record(self, slot);
+        op_info *o = &self->ops[oi];
+        o->slot = (uint32_t)slot;
+        o->gen = s->gen;
+        set_unlock(self, set);
+        o->fp = fp;
+        o->expected = 0;
+        o->job = (uint32_t)job;
+        o->pos = (uint32_t)i;
+        o->length = self->row_bytes;
+        o->kind = NVT_OP_WRITE;
+        o->key_len = (uint8_t)n;
+        memcpy(o->key, k, (size_t)n);
+        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_WRITE, fp, 1);
+        self->jobs[job].remaining++;
+    }
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
+        Py_XDECREF(failed);
+        Py_XDECREF(evicted);
+        return NULL;
+    }
+    PyObject *res = Py_BuildValue("(NOO)", out, failed ? failed : Py_None, evicted ? evicted : Py_None);
+    Py_XDECREF(failed);
+    Py_XDECREF(evicted);
+    return res;
+error:
+    /* Only reached on a bad key object or out of memory: ops already claimed
+     * stay claimed until their WRITING slots are released below. */
+    for (Py_ssize_t i = 0; out && i < n_ops; i++) {
+        nvt_op *op = &((nvt_op *)PyBytes_AS_STRING(out))[i];
+        uint32_t oi = (uint32_t)(uintptr_t)op->op_id;
+        op_info *o = &self->ops[oi];
+        uint64_t set = o->slot / self->ways;
+        if (set_lock(self, set) == 0) {
+            nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[o->slot % self->ways];
+            if (s->state == NVT_WRITING && s->gen == o->gen)
+                clear_slot_locked(self, s, o->slot);
+            set_unlock(self, set);
+        }
+        op_release(self, oi);
+    }
+    if (job >= 0)
+        job_release(self, (uint32_t)job);
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    Py_XDECREF(failed);
+    Py_XDECREF(evicted);
+    return NULL;
+}
+
+PyDoc_STRVAR(load_ops_doc,
+             "load_ops(job_id, keys, rows, verify) -> (ops, missing)\n\n"
+             "Ops (packed nvt_op) reading every READY key into its row; each slot is leased\n"
+             "and touched. missing: positions of keys not READY (or a bad row), or None.");
+
+static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
+    long long job_id;
+    PyObject *keys, *rows_obj;
+    int verify;
+    if (!PyArg_ParseTuple(args, "LOOp", &job_id, &keys, &rows_obj, &verify))
+        return NULL;
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer rows;
+    if (rows_arg(rows_obj, &rows, m) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
+    PyObject *missing = NULL;
+    int64_t job = -1;
+    Py_ssize_t n_ops = 0;
+    if (!out)
+        goto error;
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    uint64_t until = now_mono_ns() + self->lease_ns;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const char *k;
+        Py_ssize_t n;
+        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
+            goto error;
+        int64_t row = row_at(&rows, i);
+        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+        int w = -1;
+        uint32_t gen = 0;
+        uint64_t expected = 0;
+        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
+            nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+            w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+            if (w >= 0) {
+                nvt_slot *s = &slots[w];
+                if (s->stamp_ns < until)
+                    s->stamp_ns = until;
+                s->last_used = tick(self);
+                gen = s->gen;
+                expected = record_payload(self, set * self->ways + (uint64_t)w);
+            }
+            set_unlock(self, set);
+        }
+        if (w < 0) {
+            self->c.load_keys_missing++;
+            if (append_pos(&missing, i) < 0)
+                goto error;
+            continue;
+        }
+        if (job < 0 && (job = job_alloc(self, job_id, 1)) < 0) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        int64_t oi = op_alloc(self);
+        if (oi < 0) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        uint64_t slot = set * self->ways + (uint64_t)w;
+        op_info *o = &self->ops[oi];
+        o->slot = (uint32_t)slot;
+        o->gen = gen;
+        o->fp = fp;
+        o->expected = expected;
+        o->lease = until;
+        o->job = (uint32_t)job;
+        o->pos = (uint32_t)i;
+        o->length = self->row_bytes;
+        o->kind = NVT_OP_READ;
+        o->key_len = 0;
+        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, verify);
+        self->jobs[job].remaining++;
+    }
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
+        Py_XDECREF(missing);
+        return NULL;
+    }
+    PyObject *res = Py_BuildValue("(NO)", out, missing ? missing : Py_None);
+    Py_XDECREF(missing);
+    return res;
+error:
+    for (Py_ssize_t i = 0; out && i < n_ops; i++)
+        op_release(self, (uint32_t)(uintptr_t)((nvt_op *)PyBytes_AS_STRING(out))[i].op_id);
+    if (job >= 0)
+        job_release(self, (uint32_t)job);
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    Py_XDECREF(missing);
+    return NULL;
+}
+
+static PyObject *fail_text(job_info *j) {
+    switch (j->first_fail) {
+    case FAIL_READ_IO:
+        return PyUnicode_FromFormat("read failed: %s (errno %d)", strerror(j->first_errno), j->first_errno);
+    case FAIL_WRITE_IO:
+        return PyUnicode_FromFormat("write failed: %s (errno %d)", strerror(j->first_errno), j->first_errno);
+    case FAIL_CHECKSUM:
+        return PyUnicode_FromString("checksum mismatch");
+    case FAIL_RACED:
+        return PyUnicode_FromString("slot reused by another store while loading");
+    default:
+        Py_RETURN_NONE;
+    }
+}
+
+/* Apply one completion; returns -1 only on out of memory. */
+static int apply_one(TableObject *t, const nvt_completion *c, int verify, int events, PyObject **stored,
+                     PyObject **removed) {
+    uint32_t oi = (uint32_t)(uintptr_t)c->op_id;
+    if (oi >= t->n_ops_cap || !t->ops[oi].in_use)
+        return 0; /* not ours (a stale completion): ignore */
+    op_info *o = &t->ops[oi];
+    job_info *j = &t->jobs[o->job];
+    uint64_t set = o->slot / t->ways;
+    nvt_slot *s = &set_slots(t->base, t->set_bytes, set)[o->slot % t->ways];
+    int ok = c->result == o->length;
+    int lock_ok = set_lock(t, set) == 0;
+    if (o->kind == NVT_OP_WRITE) {
+        if (ok && lock_ok && s->state == NVT_WRITING && s->gen == o->gen) {
+            /* The data is written: only now does the record appear, then the slot. */
+            write_record(t, o->slot, o->key, o->key_len, c->checksum);
+            s->stamp_ns = 0;
+            s->last_used = tick(t);
+            __atomic_store_n(&s->state, NVT_READY, __ATOMIC_RELEASE);
+            __atomic_add_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+            if (lock_ok)
+                set_unlock(t, set);
+            t->c.ops_written++;
+            t->c.bytes_written += (unsigned long long)o->length;
+            j->moved += (uint64_t)o->length;
+            if (events && append_key(stored, o->key, o->key_len) < 0)
+                return -1;
+        } else {
+            if (lock_ok && s->state == NVT_WRITING && s->gen == o->gen)
+                clear_slot_locked(t, s, o->slot); /* the record is still zero */
+            if (lock_ok)
+                set_unlock(t, set);
+            t->c.write_errors++;
+            if (job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result) < 0)
+                return -1;
+        }
+    } else {
+        int same = lock_ok && s->gen == o->gen && s->state == NVT_READY;
+        if (same && s->stamp_ns == o->lease)
+            s->stamp_ns = 0; /* nobody extended our lease: the slot is evictable again */
+        if (!same) {
+            if (lock_ok)
+                set_unlock(t, set);
+            t->c.loads_raced++;
+            if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
+                return -1;
+        } else if (!ok) {
+            /* A transient error is not corruption: a miss until rewritten. */
+            s->state = NVT_BAD;
+            __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+            set_unlock(t, set);
+            t->c.read_errors++;
+            if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
+                return -1;
+        } else if (verify && c->checksum != o->expected) {
+            /* Proven corruption of this very slot: a miss, and the slot is freed. */
+            const unsigned char *r = record(t, o->slot);
+            int kl = r[5];
+            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0) {
+                set_unlock(t, set);
+                return -1;
+            }
+            clear_slot_locked(t, s, o->slot);
+            set_unlock(t, set);
+            t->c.checksum_failures++;
+            if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
+                return -1;
+        } else {
+            set_unlock(t, set);
+            t->c.ops_read++;
+            t->c.bytes_read += (unsigned long long)o->length;
+            j->moved += (uint64_t)o->length;
+        }
+    }
+    op_release(t, oi);
+    j->remaining--;
+    return 0;
+}
+
+PyDoc_STRVAR(complete_doc,
+             "complete(completions, verify, events) -> (finished, stored, removed)\n\n"
+             "Apply packed nvt_completion records. A write publishes its record, then its\n"
+             "slot READY; a read succeeds only when its slot's generation is unchanged and\n"
+             "(verify) the checksum matches. finished: (job_id, is_load, moved_bytes,\n"
+             "failed_positions or None, first_error or None) per job whose last op this was.\n"
+             "stored/removed: keys for KV events (events), or None.");
+
+static PyObject *Table_complete(TableObject *self, PyObject *args) {
+    Py_buffer comps;
+    int verify, events;
+    if (!PyArg_ParseTuple(args, "y*pp", &comps, &verify, &events))
+        return NULL;
+    Py_ssize_t n = comps.len / (Py_ssize_t)sizeof(nvt_completion);
+    const nvt_completion *cs = comps.buf;
+    PyObject *finished = PyList_New(0), *stored = NULL, *removed = NULL;
+    if (!finished)
+        goto error;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t oi = (uint32_t)(uintptr_t)cs[i].op_id;
+        uint32_t ji = oi < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
+        if (apply_one(self, &cs[i], verify, events, &stored, &removed) < 0)
+            goto error;
+        if (ji == UINT32_MAX)
+            continue;
+        job_info *j = &self->jobs[ji];
+        if (j->remaining)
+            continue;
+        PyObject *failed = Py_None, *text;
+        Py_INCREF(failed);
+        if (j->n_failed) {
+            Py_DECREF(failed);
+            if (!(failed = PyList_New(j->n_failed)))
+                goto error;
+            for (uint32_t f = 0; f < j->n_failed; f++)
+                PyList_SET_ITEM(failed, f, PyLong_FromUnsignedLong(j->failed[f]));
+        }
+        if (!(text = fail_text(j))) {
+            Py_DECREF(failed);
+            goto error;
+        }
+        PyObject *item = Py_BuildValue("(LOKNN)", (long long)j->job_id, j->is_load ? Py_True : Py_False,
+                                       (unsigned long long)j->moved, failed, text);
+        job_release(self, ji);
+        if (!item || PyList_Append(finished, item) < 0) {
+            Py_XDECREF(item);
+            goto error;
+        }
+        Py_DECREF(item);
+    }
+    PyBuffer_Release(&comps);
+    PyObject *res = Py_BuildValue("(NOO)", finished, stored ? stored : Py_None, removed ? removed : Py_None);
+    Py_XDECREF(stored);
+    Py_XDECREF(removed);
+    return res;
+error:
+    PyBuffer_Release(&comps);
+    Py_XDECREF(finished);
+    Py_XDECREF(stored);
+    Py_XDECREF(removed);
+    return NULL;
+}
+
+PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
+                                 "End of a step: drop the leases of this step's lookup hits that no\n"
+                                 "load (and no other sharer) extended since.");
+
+static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    for (size_t i = 0; i < self->n_held; i++) {
+        uint64_t slot = self->held[2 * i], until = self->held[2 * i + 1], set = slot / self->ways;
+        if (set_lock(self, set) != 0)
+            continue;
+        nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[slot % self->ways];
+        if (s->state == NVT_READY && s->stamp_ns == until)
+            s->stamp_ns = 0;
+        set_unlock(self, set);
+    }
+    self->n_held = 0;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
+                             "Free key's slot (record first). False when absent, being written, or\n"
+                             "leased by a lookup or load.");
+
+static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return NULL;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+    int done = 0;
+    if (set_lock(self, set) == 0) {
+        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        int w = find_way(self, slots, set * self->ways, fp, k, n, (1u << NVT_READY) | (1u << NVT_BAD));
+        if (w >= 0 && slots[w].stamp_ns <= now_mono_ns()) {
+            clear_slot_locked(self, &slots[w], set * self->ways + (uint64_t)w);
+            done = 1;
+        }
+        set_unlock(self, set);
+    }
+    return PyBool_FromLong(done);
+}
+
+PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
+                        "Reclaim the WRITING slots of sharers that are gone, in every set, and\n"
+                        "recount the used/ready gauges. Returns the slots reclaimed.");
+
+static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    uint64_t now = now_mono_ns();
+    int64_t used = 0, ready = 0;
+    long long reclaimed = 0;
+    for (uint64_t set = 0; set < self->n_sets; set++) {
+        if (set_lock(self, set) != 0)
+            continue;
+        reclaimed += repair_set_locked(self, set, 0, now);
+        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        for (uint32_t w = 0; w < self->ways; w++) {
+            used += slots[w].state != NVT_EMPTY;
+            ready += slots[w].state == NVT_READY;
+        }
+        set_unlock(self, set);
+    }
+    __atomic_store_n(&self->hdr->used, used, __ATOMIC_RELAXED);
+    __atomic_store_n(&self->hdr->ready, ready, __ATOMIC_RELAXED);
+    return PyLong_FromLongLong(reclaimed);
+}
+
+PyDoc_STRVAR(load_doc,
+             "load(slots)\n\n"
+             "Rebuild: mark READY every slot of `slots` (int64 buffer) whose record the\n"
+             "caller proved valid, with its fingerprint from the record's key and its\n"
+             "recency from the record's store time. Only while no other sharer is attached.");
+
+static PyObject *Table_load(TableObject *self, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (v.itemsize != 8) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "slots must be an int64 buffer");
+        return NULL;
+    }
+    const int64_t *slots = v.buf;
+    Py_ssize_t n = v.len / 8;
+    uint64_t newest = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slots[i] < 0 || (uint64_t)slots[i] >= self->n_slots)
+            continue;
+        uint64_t slot = (uint64_t)slots[i];
+        const unsigned char *r = record(self, slot);
+        uint8_t kl = r[5] <= REC_KEY_MAX ? r[5] : REC_KEY_MAX;
+        uint64_t stored;
+        memcpy(&stored, r + 16, 8);
+        nvt_slot *s = &set_slots(self->base, self->set_bytes, slot / self->ways)[slot % self->ways];
+        if (s->state == NVT_EMPTY)
+            self->hdr->used++;
+        if (s->state != NVT_READY)
+            self->hdr->ready++;
+        s->fp = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
+        s->last_used = stored;
+        s->stamp_ns = 0;
+        s->gen++;
+        s->state = NVT_READY;
+        if (stored > newest)
+            newest = stored;
+    }
+    PyBuffer_Release(&v);
+    if (self->hdr->clock < newest)
+        self->hdr->clock = newest;
+    uint64_t wall = now_wall_ns();
+    if (self->hdr->clock < wall)
+        self->hdr->clock = wall;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative counters.");
+
+static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    counters *c = &self->c;
+    return Py_BuildValue(
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
+        "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
+        c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
+        "stores_dropped_queue_full", c->stores_dropped_queue_full, "load_keys_missing",
+        c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
+        c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
+        "lock_recoveries", c->lock_recoveries);
+}
+
+PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, ops_in_flight, jobs_in_flight)\n\n"
+                        "Slots holding a key and READY slots over all sharers (gauges), and this\n"
+                        "process's ops and jobs in flight.");
+
+static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    int64_t used = __atomic_load_n(&self->hdr->used, __ATOMIC_RELAXED);
+    int64_t ready = __atomic_load_n(&self->hdr->ready, __ATOMIC_RELAXED);
+    return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
+                         self->ops_live, self->jobs_live);
+}
+
+static PyMethodDef Table_methods[] = {
+    {"attach", (PyCFunction)Table_attach, METH_NOARGS, attach_doc},
+    {"detach", (PyCFunction)Table_detach, METH_NOARGS, detach_doc},
+    {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
+    {"contains", (PyCFunction)Table_contains, METH_O, contains_doc},
+    {"touch", (PyCFunction)Table_touch, METH_O, touch_doc},
+    {"slot_of", (PyCFunction)Table_slot_of, METH_O, slot_of_doc},
+    {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},
+    {"load_ops", (PyCFunction)Table_load_ops, METH_VARARGS, load_ops_doc},
+    {"complete", (PyCFunction)Table_complete, METH_VARARGS, complete_doc},
+    {"invalidate", (PyCFunction)Table_invalidate, METH_O, invalidate_doc},
+    {"release_leases", (PyCFunction)Table_release_leases, METH_NOARGS, release_leases_doc},
+    {"sweep", (PyCFunction)Table_sweep, METH_NOARGS, sweep_doc},
+    {"load", (PyCFunction)Table_load, METH_O, load_doc},
+    {"counters", (PyCFunction)Table_counters, METH_NOARGS, counters_doc},
+    {"usage", (PyCFunction)Table_usage, METH_NOARGS, usage_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.Table",
+    .tp_basicsize = sizeof(TableObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The process-shared slot table of one store, and this process's data path over it.",
+    .tp_new = Table_new,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_methods = Table_methods,
+};
+
+/* ------------------------------------------------------------------ module */
+PyDoc_STRVAR(table_bytes_doc, "table_bytes(n_slots, ways) -> int\n\nSize of the table file.");
+
+static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
+    unsigned long long n_slots;
+    unsigned int ways;
+    if (!PyArg_ParseTuple(args, "KI", &n_slots, &ways))
+        return NULL;
+    if (!ways || n_slots % ways) {
+        PyErr_SetString(PyExc_ValueError, "n_slots must be a positive multiple of ways");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(table_bytes(n_slots, ways));
+}
+
+PyDoc_STRVAR(format_doc,
+             "format(table, n_slots, ways, reset_only)\n\n"
+             "Write the header and initialize every set's mutex. reset_only keeps the slots\n"
+             "(a table proven clean): leases are dropped and WRITING slots freed; otherwise\n"
+             "every slot is zeroed. Only while no other process is attached.");
+
+static PyObject *py_format(PyObject *m, PyObject *args) {
+    Py_buffer v;
+    unsigned long long n_slots;
+    unsigned int ways;
+    int reset_only;
+    if (!PyArg_ParseTuple(args, "w*KIp", &v, &n_slots, &ways, &reset_only))
+        return NULL;
+    if (!ways || n_slots % ways || (uint64_t)v.len < table_bytes(n_slots, ways)) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "the table buffer is too small for n_slots and ways");
+        return NULL;
+    }
+    char *base = v.buf;
+    nvt_table_header *h = (nvt_table_header *)base;
+    uint32_t set_bytes = NVT_SET_HEAD_BYTES + ways * NVT_SLOT_BYTES;
+    uint64_t n_sets = n_slots / ways;
+    int64_t used = 0, ready = 0;
+    if (!reset_only) {
+        memset(base, 0, table_bytes(n_slots, ways));
+    } else {
+        memset(base + NVT_SHARERS_OFFSET, 0, NVT_MAX_SHARERS * sizeof(nvt_sharer));
+    }
+    int err = 0;
+    for (uint64_t s = 0; s < n_sets && !err; s++) {
+        nvt_set_head *head = set_head(base, set_bytes, s);
+        memset(head, 0, sizeof(*head));
+        err = init_mutex(&head->mu);
+        nvt_slot *slots = set_slots(base, set_bytes, s);
+        for (uint32_t w = 0; w < ways; w++) {
+            nvt_slot *sl = &slots[w];
+            if (sl->state == NVT_WRITING || sl->state > NVT_BAD) {
+                memset(sl, 0, sizeof(*sl));
+            }
+            sl->stamp_ns = 0;
+            sl->owner = 0;
+            sl->owner_inc = 0;
+            used += sl->state != NVT_EMPTY;
+            ready += sl->state == NVT_READY;
+        }
+    }
+    h->magic = NVT_TABLE_MAGIC;
+    h->version = NVT_TABLE_VERSION;
+    h->header_bytes = NVT_TABLE_HEADER_BYTES;
+    h->n_slots = n_slots;
+    h->ways = ways;
+    h->set_bytes = set_bytes;
+    h->n_sets = n_sets;
+    h->used = used;
+    h->ready = ready;
+    h->max_sharers = NVT_MAX_SHARERS;
+    h->clean = 0;
+    if (h->clock < now_wall_ns())
+        h->clock = now_wall_ns();
+    PyBuffer_Release(&v);
+    if (err) {
+        PyErr_SetString(PyExc_OSError, "pthread_mutex_init failed for a process-shared robust mutex");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(header_doc, "header(table) -> dict\n\nThe table header (for open checks, info, fsck).");
+
+static PyObject *py_header(PyObject *m, PyObject *arg) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (v.len < NVT_TABLE_HEADER_BYTES) {
+        PyBuffer_Release(&v);
+        PyErr_SetString(PyExc_ValueError, "table shorter than its header");
+        return NULL;
+    }
+    const nvt_table_header *h = v.buf;
+    PyObject *d = Py_BuildValue("{sKsIsKsIsKsLsLsI}", "magic", (unsigned long long)h->magic, "version",
+                                h->version, "n_slots", (unsigned long long)h->n_slots, "ways", h->ways,
+                                "clock", (unsigned long long)h->clock, "used", (long long)h->used, "ready",
+                                (long long)h->ready, "clean", h->clean);
+    PyBuffer_Release(&v);
+    if (d) {
+        PyObject *ok = PyBool_FromLong(h->magic == NVT_TABLE_MAGIC && h->version == NVT_TABLE_VERSION);
+        PyDict_SetItemString(d, "valid", ok);
+        Py_DECREF(ok);
+    }
+    return d;
+}
+
+PyDoc_STRVAR(set_clean_doc, "set_clean(table, flag)\n\nMark the table consistent with the records "
+                            "(the last sharer, at an orderly close) or not.");
+
+static PyObject *py_set_clean(PyObject *m, PyObject *args) {
+    Py_buffer v;
+    int flag;
+    if (!PyArg_ParseTuple(args, "w*p", &v, &flag))
+        return NULL;
+    if (v.len >= NVT_TABLE_HEADER_BYTES)
+        __atomic_store_n(&((nvt_table_header *)v.buf)->clean, (uint32_t)flag, __ATOMIC_RELEASE);
+    PyBuffer_Release(&v);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
+                          "Registry entries whose OFD lock is held by a live process (another\n"
+                          "open file description than lock_fd's).");
+
+static PyObject *py_sharers(PyObject *m, PyObject *args) {
+    Py_buffer v;
+    int fd;
+    if (!PyArg_ParseTuple(args, "y*i", &v, &fd))
+        return NULL;
+    if (v.len < NVT_TABLE_HEADER_BYTES) {
+        PyBuffer_Release(&v);
+        return PyList_New(0);
+    }
+    PyObject *out = PyList_New(0);
+    const nvt_sharer *sh = (const nvt_sharer *)((const char *)v.buf + NVT_SHARERS_OFFSET);
+    for (int i = 0; out && i < NVT_MAX_SHARERS; i++) {
+        struct flock fl;
+        memset(&fl, 0, sizeof(fl));
+        fl.l_type = F_WRLCK;
+        fl.l_whence = SEEK_SET;
+        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
+        fl.l_len = 1;
+        if (fcntl(fd, F_OFD_GETLK, &fl) != 0 || fl.l_type == F_UNLCK)
+            continue;
+        PyObject *t = Py_BuildValue("(iIK)", i, sh[i].pid, (unsigned long long)sh[i].attached_ns);
+        if (!t || PyList_Append(out, t) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(t);
+    }
+    PyBuffer_Release(&v);
+    return out;
+}
+
+static PyMethodDef module_methods[] = {
+    {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
+    {"format", py_format, METH_VARARGS, format_doc},
+    {"header", py_header, METH_O, header_doc},
+    {"set_clean", py_set_clean, METH_VARARGS, set_clean_doc},
+    {"sharers", py_sharers, METH_VARARGS, sharers_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef table_module = {
+    PyModuleDef_HEAD_INIT, "nvmetier._table",
+    "The process-shared slot table of an nvmetier store (see nvt_table.h).", -1, module_methods,
+};
+
+PyMODINIT_FUNC PyInit__table(void) {
+    if (PyType_Ready(&TableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&table_module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0 ||
+        PyModule_AddIntConstant(m, "OP_BYTES", (long)sizeof(nvt_op)) < 0 ||
+        PyModule_AddIntConstant(m, "COMPLETION_BYTES", (long)sizeof(nvt_completion)) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_SHARERS", NVT_MAX_SHARERS) < 0 ||
+        PyModule_AddIntConstant(m, "REGISTRY_LOCK_BASE", (long)NVT_REGISTRY_LOCK_BASE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
