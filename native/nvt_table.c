@@ -97,6 +97,11 @@ typedef struct {
     uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
     uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
     size_t n_held, cap_held;
+    /* Stores of keys another write (any sharer's) was already writing: the
+     * job finishes only once that write is no longer in flight, so a finished
+     * store job always means its keys are there for everyone. */
+    struct watch { uint32_t slot, gen, job, pos; } *watches;
+    size_t n_watches, cap_watches;
     counters c;
 } TableObject;
 
@@ -413,6 +418,7 @@ static void Table_dealloc(TableObject *self) {
     PyMem_Free(self->ops);
     PyMem_Free(self->op_free);
     PyMem_Free(self->held);
+    PyMem_Free(self->watches);
     if (self->have_tbuf)
         PyBuffer_Release(&self->tbuf);
     if (self->have_ibuf)
@@ -649,7 +655,7 @@ static int claim_way(TableObject *t, nvt_slot *slots, uint64_t set, uint64_t fp,
         uint8_t st = s->state;
         if (st != NVT_EMPTY && s->fp == fp) {
             if (st == NVT_WRITING)
-                return -2; /* another store of this key is in flight (any sharer) */
+                return -3 - (int)w; /* another store of this key is in flight (any sharer) */
             if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
                 return -2;
             if (st == NVT_BAD) /* a failed load left it: rewrite in place */
@@ -686,13 +692,14 @@ static int claim_way(TableObject *t, nvt_slot *slots, uint64_t set, uint64_t fp,
 }
 
 PyDoc_STRVAR(store_ops_doc,
-             "store_ops(job_id, keys, rows, max_ops, events) -> (ops, failed, evicted)\n\n"
+             "store_ops(job_id, keys, rows, max_ops, events) -> (ops, failed, evicted, pending)\n\n"
              "Claim a slot for every key to write (rows: int32/int64 buffer) and return the\n"
              "ops as packed nvt_op (bytes). Keys already stored or being stored by any sharer\n"
              "are skipped (success); keys beyond max_ops or whose set is all busy are dropped\n"
              "(counted, success). failed: positions of keys that cannot be stored (bad key or\n"
              "row), or None. evicted: keys displaced (when events), or None. Each claimed\n"
-             "slot is WRITING and its old record zeroed before its op exists.");
+             "slot is WRITING and its old record zeroed before its op exists. pending: ops\n"
+             "plus keys waiting for another write of the same key (0: the job is done).");
 
 static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
     long long job_id, max_ops;
@@ -740,6 +747,33 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
         int evict;
         int w = claim_way(self, slots, set, fp, k, n, now, &evict);
+        if (w <= -3) { /* being written: finish this job only once that write is done */
+            uint32_t ww = (uint32_t)(-3 - w);
+            uint32_t gen = slots[ww].gen;
+            set_unlock(self, set);
+            self->c.stores_skipped_present++;
+            if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
+                PyErr_NoMemory();
+                goto error;
+            }
+            if (self->n_watches == self->cap_watches) {
+                size_t cap = self->cap_watches ? self->cap_watches * 2 : 64;
+                struct watch *wl = PyMem_Realloc(self->watches, cap * sizeof(struct watch));
+                if (!wl) {
+                    PyErr_NoMemory();
+                    goto error;
+                }
+                self->watches = wl;
+                self->cap_watches = cap;
+            }
+            struct watch *wt = &self->watches[self->n_watches++];
+            wt->slot = (uint32_t)(set * self->ways + ww);
+            wt->gen = gen;
+            wt->job = (uint32_t)job;
+            wt->pos = (uint32_t)i;
+            self->jobs[job].remaining++;
+            continue;
+        }
         if (w < 0) {
             set_unlock(self, set);
             if (w == -2)
@@ -807,7 +841,9 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         Py_XDECREF(evicted);
         return NULL;
     }
-    PyObject *res = Py_BuildValue("(NOO)", out, failed ? failed : Py_None, evicted ? evicted : Py_None);
+    unsigned int pending = job >= 0 ? self->jobs[job].remaining : 0;
+    PyObject *res = Py_BuildValue("(NOOI)", out, failed ? failed : Py_None, evicted ? evicted : Py_None,
+                                  pending);
     Py_XDECREF(failed);
     Py_XDECREF(evicted);
     return res;
@@ -827,8 +863,14 @@ error:
         }
         op_release(self, oi);
     }
-    if (job >= 0)
+    if (job >= 0) {
+        size_t keep = 0;
+        for (size_t i = 0; i < self->n_watches; i++)
+            if (self->watches[i].job != (uint32_t)job)
+                self->watches[keep++] = self->watches[i];
+        self->n_watches = keep;
         job_release(self, (uint32_t)job);
+    }
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
     Py_XDECREF(out);
@@ -1041,6 +1083,73 @@ PyDoc_STRVAR(complete_doc,
              "failed_positions or None, first_error or None) per job whose last op this was.\n"
              "stored/removed: keys for KV events (events), or None.");
 
+/* Append job ji to `finished` (and free it) when its last op or watch is done. */
+static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
+    job_info *j = &self->jobs[ji];
+    if (j->remaining)
+        return 0;
+    PyObject *failed = Py_None, *text;
+    Py_INCREF(failed);
+    if (j->n_failed) {
+        Py_DECREF(failed);
+        if (!(failed = PyList_New(j->n_failed)))
+            return -1;
+        for (uint32_t f = 0; f < j->n_failed; f++)
+            PyList_SET_ITEM(failed, f, PyLong_FromUnsignedLong(j->failed[f]));
+    }
+    if (!(text = fail_text(j))) {
+        Py_DECREF(failed);
+        return -1;
+    }
+    PyObject *item = Py_BuildValue("(LOKNN)", (long long)j->job_id, j->is_load ? Py_True : Py_False,
+                                   (unsigned long long)j->moved, failed, text);
+    job_release(self, ji);
+    if (!item || PyList_Append(finished, item) < 0) {
+        Py_XDECREF(item);
+        return -1;
+    }
+    Py_DECREF(item);
+    return 0;
+}
+
+/* Resolve watches whose write is no longer in flight (done, failed, or its
+ * writer died and the slot was reclaimed). */
+static int check_watches(TableObject *self, PyObject *finished) {
+    size_t keep = 0;
+    uint64_t now = now_mono_ns();
+    for (size_t i = 0; i < self->n_watches; i++) {
+        struct watch wt = self->watches[i];
+        uint64_t set = wt.slot / self->ways;
+        int pending = 1;
+        if (set_lock(self, set) == 0) {
+            nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[wt.slot % self->ways];
+            if (s->state == NVT_WRITING && s->gen == wt.gen && now - s->stamp_ns >= DEAD_CHECK_AGE_NS &&
+                !owner_alive(self, s->owner, s->owner_inc)) {
+                clear_slot_locked(self, s, wt.slot);
+                self->c.dead_reclaimed++;
+            }
+            pending = s->state == NVT_WRITING && s->gen == wt.gen;
+            set_unlock(self, set);
+        } else {
+            pending = 0;
+        }
+        if (pending) {
+            self->watches[keep++] = wt;
+            continue;
+        }
+        self->jobs[wt.job].remaining--;
+        if (maybe_finish(self, wt.job, finished) < 0) {
+            /* keep the rest consistent: compact what is left, then fail */
+            for (size_t r = i + 1; r < self->n_watches; r++)
+                self->watches[keep++] = self->watches[r];
+            self->n_watches = keep;
+            return -1;
+        }
+    }
+    self->n_watches = keep;
+    return 0;
+}
+
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
     Py_buffer comps;
     int verify, events;
@@ -1056,33 +1165,11 @@ static PyObject *Table_complete(TableObject *self, PyObject *args) {
         uint32_t ji = oi < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
         if (apply_one(self, &cs[i], verify, events, &stored, &removed) < 0)
             goto error;
-        if (ji == UINT32_MAX)
-            continue;
-        job_info *j = &self->jobs[ji];
-        if (j->remaining)
-            continue;
-        PyObject *failed = Py_None, *text;
-        Py_INCREF(failed);
-        if (j->n_failed) {
-            Py_DECREF(failed);
-            if (!(failed = PyList_New(j->n_failed)))
-                goto error;
-            for (uint32_t f = 0; f < j->n_failed; f++)
-                PyList_SET_ITEM(failed, f, PyLong_FromUnsignedLong(j->failed[f]));
-        }
-        if (!(text = fail_text(j))) {
-            Py_DECREF(failed);
+        if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
             goto error;
-        }
-        PyObject *item = Py_BuildValue("(LOKNN)", (long long)j->job_id, j->is_load ? Py_True : Py_False,
-                                       (unsigned long long)j->moved, failed, text);
-        job_release(self, ji);
-        if (!item || PyList_Append(finished, item) < 0) {
-            Py_XDECREF(item);
-            goto error;
-        }
-        Py_DECREF(item);
     }
+    if (self->n_watches && check_watches(self, finished) < 0)
+        goto error;
     PyBuffer_Release(&comps);
     PyObject *res = Py_BuildValue("(NOO)", finished, stored ? stored : Py_None, removed ? removed : Py_None);
     Py_XDECREF(stored);
@@ -1224,15 +1311,15 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         "lock_recoveries", c->lock_recoveries);
 }
 
-PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, ops_in_flight, jobs_in_flight)\n\n"
+PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
                         "Slots holding a key and READY slots over all sharers (gauges), and this\n"
-                        "process's ops and jobs in flight.");
+                        "process's stores waiting for another write of their key, and jobs in flight.");
 
 static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     int64_t used = __atomic_load_n(&self->hdr->used, __ATOMIC_RELAXED);
     int64_t ready = __atomic_load_n(&self->hdr->ready, __ATOMIC_RELAXED);
     return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
-                         self->ops_live, self->jobs_live);
+                         (unsigned int)self->n_watches, self->jobs_live);
 }
 
 static PyMethodDef Table_methods[] = {
@@ -1401,6 +1488,8 @@ static PyObject *py_sharers(PyObject *m, PyObject *args) {
     PyObject *out = PyList_New(0);
     const nvt_sharer *sh = (const nvt_sharer *)((const char *)v.buf + NVT_SHARERS_OFFSET);
     for (int i = 0; out && i < NVT_MAX_SHARERS; i++) {
+        if (!sh[i].pid)
+            continue; /* never used, or detached */
         struct flock fl;
         memset(&fl, 0, sizeof(fl));
         fl.l_type = F_WRLCK;

@@ -36,7 +36,7 @@ import numpy as np
 
 from nvmetier.config import TierConfig
 from nvmetier.engine import COMPLETION_DTYPE, OP_DTYPE, IoEngine, make_engine, resolve_engine_name
-from nvmetier.files import StoreFiles, sharer_pids
+from nvmetier.files import StoreFiles
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +44,6 @@ _MAX_LOOKUP_COUNTS = 1 << 20
 # How long a lookup hit or a load protects its slot from every sharer's
 # eviction. A lease expires on its own, so a dead process pins nothing for long.
 LEASE_S = 5.0
-_SHARERS_EVERY_S = 1.0
 
 # Every counter ``stats()`` reports (zero until it happens).
 COUNTERS = (
@@ -218,7 +217,6 @@ class BlockStore:
         self._closed = False
         self._verify = config.verify_checksums
         self._events_on = config.enable_kv_events
-        self._sharers = (0.0, 1)
 
     # ------------------------------------------------------------- scheduler
     def lookup(self, key: bytes) -> bool:
@@ -278,7 +276,7 @@ class BlockStore:
             todo_rows = row_arr[positions] if positions else row_arr[:0]
         room = self.config.max_queued_bytes - self._outstanding * self.row_bytes
         max_ops = max(0, room // self.row_bytes)
-        ops, failed, evicted = self._table.store_ops(
+        ops, failed, evicted, pending = self._table.store_ops(
             job_id, todo_keys, todo_rows, max_ops, self._events_on
         )
         if failed:
@@ -288,7 +286,7 @@ class BlockStore:
             job.first_error = "bad key length or row"
         if evicted:
             self._events.append((True, evicted))
-        self._start(job, ops)
+        self._start(job, ops, pending)
 
     def submit_load(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
@@ -314,10 +312,9 @@ class BlockStore:
 
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
-        if self._outstanding:
-            comps = self.engine.wait_raw(0)
-            if comps:
-                self._collect(comps)
+        if self._jobs:
+            comps = self.engine.wait_raw(0) if self._outstanding else b""
+            self._collect(comps)  # also resolves stores waiting for another write
         out, self._finished = self._finished, []
         return out
 
@@ -330,14 +327,18 @@ class BlockStore:
         return bool(self._jobs)
 
     # ---------------------------------------------------------------- ops
-    def _start(self, job: _Job, ops: bytes) -> None:
+    def _start(self, job: _Job, ops: bytes, pending: int | None = None) -> None:
+        """Hand a job's packed ops to the engine. ``pending`` counts its ops
+        plus its keys waiting for another write of the same key (stores)."""
         n = len(ops) // OP_DTYPE.itemsize
-        if not n:
+        if not (n if pending is None else pending):
             self._finish(job, 0)
             return
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")
         self._jobs[job.job_id] = job
+        if not n:
+            return  # only waits for other writes: poll() resolves it
         self._outstanding += n
         try:
             self.engine.submit_raw(ops)
@@ -394,15 +395,17 @@ class BlockStore:
         Returns False if ops are still outstanding after ``timeout_s``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._outstanding:
-            wait_s = 0.1
+        while self._jobs:
+            wait_s = 0.1 if self._outstanding else 0.001
             if deadline is not None:
                 wait_s = min(wait_s, deadline - time.monotonic())
                 if wait_s <= 0:
                     return False
-            comps = self.engine.wait_raw(wait_s)
-            if comps:
-                self._collect(comps)
+            if self._outstanding:
+                self._collect(self.engine.wait_raw(wait_s))
+            else:  # only stores waiting for other processes' writes of their keys
+                time.sleep(wait_s)
+                self._collect(b"")
         return True
 
     def close(self, persist: bool | None = None) -> None:
@@ -428,14 +431,11 @@ class BlockStore:
 
     # --------------------------------------------------------------- stats
     def sharers(self) -> int:
-        """Processes attached to this store now (this one included); looked
-        up at most once a second (it costs a syscall per registry entry)."""
-        at, n = self._sharers
-        now = time.monotonic()
-        if now - at >= _SHARERS_EVERY_S and not self._closed:
-            n = max(1, len(sharer_pids(self.files.dirs[0])))
-            self._sharers = (now, n)
-        return n
+        """Processes attached to this store now (this one included): one
+        lock probe per registered process."""
+        if self._closed:
+            return 0
+        return 1 + self.files.other_sharers()
 
     def stats(self) -> dict[str, int]:
         """Cumulative counters (this process's) and current gauges (the shared

@@ -192,9 +192,14 @@ class NvmeTierManager(SecondaryTierManager):
             parallel.data_parallel_size,
             self.config.sharing,
         )
+        # vLLM builds the tiers before it draws the block-hash seed
+        # (EngineCore: scheduler first, then init_none_hash), so the seed is
+        # checked here and again at the first lookup or transfer.
         self.private_store = none_hash_seed_is_random()
+        self._seed_checked = False
         if self.private_store:
             self._use_private_store()
+            self._seed_checked = True
         self._events_enabled = self.config.enable_kv_events
         if self._events_enabled and not offloading_spec.kv_events_config.enable_kv_cache_events:
             logger.warning(
@@ -205,15 +210,33 @@ class NvmeTierManager(SecondaryTierManager):
             self._events_enabled = False
         if self._events_enabled != self.config.enable_kv_events:
             self.config = dataclasses.replace(self.config, enable_kv_events=False)
-        self.store = BlockStore(
+        self._primary_view = primary_kv_view
+        self.store = self._open_store()
+        self._reported: dict[str, int] = {}
+
+    def _open_store(self) -> BlockStore:
+        return BlockStore(
             self.config,
             store_name=self.store_name,
             identity=self.identity,
-            buffer=primary_kv_view,
-            row_bytes=chunk_bytes,
+            buffer=self._primary_view,
+            row_bytes=self.block_size_bytes,
             engine_wrapper=ENGINE_WRAPPER,
         )
-        self._reported: dict[str, int] = {}
+
+    def _check_seed(self) -> None:
+        """First data-path call: vLLM has drawn its block-hash seed by now. A
+        random one moves this process to a private store (once; the shared
+        store got nothing from us yet, and is removed if we created it for
+        nothing and nobody else uses it)."""
+        self._seed_checked = True
+        if not none_hash_seed_is_random():
+            return
+        shared = self.store
+        shared.close(persist=not shared.files.created)
+        self.private_store = True
+        self._use_private_store()
+        self.store = self._open_store()
 
     def _use_private_store(self) -> None:
         """Random block-hash seed: nobody else can ever hit our chunks, so keep
@@ -236,6 +259,8 @@ class NvmeTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ lookups
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._seed_checked:
+            self._check_seed()
         return LookupResult.HIT if self.store.lookup(key) else LookupResult.MISS
 
     @override
@@ -259,6 +284,8 @@ class NvmeTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ transfers
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
+        if not self._seed_checked:
+            self._check_seed()
         self.store.submit_store(job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids)
 
     @override

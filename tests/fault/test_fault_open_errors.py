@@ -61,7 +61,7 @@ def test_second_process_gets_store_locked_error_naming_the_pid(root, buf) -> Non
             from nvmetier.errors import StoreLockedError
             from tests.fault.faultkit import new_buffer, open_store
             try:
-                open_store({root!r}, new_buffer())
+                open_store({root!r}, new_buffer(), sharing="process")
             except StoreLockedError as exc:
                 print(exc)
                 sys.exit(3)

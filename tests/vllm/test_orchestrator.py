@@ -103,7 +103,7 @@ def test_failed_load_reports_successful_keys_and_then_misses(make_engine, monkey
     bad = keys[2]
     tier = eng.tiers[0]
     failing[0].fail_kind = OP_READ
-    failing[0].fail_offsets = {tier.store.sb.slot_location(tier.store.index.find(bad))}
+    failing[0].fail_offsets = {tier.store.sb.slot_location(tier.store.slot_of(bad))}
     results = eng.promote(keys)
     assert results[bad] is LookupResult.MISS
     assert all(results[k] is LookupResult.HIT for k in keys if k != bad)
@@ -130,12 +130,22 @@ def test_unknown_tier_key_is_a_clear_config_error(tmp_path, make_engine) -> None
         make_engine([nvme_tier(str(tmp_path / "kv"), capacity_byts="1GiB")])
 
 
-def test_two_tiers_on_one_store_are_refused(tmp_path, make_engine) -> None:
+def test_two_tiers_on_one_exclusive_store_are_refused(tmp_path, make_engine) -> None:
     from nvmetier.errors import StoreLockedError
 
-    make_engine()
-    with pytest.raises(StoreLockedError):
-        make_engine()
+    root = str(tmp_path / "kv")
+    make_engine([nvme_tier(root, sharing="process")])
+    with pytest.raises(StoreLockedError, match="in use by another process"):
+        make_engine([nvme_tier(root, sharing="process")])
+
+
+def test_an_exclusive_opener_is_refused_while_sharers_are_attached(tmp_path, make_engine) -> None:
+    from nvmetier.errors import StoreLockedError
+
+    root = str(tmp_path / "kv")
+    make_engine([nvme_tier(root)])
+    with pytest.raises(StoreLockedError, match="sharing is 'process'"):
+        make_engine([nvme_tier(root, sharing="process")])
 
 
 def test_lookup_hit_is_protected_until_its_load_is_submitted(tmp_path, make_engine) -> None:

@@ -91,10 +91,24 @@ def test_plugin_registers_the_short_type_name(tmp_path, make_engine) -> None:
     assert eng.promote([key_of(1)]) == {key_of(1): LookupResult.HIT}
 
 
-def test_data_parallel_replicas_get_their_own_store(tmp_path, make_engine) -> None:
+def test_data_parallel_replicas_share_one_store_by_default(tmp_path, make_engine) -> None:
     root = str(tmp_path / "kv")
     a = make_engine([nvme_tier(root)], dp_index=0, dp_size=2)
     b = make_engine([nvme_tier(root)], dp_index=1, dp_size=2)
+    assert a.tiers[0].store_name == b.tiers[0].store_name
+    a.store_all([key_of(1)])
+    b.reset_primary()
+    assert b.promote([key_of(1)])[key_of(1)] is LookupResult.HIT
+    assert os.listdir(root) == [a.tiers[0].store_name]
+    assert a.tiers[0].store.stats()["sharers"] == 2
+
+
+def test_data_parallel_replicas_get_their_own_store_with_process_sharing(
+    tmp_path, make_engine
+) -> None:
+    root = str(tmp_path / "kv")
+    a = make_engine([nvme_tier(root, sharing="process")], dp_index=0, dp_size=2)
+    b = make_engine([nvme_tier(root, sharing="process")], dp_index=1, dp_size=2)
     assert a.tiers[0].store_name.endswith("_dp0")
     assert b.tiers[0].store_name.endswith("_dp1")
     a.store_all([key_of(1)])
@@ -117,7 +131,7 @@ def test_two_drives_both_serve(tmp_path, make_engine) -> None:
     keys = [key_of(i) for i in range(20)]
     eng.store_all(keys)
     store = eng.tiers[0].store
-    used = {store.sb.slot_location(store.index.find(k))[0] for k in keys}
+    used = {store.sb.slot_location(store.slot_of(k))[0] for k in keys}
     assert used == {0, 1}
     eng.reset_primary()
     assert set(eng.promote(keys).values()) == {LookupResult.HIT}
@@ -139,7 +153,7 @@ def test_failed_drive_becomes_misses_while_the_other_serves(tmp_path, make_engin
     keys = [key_of(i) for i in range(24)]
     eng.store_all(keys)
     store = eng.tiers[0].store
-    on_drive = {k: store.sb.slot_location(store.index.find(k))[0] for k in keys}
+    on_drive = {k: store.sb.slot_location(store.slot_of(k))[0] for k in keys}
     engines[0].fail_files = {1}  # drive 1 dies
     eng.reset_primary()
     results = eng.promote(keys)
