@@ -24,10 +24,13 @@ would have made of it. Good records are never written. Problems a record
 write cannot fix (superblock, file sizes, unreadable slots) are left for a
 person; the usual fix is removing the store directory (it is a cache).
 
-Locking: fsck takes the store's ``lock`` exclusively and without waiting,
-like ``BlockStore`` does. A store held by a running process is not checked
-(exit 8): its records change under a reader, so a check would report torn
-writes that are not errors, and a repair would race the writer.
+Locking: a check is read-only and works on a live store (processes attached
+with ``sharing: node``): records change under the reader, so a record or a
+payload that fails is read again, and reported only when it fails again with
+the same record bytes (a slot being rewritten is not an error). ``--repair``
+takes ``lock.init`` and the store's ``lock`` exclusively, without waiting, and
+refuses (exit 8) while any process is attached, naming their pids: a repair
+must not race a writer.
 
 Exit codes follow e2fsck and are OR-ed over the stores: 0 clean, 1 errors
 corrected, 4 errors left uncorrected, 8 operational error (not a store, store
@@ -52,7 +55,15 @@ import xxhash
 from nvmetier import format as fmt
 from nvmetier import recovery
 from nvmetier.errors import FormatError, NvmeTierError
-from nvmetier.files import DATA_NAME, INDEX_NAME, LOCK_NAME, O_DIRECT, SUPERBLOCK_NAME
+from nvmetier.files import (
+    DATA_NAME,
+    INDEX_NAME,
+    INIT_LOCK_NAME,
+    LOCK_NAME,
+    O_DIRECT,
+    SUPERBLOCK_NAME,
+    sharer_pids,
+)
 
 EXIT_CLEAN = 0
 EXIT_CORRECTED = 1
@@ -109,6 +120,7 @@ class StoreResult:
     deep_checked: int = 0
     deep_unchecked: int = 0
     o_direct: bool | None = None
+    sharers: list[int] = dataclasses.field(default_factory=list)  # pids attached (live check)
     errors: list[FsckError] = dataclasses.field(default_factory=list)
     operational_error: str | None = None
     elapsed_s: float = 0.0
@@ -141,6 +153,7 @@ class StoreResult:
             "deep_checked": self.deep_checked,
             "deep_unchecked": self.deep_unchecked,
             "o_direct": self.o_direct,
+            "sharers": self.sharers,
             "errors": [dataclasses.asdict(e) for e in self.errors],
             "repaired": self.repaired,
             "exit_code": self.exit_code,
@@ -187,52 +200,81 @@ def find_stores(root: str) -> list[str]:
     return stores
 
 
-def _lock_holder(fd: int) -> str:
+def _lock_holder(store_dir: str, fd: int) -> str:
+    pids = sharer_pids(store_dir)
+    if pids:
+        return ", ".join(str(p) for p in pids)
     with contextlib.suppress(OSError):
         return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
     return "unknown"
 
 
-@contextlib.contextmanager
-def store_lock(store_dir: str, write: bool) -> Iterator[None]:
-    """Hold the store's lock (flock LOCK_EX|LOCK_NB) for the block.
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
 
-    A read-only check opens the lock file read-only and changes nothing; a
-    repair creates it if needed and writes its pid into it, as a store open
-    does, so a server started meanwhile names the fsck process.
+
+@contextlib.contextmanager
+def store_lock(store_dir: str, write: bool) -> Iterator[list[int]]:
+    """For a repair (``write``), hold the store exclusively for the block;
+    for a check, only find out who is attached.
+
+    Yields:
+        The pids attached to the store (always empty for a repair).
 
     Raises:
-        FsckOperationalError: another process holds the lock, or the lock
-            file cannot be opened.
+        FsckOperationalError: a repair while processes are attached (or one
+            is opening the store), or a lock file that cannot be opened.
     """
     path = os.path.join(store_dir, LOCK_NAME)
-    flags = (os.O_RDWR | os.O_CREAT) if write else os.O_RDONLY
-    try:
-        fd = os.open(path, flags | os.O_CLOEXEC, 0o600)
-    except FileNotFoundError:
-        # No lock file: no process has ever opened the store, or it was
-        # removed by hand; nobody can hold it. Checking read-only is safe.
-        yield
-        return
-    except OSError as exc:
-        raise FsckOperationalError(f"{path!r} cannot be opened: {exc.strerror}") from exc
-    try:
+    if not write:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            yield []  # never opened by any process: nobody is attached
+            return
         except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise FsckOperationalError(f"{path!r} cannot be opened: {exc.strerror}") from exc
+        try:
+            attached = not _try_flock(fd)
+        finally:
+            os.close(fd)  # a probe only: never keep a sharer out while checking
+        yield sharer_pids(store_dir) if attached else []
+        return
+    fds: list[int] = []
+    try:
+        for name in (INIT_LOCK_NAME, LOCK_NAME):
+            lock_path = os.path.join(store_dir, name)
+            try:
+                fds.append(os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            except OSError as exc:
+                raise FsckOperationalError(
+                    f"{lock_path!r} cannot be opened: {exc.strerror}"
+                ) from exc
+            try:
+                locked = _try_flock(fds[-1])
+            except OSError as exc:
+                raise FsckOperationalError(
+                    f"{lock_path!r} cannot be locked: {exc.strerror}"
+                ) from exc
+            if not locked:
                 raise FsckOperationalError(
                     f"store {store_dir!r} is in use by another process (pid "
-                    f"{_lock_holder(fd)}); stop it (vLLM shuts the tier down cleanly) and "
-                    "run fsck again"
-                ) from exc
-            raise FsckOperationalError(f"{path!r} cannot be locked: {exc.strerror}") from exc
-        if write:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+                    f"{_lock_holder(store_dir, fds[-1])}); --repair refuses to change a store "
+                    "while processes are attached: stop them (vLLM shuts the tier down "
+                    "cleanly) and run fsck --repair again, or check it live without --repair"
+                )
+        os.ftruncate(fds[-1], 0)
+        os.pwrite(fds[-1], f"{os.getpid()}\n".encode(), 0)
+        yield []
     finally:
-        os.close(fd)
+        for fd in fds:
+            os.close(fd)
 
 
 # ------------------------------------------------------------------ progress
@@ -400,6 +442,65 @@ def _check_payloads(
         buf.close()
 
 
+_LIVE_RETRIES = 3
+_LIVE_PAUSE_S = 0.05
+
+
+def _confirm_live(
+    res: StoreResult, sb: fmt.Superblock, index: mmap.mmap, live: list[fmt.Record]
+) -> None:
+    """On a live store, keep only findings that survive re-reading.
+
+    A sharer rewrites records and slots while we read: a record caught
+    mid-write, or a payload read after its slot was claimed for another key,
+    is not corruption. A finding is kept only when, after short pauses, the
+    record bytes are unchanged and still fail (records), or the record is
+    unchanged and the payload still fails (payloads).
+    """
+    rb = fmt.RECORD_BYTES
+    by_slot = {r.slot: r for r in live}
+    for _ in range(_LIVE_RETRIES):
+        pending = [e for e in res.errors if e.slot is not None and e.kind != "read_error"]
+        if not pending:
+            return
+        slots = [e.slot for e in pending if e.slot is not None]
+        before = {slot: bytes(index[slot * rb : (slot + 1) * rb]) for slot in slots}
+        time.sleep(_LIVE_PAUSE_S)
+        for e in pending:
+            slot = e.slot if e.slot is not None else 0
+            now = bytes(index[slot * rb : (slot + 1) * rb])
+            changed = now != before[slot]
+            if e.kind == "payload":
+                rec = by_slot.get(slot)
+                still = (
+                    rec is not None
+                    and not changed
+                    and now[32 : 32 + len(rec.key)] == rec.key
+                    and _payload_fails(res, sb, rec)
+                )
+            else:
+                still = not changed and _record_fails(now, slot, sb)
+            if not still:
+                res.errors.remove(e)
+
+
+def _record_fails(raw: bytes, slot: int, sb: fmt.Superblock) -> bool:
+    try:
+        rec = fmt.unpack_record(raw, slot)
+    except fmt.RecordError:
+        return True
+    return rec is not None and fmt.set_of(rec.key, sb.n_sets) != slot // sb.ways
+
+
+def _payload_fails(res: StoreResult, sb: fmt.Superblock, rec: fmt.Record) -> bool:
+    file_idx, offset = sb.slot_location(rec.slot)
+    if file_idx != 0:
+        return False
+    with open(os.path.join(res.path, DATA_NAME), "rb", buffering=0) as f:
+        data = os.pread(f.fileno(), sb.chunk_bytes, offset)
+    return xxhash.xxh3_64_intdigest(data, fmt.key_seed(rec.key)) != rec.payload_checksum
+
+
 def _repair(res: StoreResult) -> None:
     """Zero the record of every slot with a record-level error."""
     bad = sorted({e.slot for e in res.errors if e.kind in RECORD_KINDS and e.slot is not None})
@@ -439,7 +540,8 @@ def check_store(
     res = StoreResult(path=store_dir, deep=deep)
     t0 = time.monotonic()
     try:
-        with store_lock(store_dir, write=repair):
+        with store_lock(store_dir, write=repair) as attached:
+            res.sharers = attached
             _check_locked(res, deep, repair, stream)
     except FsckOperationalError as exc:
         res.operational_error = str(exc)
@@ -473,13 +575,17 @@ def _check_locked(res: StoreResult, deep: bool, repair: bool, stream: TextIO | N
         index = mmap.mmap(f.fileno(), sb.index_bytes, access=mmap.ACCESS_READ)
     try:
         live = _check_records(res, sb, index)
+        if res.sharers:
+            _confirm_live(res, sb, index, live)
+        if deep and data_ok:
+            _check_payloads(res, sb, live, stream)
+            if res.sharers:
+                _confirm_live(res, sb, index, live)
+            bad = {e.slot for e in res.errors if e.kind == "payload"}
+            live = [r for r in live if r.slot not in bad]
     finally:
         index.close()
-    if deep and data_ok:
-        _check_payloads(res, sb, live, stream)
-        bad = {e.slot for e in res.errors if e.kind == "payload"}
-        live = [r for r in live if r.slot not in bad]
-    elif deep:
+    if deep and not data_ok:
         res.deep_unchecked = len(live)
     res.live = len(live)
     if repair:
@@ -537,6 +643,12 @@ def format_result(res: StoreResult) -> str:
             f"  slots:   {res.live} live of {res.slots} "
             f"({res.ways} ways, {res.slot_bytes}-byte slots, {res.n_paths} path(s)); "
             f"clean shutdown: {clean}"
+        )
+    if res.sharers:
+        pids = ", ".join(str(p) for p in res.sharers)
+        lines.append(
+            f"  live:    checked read-only while {len(res.sharers)} process(es) are attached "
+            f"(pid {pids}); findings were re-read to rule out slots being rewritten"
         )
     if res.deep:
         mode = "O_DIRECT" if res.o_direct else "buffered"

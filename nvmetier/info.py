@@ -20,6 +20,7 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import textwrap
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from nvmetier import format as fmt
 from nvmetier import recovery
 from nvmetier.config import format_size
 from nvmetier.errors import FormatError
-from nvmetier.files import INDEX_NAME, LOCK_NAME, SUPERBLOCK_NAME, probe_o_direct
+from nvmetier.files import INDEX_NAME, LOCK_NAME, SUPERBLOCK_NAME, probe_o_direct, sharer_pids
 from nvmetier.fsck import find_stores
 
 # (label, upper bound in seconds); the last bucket takes everything older.
@@ -41,6 +42,9 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
 _AGE_LABELS = {"lt_1min": "< 1 min", "lt_1h": "< 1 h", "lt_1day": "< 1 day", "older": "older"}
 
 
+_PER_RANK = re.compile(r"_dp\d+$")
+
+
 @dataclasses.dataclass
 class StoreInfo:
     """Facts about one store directory."""
@@ -51,7 +55,9 @@ class StoreInfo:
     identity: dict[str, Any] | None = None
     created_ns: int = 0
     clean_shutdown: bool | None = None
-    in_use_by: str | None = None
+    in_use_by: str | None = None  # pids attached, comma-separated (None: nobody)
+    sharers: list[int] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
     chunk_bytes: int = 0
     slot_bytes: int = 0
     ways: int = 0
@@ -71,7 +77,8 @@ class StoreInfo:
 
 
 def _in_use_by(store_dir: str) -> str | None:
-    """The pid holding the store's lock, or None when nobody holds it."""
+    """The pids attached to the store (or holding it exclusively), or None
+    when nobody holds it."""
     try:
         fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -81,9 +88,17 @@ def _in_use_by(store_dir: str) -> str | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                # Held exclusively: a sharing 'process' store, or fsck --repair.
                 with contextlib.suppress(OSError):
                     return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
                 return "unknown"
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # shared: live sharers
+                pids = sharer_pids(store_dir)
+                return ", ".join(str(p) for p in pids) if pids else "unknown"
             return None
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
@@ -96,6 +111,14 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
     the problem is reported in ``error``)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     out = StoreInfo(path=store_dir, in_use_by=_in_use_by(store_dir))
+    if out.in_use_by:
+        out.sharers = [int(p) for p in out.in_use_by.split(", ") if p.isdigit()]
+    if _PER_RANK.search(os.path.basename(os.path.normpath(store_dir))):
+        out.notes.append(
+            "a per-rank store (data-parallel rank in its name): sharing 'node', the default, "
+            "puts every rank in one store, so this one is only used with sharing 'process'; "
+            "nvmetier never deletes it: remove it when no longer needed"
+        )
     sb_path = os.path.join(store_dir, SUPERBLOCK_NAME)
     try:
         with open(sb_path, "rb") as f:
@@ -110,7 +133,9 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
     out.chunk_bytes, out.slot_bytes = sb.chunk_bytes, sb.slot_bytes
     out.ways, out.n_paths, out.slots_total = sb.ways, sb.n_paths, sb.n_slots
     out.capacity_bytes = sb.n_slots * sb.slot_bytes
-    out.disk_bytes = sb.superblock_bytes + fmt.align_up(sb.index_bytes) + out.capacity_bytes
+    out.disk_bytes = (
+        sb.superblock_bytes + fmt.align_up(sb.index_bytes) + sb.table_bytes + out.capacity_bytes
+    )
     index_path = os.path.join(store_dir, INDEX_NAME)
     try:
         with open(index_path, "rb") as f:
@@ -193,6 +218,8 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
             lines.append(
                 f"  in use:          yes, by pid {s['in_use_by']} (numbers are a snapshot)"
             )
+        for note in s.get("notes", []):
+            lines.append(f"  note:            {note}")
         if s["error"] and s["identity"] is None:
             lines.append(f"  error:           {s['error']}")
             lines.append("")
@@ -217,7 +244,7 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
         )
         lines.append(
             f"  capacity:        {format_size(s['capacity_bytes'])} of data "
-            f"({format_size(s['disk_bytes'])} on disk with index and superblock)"
+            f"({format_size(s['disk_bytes'])} on disk with index, table and superblock)"
         )
         pct = 100.0 * s["slots_used"] / max(1, s["slots_total"])
         lines.append(

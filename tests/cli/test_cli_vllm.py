@@ -97,17 +97,19 @@ def test_info_text_names_the_layout_and_the_engines(vllm_root) -> None:
         assert needle in proc.stdout
 
 
-def test_fsck_of_a_root_in_use_by_vllm_exits_8(root_copy) -> None:
+def test_fsck_of_a_root_in_use_by_vllm_checks_live_and_refuses_repair(root_copy) -> None:
     eng = _engine(root_copy)
     try:
         proc = run_cli("fsck", root_copy)
+        repair = run_cli("fsck", "--repair", root_copy)
         info = run_cli("info", root_copy)
     finally:
         eng.shutdown()
-    assert proc.returncode == 8
-    assert_one_line_error(proc)
-    assert f"pid {os.getpid()}" in proc.stderr
-    assert info.returncode == 0 and "in use:" in info.stdout
+    assert proc.returncode == 0 and f"pid {os.getpid()}" in proc.stdout
+    assert repair.returncode == 8
+    assert_one_line_error(repair)
+    assert f"pid {os.getpid()}" in repair.stderr
+    assert info.returncode == 0 and f"in use:          yes, by pid {os.getpid()}" in info.stdout
 
 
 def test_repaired_vllm_store_serves_every_other_chunk(root_copy) -> None:
