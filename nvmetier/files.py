@@ -426,7 +426,7 @@ class StoreFiles:
         """The slots whose records prove valid; bad records are zeroed."""
         from nvmetier import recovery
 
-        scan = recovery.scan_index(self.index, self.sb.n_slots, self.sb.ways)
+        scan = recovery.scan_index(self.index, self.sb.n_slots, self.sb.ways, with_keys=False)
         rb = fmt.RECORD_BYTES
         for slot, _reason in scan.bad:
             self.index[slot * rb : (slot + 1) * rb] = fmt.EMPTY_RECORD

@@ -132,6 +132,7 @@ def scan_index(
     ways: int,
     *,
     native: bool | None = None,
+    with_keys: bool = True,
 ) -> ScanResult:
     """Classify every record of an index without modifying it.
 
@@ -149,6 +150,9 @@ def scan_index(
         native: True to require the native scan, False to force the Python
             one, None (default) for native when built and not disabled by
             ``NVMETIER_NO_NATIVE_SCAN=1``.
+        with_keys: False leaves ``keys`` empty (the shared table reads keys
+            from the records itself): no Python object per record, so the
+            scan leaves no private memory behind.
 
     Returns:
         The kept slots with their keys and fields, and the bad records.
@@ -168,7 +172,7 @@ def scan_index(
     if nbytes < n_slots * fmt.RECORD_BYTES:
         raise ValueError(f"index of {nbytes} bytes is shorter than {n_slots} records")
     try:
-        return _scan(index, n_slots, ways, native)
+        return _scan(index, n_slots, ways, native, with_keys)
     except BaseException as exc:
         # The frames of the traceback hold numpy views of ``index``; an mmap
         # cannot close while they live, so drop them before the caller cleans up.
@@ -176,7 +180,7 @@ def scan_index(
         raise
 
 
-def _scan(index: Any, n_slots: int, ways: int, native: bool) -> ScanResult:
+def _scan(index: Any, n_slots: int, ways: int, native: bool, with_keys: bool = True) -> ScanResult:
     recs = np.frombuffer(index, dtype=RECORD_DTYPE, count=n_slots)
     if native:
         slots, codes, seeds = _scan_native(index, n_slots, ways)
@@ -185,7 +189,11 @@ def _scan(index: Any, n_slots: int, ways: int, native: bool) -> ScanResult:
 
     pos = np.flatnonzero(codes == _CODE_OK)  # positions in slots/codes/seeds
     kept = slots[pos]
-    keys = _native_keys(index, kept) if native else _keys_python(index, recs, kept)
+
+    def keys_of(at: np.ndarray) -> list[bytes]:
+        return _native_keys(index, at) if native else _keys_python(index, recs, at)
+
+    keys = keys_of(kept) if with_keys else []
 
     # Duplicates: records of one key share its hash, so equal seeds are the only
     # candidates; a sort finds them (none in a healthy index) in one pass.
@@ -196,13 +204,17 @@ def _scan(index: Any, n_slots: int, ways: int, native: bool) -> ScanResult:
     if same.any():
         dup_values = np.unique(by_value[1:][same])
         candidates = np.flatnonzero(np.isin(kept_seeds, dup_values)).tolist()
-        losers = _duplicate_losers(candidates, keys, kept.tolist(), stored_ns.tolist())
+        cand_keys = (
+            keys if with_keys else dict(zip(candidates, keys_of(kept[candidates]), strict=True))
+        )
+        losers = _duplicate_losers(candidates, cand_keys, kept.tolist(), stored_ns.tolist())
         if losers:
             codes[pos[losers]] = _CODE_DUPLICATE
             keep = np.ones(len(kept), dtype=bool)
             keep[losers] = False
             kept_idx = np.flatnonzero(keep)
-            keys = [keys[i] for i in kept_idx.tolist()]
+            if with_keys:
+                keys = [keys[i] for i in kept_idx.tolist()]
             kept, stored_ns = kept[kept_idx], stored_ns[kept_idx]
 
     bad_pos = np.flatnonzero(codes != _CODE_OK)
@@ -221,7 +233,10 @@ def _scan(index: Any, n_slots: int, ways: int, native: bool) -> ScanResult:
 
 
 def _duplicate_losers(
-    candidates: list[int], keys: list[bytes], slots: list[int], stored_ns: list[int]
+    candidates: list[int],
+    keys: list[bytes] | dict[int, bytes],
+    slots: list[int],
+    stored_ns: list[int],
 ) -> list[int]:
     """Positions (ascending) of the records that a newer record of the same key
     supersedes. Equal hashes with different keys are not duplicates."""
