@@ -1,0 +1,776 @@
+"""Model-based test of the native shared slot table (``nvmetier._table``).
+
+Several ``Table`` handles over the same table and index mappings, each with its
+own OFD lock (its own open of the lock file, so each is a separate sharer), are
+driven in interleaved steps against a pure-Python model of nvt_table.c. The
+test is the engine: it turns the packed ops into packed completions by hand
+(success, an I/O error, or a wrong checksum), so nothing touches a disk and
+nothing runs on another thread.
+
+Besides every return value (ops, missing/evicted keys, pending counts, finished
+jobs, KV events, counters, gauges), each step checks the shared slots as
+nvt_table.h lays them out: one copy of a key per set at most, the model's
+state, generation and recency order in every way, a lease exactly where the
+model has one, and an index record exactly on the READY and BAD slots.
+
+Leases are made so long (``LEASE_NS``) that none expires during a test: the
+model ends them only through ``release_leases`` and load completions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from nvmetier import _table  # type: ignore[attr-defined]  # a C extension
+from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE, OP_READ, OP_WRITE
+
+N_SETS = 4
+WAYS = 2
+N_SLOTS = N_SETS * WAYS
+ROW_BYTES = 4096
+N_ROWS = 16
+LEASE_NS = 10**15  # ~11 days: no lease runs out on its own during a test
+EIO = 5
+ENOSPC = 28
+
+EMPTY, WRITING, READY, BAD = 0, 1, 2, 3
+
+# nvt_table.h: header, then sets of {64-byte mutex head, WAYS x 32-byte slot}.
+HEADER_BYTES = 8192
+SET_HEAD_BYTES = 64
+SLOT = struct.Struct("<QQQIBBH")  # fp, last_used, stamp_ns, gen, state, owner, owner_inc
+SET_BYTES = SET_HEAD_BYTES + WAYS * SLOT.size
+# format.py's index record: magic u32, state u8, key_len u8, .., payload u64 at 8, key at 32.
+REC_BYTES = 128
+REC_MAGIC = 0x5254564E
+REC_KEY_OFFSET = 32
+
+# Mostly successes, so that keys get READY, are loaded and evicted.
+OUTCOMES = ("ok", "ok", "ok", "ok", "eio", "enospc", "bad_sum")
+RACED = "slot reused by another store while loading"
+CHECKSUM = "checksum mismatch"
+
+COUNTER_NAMES = (
+    "hits",
+    "misses",
+    "evictions",
+    "checksum_failures",
+    "read_errors",
+    "write_errors",
+    "loads_raced",
+    "stores_skipped_present",
+    "stores_dropped_set_busy",
+    "stores_dropped_queue_full",
+    "load_keys_missing",
+    "ops_written",
+    "ops_read",
+    "bytes_written",
+    "bytes_read",
+    "dead_slots_reclaimed",
+    "lock_recoveries",
+)
+
+
+def fingerprint(key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(key, 0)
+
+
+def set_of(key: bytes) -> int:
+    return fingerprint(key) % N_SETS
+
+
+def _keys_in_set(target: int, n: int) -> list[bytes]:
+    out: list[bytes] = []
+    i = 0
+    while len(out) < n:
+        key = b"chunk-%d" % i
+        if set_of(key) == target:
+            out.append(key)
+        i += 1
+    return out
+
+
+# Three keys for each of two sets of two ways: stores collide and evict.
+SET0_KEYS = _keys_in_set(0, 3)
+SET1_KEYS = _keys_in_set(1, 3)
+KEYS = SET0_KEYS + SET1_KEYS
+
+
+# ------------------------------------------------------------------ fixtures
+class Shared:
+    """One table and index mapping, and a lock file each handle opens anew."""
+
+    def __init__(self) -> None:
+        self.table_map = mmap.mmap(-1, _table.table_bytes(N_SLOTS, WAYS))
+        self.index_map = mmap.mmap(-1, N_SLOTS * REC_BYTES)
+        _table.format(self.table_map, N_SLOTS, WAYS, False)
+        fd, self.lock_path = tempfile.mkstemp(prefix="nvt-table-model-", suffix=".lock")
+        os.close(fd)
+        self.fds: list[int] = []
+
+    def handle(self, attach: bool = True) -> tuple[_table.Table, int]:
+        """A new sharer: its own open file description, so its own OFD locks."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC)
+        self.fds.append(fd)
+        table = _table.Table(
+            self.table_map,
+            self.index_map,
+            fd,
+            n_paths=1,
+            slot_bytes=ROW_BYTES,
+            row_bytes=ROW_BYTES,
+            n_rows=N_ROWS,
+            lease_ns=LEASE_NS,
+        )
+        if attach:
+            table.attach()
+        return table, fd
+
+    def close_fd(self, fd: int) -> None:
+        self.fds.remove(fd)
+        os.close(fd)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        os.unlink(self.lock_path)
+
+    def raw_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        set_idx, way = divmod(slot, WAYS)
+        off = HEADER_BYTES + set_idx * SET_BYTES + SET_HEAD_BYTES + way * SLOT.size
+        return SLOT.unpack_from(self.table_map, off)  # type: ignore[return-value]
+
+    def raw_record(self, slot: int) -> bytes:
+        return bytes(self.index_map[slot * REC_BYTES : (slot + 1) * REC_BYTES])
+
+
+@pytest.fixture
+def shared() -> Iterator[Shared]:
+    sh = Shared()
+    yield sh
+    sh.close()
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64)
+
+
+def _ops(packed: bytes) -> np.ndarray:
+    return np.frombuffer(packed, dtype=OP_DTYPE)
+
+
+def _completions(items: Sequence[tuple[int, int, int]]) -> bytes:
+    arr = np.zeros(len(items), dtype=COMPLETION_DTYPE)
+    for i, (op_id, result, checksum) in enumerate(items):
+        arr[i] = (op_id, result, checksum)
+    return arr.tobytes()
+
+
+def _ok(ops: np.ndarray, checksum: int = 7) -> bytes:
+    return _completions([(int(op["op_id"]), int(op["length"]), checksum) for op in ops])
+
+
+# ------------------------------------------------------------------ the model
+@dataclasses.dataclass
+class MSlot:
+    state: int = EMPTY
+    key: bytes | None = None
+    gen: int = 0
+    last_used: int = 0
+    lease: int | None = None  # token of the newest lease (its stamp_ns), None: 0
+    payload: int = 0
+
+
+@dataclasses.dataclass
+class MOp:
+    kind: int
+    slot: int
+    gen: int
+    key: bytes
+    job_id: int
+    pos: int
+    lease: int | None = None
+    expected: int = 0
+
+
+@dataclasses.dataclass
+class MJob:
+    is_load: bool
+    remaining: int = 0
+    moved: int = 0
+    failed: list[int] = dataclasses.field(default_factory=list)
+    first_error: str | None = None
+
+    def fail(self, pos: int, text: str) -> None:
+        self.failed.append(pos)
+        if self.first_error is None:
+            self.first_error = text
+
+
+@dataclasses.dataclass
+class MHandle:
+    table: _table.Table
+    fd: int
+    held: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    ops: dict[int, MOp] = dataclasses.field(default_factory=dict)
+    jobs: dict[int, MJob] = dataclasses.field(default_factory=dict)
+    watches: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    done_ids: set[int] = dataclasses.field(default_factory=set)  # op ids once completed
+    counters: Counter[str] = dataclasses.field(default_factory=Counter)
+
+
+def _io_error(prefix: str, err: int) -> str:
+    return f"{prefix} failed: {os.strerror(err)} (errno {err})"
+
+
+class TableModel(RuleBasedStateMachine):
+    """Handles of one table against the model of nvt_table.c."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sh = Shared()
+        self.slots = [MSlot() for _ in range(N_SLOTS)]
+        self.handles: list[MHandle] = []
+        self.clock = 0
+        self.lease_tokens = 0
+        self.next_job = 1
+
+    # --- model helpers
+    def tick(self) -> int:
+        self.clock += 1
+        return self.clock
+
+    def new_lease(self) -> int:
+        self.lease_tokens += 1
+        return self.lease_tokens
+
+    def find(self, key: bytes, states: tuple[int, ...]) -> int | None:
+        base = set_of(key) * WAYS
+        for slot in range(base, base + WAYS):
+            s = self.slots[slot]
+            if s.state in states and s.key == key:
+                return slot
+        return None
+
+    def clear(self, slot: int) -> None:
+        s = self.slots[slot]
+        s.state, s.key, s.lease, s.payload = EMPTY, None, None, 0
+        s.gen += 1
+
+    def claim(self, key: bytes) -> tuple[str, int]:
+        """claim_way: ('watch'|'present'|'claim'|'evict'|'busy', slot)."""
+        base = set_of(key) * WAYS
+        for slot in range(base, base + WAYS):
+            s = self.slots[slot]
+            if s.state != EMPTY and s.key == key:
+                if s.state == WRITING:
+                    return "watch", slot
+                if s.state == READY:
+                    return "present", slot
+                return "claim", slot  # BAD: rewritten in place
+        for slot in range(base, base + WAYS):
+            if self.slots[slot].state == EMPTY:
+                return "claim", slot
+        victims = [
+            slot
+            for slot in range(base, base + WAYS)
+            if self.slots[slot].state in (READY, BAD) and self.slots[slot].lease is None
+        ]
+        if not victims:
+            return "busy", -1
+        # BAD ways first, then the least recently used.
+        victim = min(victims, key=lambda v: (self.slots[v].state != BAD, self.slots[v].last_used))
+        return "evict", victim
+
+    def finish_if_done(self, h: MHandle, job_id: int, finished: list[tuple[object, ...]]) -> None:
+        job = h.jobs[job_id]
+        if job.remaining:
+            return
+        del h.jobs[job_id]
+        finished.append((job_id, job.is_load, job.moved, job.failed or None, job.first_error))
+
+    # --- setup
+    @initialize(n=st.integers(2, 3))
+    def open_handles(self, n: int) -> None:
+        for _ in range(n):
+            table, fd = self.sh.handle()
+            self.handles.append(MHandle(table, fd))
+        indexes = {h.table.attach()[0] for h in self.handles}
+        assert len(indexes) == n, "each handle is its own sharer"
+
+    def teardown(self) -> None:
+        for h in self.handles:
+            h.table.detach()
+        self.handles = []
+        self.sh.close()
+
+    # --- rules
+    @rule(
+        hi=st.integers(0, 2),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4),
+        max_ops=st.integers(0, 4),
+    )
+    def store(self, hi: int, keys: list[bytes], max_ops: int) -> None:
+        h = self.handles[hi % len(self.handles)]
+        job_id = self.next_job
+        self.next_job += 1
+        want_ops: list[tuple[int, int]] = []
+        want_evicted: list[bytes] = []
+        mops: list[MOp] = []
+        job: MJob | None = None
+        for pos, key in enumerate(keys):
+            if len(want_ops) >= max_ops:
+                h.counters["stores_dropped_queue_full"] += 1
+                continue
+            what, slot = self.claim(key)
+            if what == "present":
+                h.counters["stores_skipped_present"] += 1
+                continue
+            if what == "busy":
+                event("store dropped: set busy")
+                h.counters["stores_dropped_set_busy"] += 1
+                continue
+            if job is None:
+                job = h.jobs.setdefault(job_id, MJob(is_load=False))
+            job.remaining += 1
+            if what == "watch":
+                h.counters["stores_skipped_present"] += 1
+                h.watches.append((slot, self.slots[slot].gen, job_id, pos))
+                event("store waits for another write")
+                continue
+            s = self.slots[slot]
+            if what == "evict":
+                h.counters["evictions"] += 1
+                want_evicted.append(s.key)  # type: ignore[arg-type]
+                event("store evicts" + (" a BAD way" if s.state == BAD else ""))
+            s.state, s.key, s.lease, s.payload = WRITING, key, None, 0
+            s.gen += 1
+            want_ops.append((pos, slot))
+            mops.append(MOp(OP_WRITE, slot, s.gen, key, job_id, pos))
+
+        packed, failed, evicted, pending = h.table.store_ops(
+            job_id, keys, _rows(len(keys)), max_ops, True
+        )
+        ops = _ops(packed)
+        got = [
+            (int(op["buf_offset"]) // ROW_BYTES, int(op["file_offset"]) // ROW_BYTES) for op in ops
+        ]
+        assert got == want_ops
+        assert failed is None
+        assert (evicted or []) == want_evicted
+        assert pending == (job.remaining if job else 0)
+        for op, mop in zip(ops, mops, strict=True):
+            assert op["kind"] == OP_WRITE and op["checksum"] == 1 and op["length"] == ROW_BYTES
+            assert op["file_idx"] == 0
+            assert int(op["seed"]) == fingerprint(mop.key)
+            assert int(op["op_id"]) not in h.ops
+            h.ops[int(op["op_id"])] = mop
+
+    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
+    def load(self, hi: int, keys: list[bytes]) -> None:
+        h = self.handles[hi % len(self.handles)]
+        job_id = self.next_job
+        self.next_job += 1
+        token = self.new_lease()
+        want_ops: list[tuple[int, int]] = []
+        want_missing: list[int] = []
+        mops: list[MOp] = []
+        for pos, key in enumerate(keys):
+            slot = self.find(key, (READY,))
+            if slot is None:
+                h.counters["load_keys_missing"] += 1
+                want_missing.append(pos)
+                continue
+            s = self.slots[slot]
+            s.lease = token
+            s.last_used = self.tick()
+            want_ops.append((pos, slot))
+            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload))
+        packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), True)
+        ops = _ops(packed)
+        got = [
+            (int(op["buf_offset"]) // ROW_BYTES, int(op["file_offset"]) // ROW_BYTES) for op in ops
+        ]
+        assert got == want_ops
+        assert (missing or []) == want_missing
+        if mops:
+            h.jobs[job_id] = MJob(is_load=True, remaining=len(mops))
+        for op, mop in zip(ops, mops, strict=True):
+            assert op["kind"] == OP_READ and op["checksum"] == 1
+            assert int(op["seed"]) == fingerprint(mop.key)
+            assert int(op["op_id"]) not in h.ops
+            h.ops[int(op["op_id"])] = mop
+
+    @rule(hi=st.integers(0, 2), verify=st.booleans(), data=st.data())
+    def complete(self, hi: int, verify: bool, data: st.DataObject) -> None:
+        """The engine reports some of this handle's ops (any order, any outcome),
+        maybe with a stale op id; then the handle's waiting stores are checked."""
+        self._complete(self.handles[hi % len(self.handles)], verify, data)
+
+    @rule(hi=st.integers(0, 2), data=st.data())
+    def complete_verified(self, hi: int, data: st.DataObject) -> None:
+        """``complete`` again (twice as likely as other steps), verifying."""
+        self._complete(self.handles[hi % len(self.handles)], True, data)
+
+    def _complete(self, h: MHandle, verify: bool, data: st.DataObject) -> None:
+        ids = data.draw(st.permutations(sorted(h.ops)))
+        if not data.draw(st.booleans()):  # else every op of the handle
+            ids = ids[: data.draw(st.integers(0, len(ids)))]
+        comps: list[tuple[int, int, int]] = []
+        finished: list[tuple[object, ...]] = []
+        stored: list[bytes] = []
+        removed: list[bytes] = []
+        for op_id in ids:
+            op = h.ops[op_id]
+            outcome = data.draw(st.sampled_from(OUTCOMES))
+            if outcome == "eio":
+                comps.append((op_id, -EIO, 0))
+            elif outcome == "enospc":
+                comps.append((op_id, -ENOSPC, 0))
+            elif op.kind == OP_WRITE:
+                comps.append((op_id, ROW_BYTES, data.draw(st.integers(0, 2**64 - 1))))
+            elif outcome == "ok":
+                comps.append((op_id, ROW_BYTES, op.expected))
+            else:
+                comps.append((op_id, ROW_BYTES, op.expected ^ 1))
+        # A duplicate completion of an op already applied (its id is not live
+        # again), or an id past the op slab: both are ignored. (An id inside
+        # the slab that was never handed out is not: see the example test
+        # test_completion_with_an_op_id_never_handed_out_is_ignored.)
+        stale_ids = [*sorted(h.done_ids - set(h.ops)), 1_000_000]
+        if data.draw(st.booleans()):
+            stale = data.draw(st.sampled_from(stale_ids))
+            comps.insert(data.draw(st.integers(0, len(comps))), (stale, ROW_BYTES, 0))
+
+        for op_id, result, checksum in comps:
+            if op_id not in h.ops:
+                continue  # stale: ignored
+            op = h.ops.pop(op_id)
+            h.done_ids.add(op_id)
+            job = h.jobs[op.job_id]
+            s = self.slots[op.slot]
+            ok = result == ROW_BYTES
+            if op.kind == OP_WRITE:
+                ours = s.state == WRITING and s.gen == op.gen
+                if ok and ours:
+                    s.state, s.lease, s.payload = READY, None, checksum
+                    s.last_used = self.tick()
+                    h.counters["ops_written"] += 1
+                    h.counters["bytes_written"] += ROW_BYTES
+                    job.moved += ROW_BYTES
+                    stored.append(op.key)
+                else:
+                    if ours:
+                        self.clear(op.slot)
+                    h.counters["write_errors"] += 1
+                    job.fail(op.pos, _io_error("write", EIO if ok else -result))
+            else:
+                same = s.gen == op.gen and s.state == READY
+                if same and s.lease == op.lease:
+                    s.lease = None
+                if not same:
+                    h.counters["loads_raced"] += 1
+                    event("load raced: " + ("slot reused" if s.state != EMPTY else "slot freed"))
+                    job.fail(op.pos, RACED)
+                elif not ok:
+                    s.state = BAD
+                    event("read error: BAD")
+                    h.counters["read_errors"] += 1
+                    job.fail(op.pos, _io_error("read", -result))
+                elif verify and checksum != op.expected:
+                    removed.append(s.key)  # type: ignore[arg-type]
+                    self.clear(op.slot)
+                    h.counters["checksum_failures"] += 1
+                    event("checksum failure")
+                    job.fail(op.pos, CHECKSUM)
+                else:
+                    h.counters["ops_read"] += 1
+                    h.counters["bytes_read"] += ROW_BYTES
+                    job.moved += ROW_BYTES
+            job.remaining -= 1
+            self.finish_if_done(h, op.job_id, finished)
+        keep = []
+        for watch in h.watches:
+            slot, gen, job_id, _pos = watch
+            if self.slots[slot].state == WRITING and self.slots[slot].gen == gen:
+                keep.append(watch)
+                continue
+            h.jobs[job_id].remaining -= 1
+            event("waiting store resolved")
+            self.finish_if_done(h, job_id, finished)
+        h.watches = keep
+
+        got_finished, got_stored, got_removed = h.table.complete(_completions(comps), verify, True)
+        assert got_finished == finished
+        assert (got_stored or []) == stored
+        assert (got_removed or []) == removed
+
+    @rule(hi=st.integers(0, 2), key=st.sampled_from(KEYS))
+    def lookup(self, hi: int, key: bytes) -> None:
+        h = self.handles[hi % len(self.handles)]
+        slot = self.find(key, (READY,))
+        if slot is None:
+            h.counters["misses"] += 1
+        else:
+            s = self.slots[slot]
+            s.lease = self.new_lease()
+            s.last_used = self.tick()
+            h.held.append((slot, s.lease))
+            h.counters["hits"] += 1
+        assert h.table.lookup(key) == (slot is not None)
+
+    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=3))
+    def touch(self, hi: int, keys: list[bytes]) -> None:
+        for key in keys:
+            slot = self.find(key, (READY,))
+            if slot is not None:
+                self.slots[slot].last_used = self.tick()
+        self.handles[hi % len(self.handles)].table.touch(keys)
+
+    @rule(hi=st.integers(0, 2))
+    def release_leases(self, hi: int) -> None:
+        h = self.handles[hi % len(self.handles)]
+        for slot, token in h.held:
+            s = self.slots[slot]
+            if s.state == READY and s.lease == token:
+                s.lease = None
+        h.held = []
+        h.table.release_leases()
+
+    @rule(hi=st.integers(0, 2), key=st.sampled_from(KEYS))
+    def invalidate(self, hi: int, key: bytes) -> None:
+        h = self.handles[hi % len(self.handles)]
+        slot = self.find(key, (READY, BAD))
+        done = slot is not None and self.slots[slot].lease is None
+        if done:
+            self.clear(slot)  # type: ignore[arg-type]
+        assert h.table.invalidate(key) == done
+
+    # --- invariants
+    @invariant()
+    def keys_are_hits_iff_ready(self) -> None:
+        for h in self.handles:
+            for key in KEYS:
+                slot = self.find(key, (READY,))
+                assert h.table.contains(key) == (slot is not None), key
+                assert h.table.slot_of(key) == slot, key
+
+    @invariant()
+    def gauges_and_counters_match(self) -> None:
+        used = sum(s.state != EMPTY for s in self.slots)
+        ready = sum(s.state == READY for s in self.slots)
+        for h in self.handles:
+            assert h.table.usage() == (used, ready, len(h.watches), len(h.jobs))
+            got = h.table.counters()
+            assert {k: got[k] for k in COUNTER_NAMES} == {k: h.counters[k] for k in COUNTER_NAMES}
+
+    @invariant()
+    def shared_slots_match(self) -> None:
+        """The table's own bytes: one copy per key, the model's ways, recency
+        order, leases and records."""
+        if not self.handles:
+            return
+        now = time.monotonic_ns()
+        for set_idx in range(N_SETS):
+            seen: set[bytes] = set()
+            raws = []
+            for slot in range(set_idx * WAYS, (set_idx + 1) * WAYS):
+                fp, last_used, stamp, gen, state, _owner, _inc = self.sh.raw_slot(slot)
+                m = self.slots[slot]
+                raws.append((last_used, slot))
+                assert (state, gen) == (m.state, m.gen & 0xFFFFFFFF), slot
+                rec = self.sh.raw_record(slot)
+                if state == EMPTY:
+                    assert rec == bytes(REC_BYTES)
+                    continue
+                assert m.key is not None and m.key not in seen, "two copies of one key"
+                seen.add(m.key)
+                assert fp == fingerprint(m.key)
+                if state == WRITING:
+                    assert rec == bytes(REC_BYTES), "a WRITING slot has no record"
+                    continue
+                magic, rec_state, key_len = struct.unpack_from("<IBB", rec)
+                assert (magic, rec_state) == (REC_MAGIC, 1)
+                assert rec[REC_KEY_OFFSET : REC_KEY_OFFSET + key_len] == m.key
+                assert struct.unpack_from("<Q", rec, 8)[0] == m.payload
+                assert (stamp > now) == (m.lease is not None), slot
+            # Recency: the table's last_used orders the held ways as the model's does.
+            held = [slot for _, slot in raws if self.slots[slot].state in (READY, BAD)]
+            by_table = sorted(held, key=lambda v: self.sh.raw_slot(v)[1])
+            by_model = sorted(held, key=lambda v: self.slots[v].last_used)
+            assert by_table == by_model
+
+
+TableModel.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_table_matches_model = TableModel.TestCase
+
+
+# ------------------------------------------------------------------ examples
+def _store(table: _table.Table, keys: list[bytes], job_id: int = 1) -> tuple[np.ndarray, int]:
+    packed, failed, _evicted, pending = table.store_ops(job_id, keys, _rows(len(keys)), 64, True)
+    assert failed is None
+    return _ops(packed), pending
+
+
+def test_fingerprint_and_set_match_the_native_hash(shared: Shared) -> None:
+    a, _ = shared.handle()
+    for i, key in enumerate(KEYS):
+        ops, _ = _store(a, [key], job_id=i)
+        assert int(ops[0]["seed"]) == fingerprint(key)
+        assert int(ops[0]["file_offset"]) // ROW_BYTES // WAYS == set_of(key)
+        a.complete(_ok(ops), True, False)
+
+
+def test_store_of_a_key_another_sharer_is_writing_waits_for_that_write(shared: Shared) -> None:
+    a, _ = shared.handle()
+    b, _ = shared.handle()
+    key = SET0_KEYS[0]
+    a_ops, _ = _store(a, [key], job_id=1)
+    b_ops, pending = _store(b, [key], job_id=2)
+    assert len(b_ops) == 0 and pending == 1
+    assert b.complete(b"", True, False)[0] == []
+    assert b.usage()[2] == 1
+    a.complete(_ok(a_ops), True, False)
+    assert b.complete(b"", True, False)[0] == [(2, False, 0, None, None)]
+    assert b.contains(key)
+
+
+def test_dead_writers_slot_is_reclaimed_by_a_store_into_its_set(shared: Shared) -> None:
+    a, a_fd = shared.handle()
+    b, _ = shared.handle()
+    key, other = SET0_KEYS[0], SET0_KEYS[1]
+    a_ops, _ = _store(a, [key], job_id=1)
+    assert len(a_ops) == 1
+    _b_ops, pending = _store(b, [key], job_id=2)
+    assert pending == 1  # waits for A's write
+    a.detach()
+    shared.close_fd(a_fd)  # A is gone: its OFD lock with it
+    time.sleep(0.25)  # past DEAD_CHECK_AGE_NS
+    before = b.counters()["dead_slots_reclaimed"]
+    # Fill both ways of the set: one is free, the other is the dead claim.
+    ops, _ = _store(b, [other, SET0_KEYS[2]], job_id=3)
+    assert len(ops) == 2
+    assert b.counters()["dead_slots_reclaimed"] == before + 1
+    finished, _, _ = b.complete(b"", True, False)
+    assert finished == [(2, False, 0, None, None)]
+    assert b.usage()[2] == 0
+    finished, _, _ = b.complete(_ok(ops), True, False)
+    assert finished == [(3, False, 2 * ROW_BYTES, None, None)]
+    assert b.contains(other) and b.contains(SET0_KEYS[2]) and not b.contains(key)
+    assert b.usage()[:2] == (2, 2)
+
+
+def test_waiting_store_finishes_when_its_dead_writer_is_reclaimed(shared: Shared) -> None:
+    a, a_fd = shared.handle()
+    b, _ = shared.handle()
+    key = SET1_KEYS[0]
+    _store(a, [key], job_id=1)
+    _b_ops, pending = _store(b, [key], job_id=2)
+    assert pending == 1
+    a.detach()
+    shared.close_fd(a_fd)
+    time.sleep(0.25)
+    finished, _, _ = b.complete(b"", True, False)
+    assert finished == [(2, False, 0, None, None)]
+    assert b.counters()["dead_slots_reclaimed"] == 1
+    assert b.usage()[:2] == (0, 0)
+
+
+def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
+    a, _ = shared.handle()
+    b, _ = shared.handle()
+    a_ops, _ = _store(a, [SET0_KEYS[0]], job_id=1)
+    time.sleep(0.25)  # old enough to be checked, but A still holds its lock
+    ops, _ = _store(b, [SET0_KEYS[1], SET0_KEYS[2]], job_id=2)
+    assert len(ops) == 1  # one free way; the other is A's, busy
+    assert b.counters()["dead_slots_reclaimed"] == 0
+    assert b.counters()["stores_dropped_set_busy"] == 1
+    finished, _, _ = a.complete(_ok(a_ops), True, False)
+    assert finished == [(1, False, ROW_BYTES, None, None)]
+    assert b.contains(SET0_KEYS[0])
+
+
+def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Shared) -> None:
+    """A load in flight protects its slot from eviction (nvt_table.c's
+    claim_way: "leased: a lookup hit or a load in flight"). Known to fail:
+    the slot has one lease stamp, so a later lookup of the same key (any
+    sharer, or the loader itself in a later step) replaces the load's stamp,
+    and that lookup's release_leases() then sets it to 0 while the load is
+    still in flight; the slot is evicted and the load fails as raced."""
+    a, _ = shared.handle()
+    b, _ = shared.handle()
+    key, k2, k3 = SET0_KEYS
+    ops, _ = _store(a, [key], job_id=1)
+    a.complete(_ok(ops, checksum=11), True, False)
+    load_packed, missing = a.load_ops(2, [key], _rows(1), True)
+    assert missing is None
+    assert b.lookup(key)
+    b.release_leases()  # end of B's step: drops only B's lookup lease
+    ops2, _ = _store(b, [k2], job_id=3)  # the free way
+    ops3, _ = _store(b, [k3], job_id=4)  # the set is full: the loading key must stay
+    b.complete(_ok(np.concatenate([ops2, ops3])), True, False)
+    finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), True, False)
+    assert len(ops3) == 0, "a slot being loaded was evicted after another lookup's lease ended"
+    assert finished == [(2, True, ROW_BYTES, None, None)]
+
+
+_NEVER_HANDED_OUT = """
+import mmap, tempfile
+import numpy as np
+import nvmetier._table as T
+from nvmetier.engine.base import COMPLETION_DTYPE
+tm = mmap.mmap(-1, T.table_bytes(8, 2))
+im = mmap.mmap(-1, 8 * 128)
+T.format(tm, 8, 2, False)
+fd, _ = tempfile.mkstemp()
+t = T.Table(tm, im, fd, n_paths=1, slot_bytes=4096, row_bytes=4096, n_rows=4, lease_ns=10**9)
+t.attach()
+t.store_ops(1, [b"k"], np.arange(1, dtype=np.int64), 8, False)  # op 0; the slab has 1024
+for op_id in range(1, 1024):  # inside the slab, never handed out
+    c = np.zeros(1, COMPLETION_DTYPE)
+    c[0] = (op_id, 4096, 0)
+    assert t.complete(c.tobytes(), True, False) == ([], None, None), op_id
+"""
+
+
+def test_completion_with_an_op_id_never_handed_out_is_ignored(tmp_path: pathlib.Path) -> None:
+    """apply_one ignores a completion whose op is not in use ("a stale
+    completion"). Known to fail: op_alloc grows the op slab with PyMem_Realloc
+    and never clears `in_use` of the new entries, so an id inside the slab that
+    was never handed out reads uninitialized memory: a wild set index
+    (SIGSEGV in set_lock), or a garbage op applied to a real slot and job.
+    Run in a child process, since the failure is a crash."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _NEVER_HANDED_OUT],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, (
+        f"complete() with an op id never handed out: exit {proc.returncode}\n{proc.stderr[-2000:]}"
+    )
