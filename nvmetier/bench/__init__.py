@@ -1,12 +1,13 @@
-"""fio-style benchmark of nvmetier at four levels, with fio and vLLM's ``fs`` tier beside it.
+"""fio-style benchmark of nvmetier at five levels, with fio and vLLM's ``fs`` tier beside it.
 
 Owns: the ``nvmetier bench`` / ``tools/bench`` command. Everything here runs on
-the calling thread (plus the threads of the engines and stores it builds) and
-blocks for the length of the run; it is a tool, never imported by the tier.
+the calling thread (plus the threads of the engines and stores it builds, and
+the replica processes of the trace level) and blocks for the length of the
+run; it is a tool, never imported by the tier.
 
 Modules, lowest first (no level imports another): ``machine`` and ``common``
 (shared helpers), ``report`` (results, tables, plots, ``--summarize``), one
-module per level (``engine``, ``tier``, ``vllm``, ``reopen``) plus
+module per level (``engine``, ``tier``, ``vllm``, ``reopen``, ``trace``) plus
 ``fio``, and ``main`` (the command line). This package re-exports what the
 command line and the tests use.
 
@@ -26,6 +27,9 @@ Levels (``--level``):
   capacity (one request per batch, so one big promotion job per batch).
 - ``reopen``: time ``BlockStore`` open of a store whose index holds ``--slots``
   valid records (written directly with ``format.pack_record``).
+- ``trace``: replay a request trace (Mooncake format) through vLLM's
+  orchestrator on ``--replicas`` engine processes and report the hit ratio
+  next to the exact LRU of the same capacity, and the capacity curve.
 
 ``--rw``: ``write``/``randwrite`` time a write pass; ``read``/``randread`` time a
 read pass after an untimed write pass (reading unwritten fallocated extents

@@ -17,7 +17,7 @@ import numpy as np
 from nvmetier.bench.machine import drop_caches
 from nvmetier.config import parse_size
 
-LEVELS = ("engine", "tier", "vllm", "reopen")
+LEVELS = ("engine", "tier", "vllm", "reopen", "trace")
 
 
 RW_MODES = ("read", "write", "randread", "randwrite", "rw")

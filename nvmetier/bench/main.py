@@ -22,6 +22,7 @@ from nvmetier.bench.machine import machine_info
 from nvmetier.bench.reopen import run_reopen
 from nvmetier.bench.report import PhaseResult, _bytes, cpu_table, plot, summarize, summary_table
 from nvmetier.bench.tier import run_tier_level
+from nvmetier.bench.trace import ROUTES, run_trace_level
 from nvmetier.bench.vllm import run_vllm_level
 from nvmetier.config import parse_size
 
@@ -94,6 +95,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lookups", type=int, default=20000, help="vllm level: lookups timed")
     p.add_argument("--slots", default="1m", help="reopen level: slots in the store (1m = 2^20)")
     p.add_argument("--profile", action="store_true", help="reopen level: cProfile the open")
+    t = p.add_argument_group(
+        "trace level",
+        "replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, "
+        "hash_ids) through vLLM's orchestrator on --replicas engine processes; --plot "
+        "writes the capacity curve",
+    )
+    t.add_argument("--trace", default=None, metavar="FILE", help="the trace (.jsonl[.gz|.xz])")
+    t.add_argument("--trace-requests", type=int, default=0, help="replay the first N only")
+    t.add_argument("--replicas", type=int, default=1, help="data-parallel engine processes")
+    t.add_argument("--route", choices=ROUTES, default="round-robin")
+    t.add_argument(
+        "--affinity-blocks",
+        type=int,
+        default=2,
+        help="affinity route: requests whose first N block ids match go to one replica",
+    )
+    t.add_argument("--seed", type=int, default=0, help="random route: the seed")
+    t.add_argument(
+        "--speedup", type=float, default=1.0, help="replay the timestamps N times faster"
+    )
+    t.add_argument("--trace-block-tokens", type=int, default=512, help="tokens per hash id")
+    t.add_argument(
+        "--bytes-per-token",
+        default="128k",
+        help="KV bytes per token: 2 x layers x KV heads x head dim x dtype bytes "
+        "(128k: Llama-3.1-8B in bf16)",
+    )
+    t.add_argument(
+        "--scale",
+        default="1/1024",
+        help="replayed chunk size / real chunk size (the disk holds scale x capacity)",
+    )
+    t.add_argument(
+        "--capacity",
+        default=None,
+        help="tier capacity at the real chunk size, all replicas together "
+        "(default: a quarter of the trace's distinct blocks)",
+    )
+    t.add_argument(
+        "--primary-chunks",
+        type=int,
+        default=0,
+        help="CPU primary rows per replica (0: twice the longest prompt)",
+    )
+    t.add_argument("--curve-points", type=int, default=40, help="points of the capacity curve")
     return p
 
 
@@ -187,6 +233,20 @@ def _engines(args: argparse.Namespace, log: Callable) -> list[str]:
 
 def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: Callable) -> int:
     m = report["machine"]
+    if args.level == "trace":
+        log(
+            f"machine: {m['host_cpus']} CPUs ({m['cpu_model']}), {m['memory']} RAM, "
+            f"kernel {m['kernel']}, {m['filesystem']}"
+        )
+        try:
+            engines = _engines(args, log)
+        except ValueError as exc:
+            print(f"nvmetier bench: {exc}", file=sys.stderr)
+            return 2
+        if not engines:
+            print("nvmetier bench: no usable --engine", file=sys.stderr)
+            return 2
+        return run_trace_level(args, engines[0], report, log)
     log(
         f"nvmetier bench: level={args.level} rw={args.rw} bs={','.join(_bs(b) for b in bss)} "
         f"iodepth={args.iodepth} size={_bytes(args.size)} direct={args.direct} dir={args.dir}"
