@@ -287,8 +287,10 @@ static int64_t op_alloc(TableObject *t) {
         if (!fr)
             return -1;
         t->op_free = fr;
-        for (uint32_t i = cap; i > old; i--)
+        for (uint32_t i = cap; i > old; i--) {
+            t->ops[i - 1].in_use = 0; /* a stale completion must find it free */
             t->op_free[t->n_op_free++] = i - 1;
+        }
         t->n_ops_cap = cap;
     }
     uint32_t i = t->op_free[--t->n_op_free];
@@ -924,6 +926,7 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
                 nvt_slot *s = &slots[w];
                 if (s->stamp_ns < until)
                     s->stamp_ns = until;
+                s->owner = 1; /* a load holds the lease: end-of-step releases keep off it */
                 s->last_used = tick(self);
                 gen = s->gen;
                 expected = record_payload(self, set * self->ways + (uint64_t)w);
@@ -999,8 +1002,9 @@ static PyObject *fail_text(job_info *j) {
 /* Apply one completion; returns -1 only on out of memory. */
 static int apply_one(TableObject *t, const nvt_completion *c, int verify, int events, PyObject **stored,
                      PyObject **removed) {
-    uint32_t oi = (uint32_t)(uintptr_t)c->op_id;
-    if (oi >= t->n_ops_cap || !t->ops[oi].in_use)
+    uintptr_t raw = (uintptr_t)c->op_id;
+    uint32_t oi = (uint32_t)raw;
+    if (raw >= t->n_ops_cap || !t->ops[oi].in_use)
         return 0; /* not ours (a stale completion): ignore */
     op_info *o = &t->ops[oi];
     job_info *j = &t->jobs[o->job];
@@ -1013,6 +1017,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             /* The data is written: only now does the record appear, then the slot. */
             write_record(t, o->slot, o->key, o->key_len, c->checksum);
             s->stamp_ns = 0;
+            s->owner = 0; /* READY: owner = 1 while a load's lease is on the slot */
             s->last_used = tick(t);
             __atomic_store_n(&s->state, NVT_READY, __ATOMIC_RELEASE);
             __atomic_add_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
@@ -1034,8 +1039,10 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
         }
     } else {
         int same = lock_ok && s->gen == o->gen && s->state == NVT_READY;
-        if (same && s->stamp_ns == o->lease)
+        if (same && s->stamp_ns == o->lease) {
             s->stamp_ns = 0; /* nobody extended our lease: the slot is evictable again */
+            s->owner = 0;
+        }
         if (!same) {
             if (lock_ok)
                 set_unlock(t, set);
@@ -1161,8 +1168,9 @@ static PyObject *Table_complete(TableObject *self, PyObject *args) {
     if (!finished)
         goto error;
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint32_t oi = (uint32_t)(uintptr_t)cs[i].op_id;
-        uint32_t ji = oi < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
+        uintptr_t raw = (uintptr_t)cs[i].op_id;
+        uint32_t oi = (uint32_t)raw;
+        uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
         if (apply_one(self, &cs[i], verify, events, &stored, &removed) < 0)
             goto error;
         if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
@@ -1193,7 +1201,7 @@ static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ign
         if (set_lock(self, set) != 0)
             continue;
         nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[slot % self->ways];
-        if (s->state == NVT_READY && s->stamp_ns == until)
+        if (s->state == NVT_READY && s->stamp_ns == until && !s->owner)
             s->stamp_ns = 0;
         set_unlock(self, set);
     }
@@ -1282,6 +1290,7 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
         s->fp = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
         s->last_used = stored;
         s->stamp_ns = 0;
+        s->owner = 0;
         s->gen++;
         s->state = NVT_READY;
         if (stored > newest)

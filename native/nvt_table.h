@@ -24,7 +24,9 @@
  * checksum seed); gen changes on every claim and every clear; stamp_ns is the
  * HIT lease end (READY: CLOCK_MONOTONIC ns until which eviction skips the
  * slot) or the claim time (WRITING); owner/owner_inc name the sharer writing
- * it (registry index and the low 16 bits of its incarnation).
+ * it (registry index and the low 16 bits of its incarnation). For a READY
+ * slot, owner is 1 while a load's lease is on it (an end-of-step release of
+ * lookup leases then leaves it alone; the load's completion drops it).
  *
  * Locks: every read-modify-write of a set's slots holds the set's mutex. The
  * mutexes are robust: a sharer that dies holding one leaves EOWNERDEAD to the

@@ -196,6 +196,7 @@ class MSlot:
     gen: int = 0
     last_used: int = 0
     lease: int | None = None  # token of the newest lease (its stamp_ns), None: 0
+    load_lease: bool = False  # a load set a lease since (end-of-step releases keep off)
     payload: int = 0
 
 
@@ -362,6 +363,7 @@ class TableModel(RuleBasedStateMachine):
                 want_evicted.append(s.key)  # type: ignore[arg-type]
                 event("store evicts" + (" a BAD way" if s.state == BAD else ""))
             s.state, s.key, s.lease, s.payload = WRITING, key, None, 0
+            s.load_lease = False
             s.gen += 1
             want_ops.append((pos, slot))
             mops.append(MOp(OP_WRITE, slot, s.gen, key, job_id, pos))
@@ -401,6 +403,7 @@ class TableModel(RuleBasedStateMachine):
                 continue
             s = self.slots[slot]
             s.lease = token
+            s.load_lease = True
             s.last_used = self.tick()
             want_ops.append((pos, slot))
             mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload))
@@ -472,6 +475,7 @@ class TableModel(RuleBasedStateMachine):
                 ours = s.state == WRITING and s.gen == op.gen
                 if ok and ours:
                     s.state, s.lease, s.payload = READY, None, checksum
+                    s.load_lease = False
                     s.last_used = self.tick()
                     h.counters["ops_written"] += 1
                     h.counters["bytes_written"] += ROW_BYTES
@@ -486,6 +490,7 @@ class TableModel(RuleBasedStateMachine):
                 same = s.gen == op.gen and s.state == READY
                 if same and s.lease == op.lease:
                     s.lease = None
+                    s.load_lease = False
                 if not same:
                     h.counters["loads_raced"] += 1
                     event("load raced: " + ("slot reused" if s.state != EMPTY else "slot freed"))
@@ -550,7 +555,7 @@ class TableModel(RuleBasedStateMachine):
         h = self.handles[hi % len(self.handles)]
         for slot, token in h.held:
             s = self.slots[slot]
-            if s.state == READY and s.lease == token:
+            if s.state == READY and s.lease == token and not s.load_lease:
                 s.lease = None
         h.held = []
         h.table.release_leases()
@@ -715,7 +720,7 @@ def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
 
 def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Shared) -> None:
     """A load in flight protects its slot from eviction (nvt_table.c's
-    claim_way: "leased: a lookup hit or a load in flight"). Known to fail:
+    claim_way: "leased: a lookup hit or a load in flight"). Was a bug (fixed: a load marks its lease so end-of-step releases keep off):
     the slot has one lease stamp, so a later lookup of the same key (any
     sharer, or the loader itself in a later step) replaces the load's stamp,
     and that lookup's release_leases() then sets it to 0 while the load is
@@ -758,7 +763,7 @@ for op_id in range(1, 1024):  # inside the slab, never handed out
 
 def test_completion_with_an_op_id_never_handed_out_is_ignored(tmp_path: pathlib.Path) -> None:
     """apply_one ignores a completion whose op is not in use ("a stale
-    completion"). Known to fail: op_alloc grows the op slab with PyMem_Realloc
+    completion"). Was a bug (fixed: a load marks its lease so end-of-step releases keep off): op_alloc grows the op slab with PyMem_Realloc
     and never clears `in_use` of the new entries, so an id inside the slab that
     was never handed out reads uninitialized memory: a wild set index
     (SIGSEGV in set_lock), or a garbage op applied to a real slot and job.
