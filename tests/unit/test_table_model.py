@@ -720,7 +720,7 @@ def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
 
 def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Shared) -> None:
     """A load in flight protects its slot from eviction (nvt_table.c's
-    claim_way: "leased: a lookup hit or a load in flight"). Was a bug (fixed: a load marks its lease so end-of-step releases keep off):
+    claim_way: "leased: a lookup hit or a load in flight"). Was a bug, now fixed:
     the slot has one lease stamp, so a later lookup of the same key (any
     sharer, or the loader itself in a later step) replaces the load's stamp,
     and that lookup's release_leases() then sets it to 0 while the load is
@@ -763,7 +763,7 @@ for op_id in range(1, 1024):  # inside the slab, never handed out
 
 def test_completion_with_an_op_id_never_handed_out_is_ignored(tmp_path: pathlib.Path) -> None:
     """apply_one ignores a completion whose op is not in use ("a stale
-    completion"). Was a bug (fixed: a load marks its lease so end-of-step releases keep off): op_alloc grows the op slab with PyMem_Realloc
+    completion"). Was a bug, now fixed: op_alloc grows the op slab with PyMem_Realloc
     and never clears `in_use` of the new entries, so an id inside the slab that
     was never handed out reads uninitialized memory: a wild set index
     (SIGSEGV in set_lock), or a garbage op applied to a real slot and job.
