@@ -190,7 +190,7 @@ def _scan(index: Any, n_slots: int, ways: int, native: bool, with_keys: bool = T
     pos = np.flatnonzero(codes == _CODE_OK)  # positions in slots/codes/seeds
     kept = slots[pos]
 
-    def keys_of(at: np.ndarray) -> list[bytes]:
+    def keys_of(at: np.ndarray, recs: np.ndarray = recs) -> list[bytes]:
         return _native_keys(index, at) if native else _keys_python(index, recs, at)
 
     keys = keys_of(kept) if with_keys else []

@@ -80,8 +80,8 @@ def child_fill(root: str, slots: int) -> None:
 
 def _preload() -> None:
     """Import what an open imports, so RSS deltas count the store, not code."""
-    import nvmetier.engine.threads  # noqa: F401
-    import nvmetier.recovery  # noqa: F401
+    import nvmetier.engine.threads
+    import nvmetier.recovery
     import nvmetier.store  # noqa: F401
     from nvmetier.engine import uring_status
 
@@ -171,7 +171,9 @@ def main() -> int:
     root = args.dir or tempfile.mkdtemp(prefix="nvmetier-table-")
     try:
         fill = _run("--child", "fill", root, str(args.slots))
-        runs = [_run("--child", "measure", root, str(args.slots), str(fill["keys"])) for _ in range(5)]
+        runs = [
+            _run("--child", "measure", root, str(args.slots), str(fill["keys"])) for _ in range(5)
+        ]
         empties = [_run("--child", "empty", root, str(args.slots)) for _ in range(5)]
         report = {
             "slots": fill["slots"],
@@ -193,9 +195,18 @@ def main() -> int:
             "runs": runs,
         }
         report["open_added_s"] = report["open_full_s"] - report["open_empty_s"]
-        for k in ("slots", "stored", "rss_anon_per_slot_bytes", "rss_anon_open_full_bytes",
-                  "rss_anon_open_empty_bytes", "open_full_s", "open_empty_s",
-                  "open_added_s", "lookup_p50_ns", "lookup_p99_ns"):
+        for k in (
+            "slots",
+            "stored",
+            "rss_anon_per_slot_bytes",
+            "rss_anon_open_full_bytes",
+            "rss_anon_open_empty_bytes",
+            "open_full_s",
+            "open_empty_s",
+            "open_added_s",
+            "lookup_p50_ns",
+            "lookup_p99_ns",
+        ):
             v = report[k]
             print(f"{k:26s} {v:.4f}" if isinstance(v, float) else f"{k:26s} {v}")
         if args.json:
