@@ -140,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU primary rows per replica (0: twice the longest prompt)",
     )
     t.add_argument("--curve-points", type=int, default=40, help="points of the capacity curve")
+    t.add_argument(
+        "--tier-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="another key of the tier's config (repeatable), e.g. ways=8",
+    )
     return p
 
 

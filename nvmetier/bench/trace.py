@@ -455,7 +455,12 @@ class _JobTally:
 
 
 def _tier_dict(
-    root: str, capacity_bytes: int, engine: str, iodepth: int, direct: bool
+    root: str,
+    capacity_bytes: int,
+    engine: str,
+    iodepth: int,
+    direct: bool,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     return {
         "type": "NvmeTierManager",
@@ -467,7 +472,23 @@ def _tier_dict(
         "queue_depth": iodepth,
         "o_direct": direct,
         "persist": False,
+        **(extra or {}),
     }
+
+
+def parse_tier_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["ways=8", "sharing=process"]`` -> tier config keys; a value is read
+    as JSON when it is JSON (numbers, booleans), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--tier-option {item!r}: use KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out
 
 
 def _build(spec: dict[str, Any], tier: dict[str, Any]) -> Any:
@@ -746,7 +767,9 @@ def _recv(conn: Any, proc: Any, timeout_s: float, what: str) -> tuple[Any, ...]:
     return tuple(msg)
 
 
-def _probe_sharing(ctx: Any, base: dict[str, Any], root: str, engine: str, direct: bool) -> str:
+def _probe_sharing(
+    ctx: Any, base: dict[str, Any], root: str, engine: str, direct: bool, extra: dict[str, Any]
+) -> str:
     """``"shared"`` if ranks 0 and 1 of this data-parallel group open one store
     on one root, ``"per-rank"`` if each opens its own: asked of the tier itself
     (two small stores, one per child process), never assumed."""
@@ -755,7 +778,7 @@ def _probe_sharing(ctx: Any, base: dict[str, Any], root: str, engine: str, direc
     try:
         for rank in (0, 1):
             cap = _PROBE_CHUNKS * (base["chunk_bytes"] + 4096) + (16 << 20)
-            spec = dict(base, rank=rank, tier=_tier_dict(root, cap, engine, 2, direct))
+            spec = dict(base, rank=rank, tier=_tier_dict(root, cap, engine, 2, direct, extra))
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_probe_main, args=(child, spec), name=f"probe-rank{rank}")
             proc.start()
@@ -887,6 +910,7 @@ def run_trace_level(
         )
         offsets = due_offsets_s(requests, args.speedup)
         capacity_arg = parse_size(args.capacity, "--capacity") if args.capacity else 0
+        extra = parse_tier_options(args.tier_option or [])
     except (OSError, ValueError) as exc:
         print(f"nvmetier bench: {exc}", file=sys.stderr)
         return 2
@@ -926,9 +950,11 @@ def run_trace_level(
     }
     direct = bool(args.direct)
     t_setup = time.monotonic()
-    sharing = "single" if n == 1 else _probe_sharing(ctx, base, root + "-probe", engine, direct)
+    sharing = (
+        "single" if n == 1 else _probe_sharing(ctx, base, root + "-probe", engine, direct, extra)
+    )
     per_store = capacity_scaled // n if sharing == "per-rank" else capacity_scaled
-    tier = _tier_dict(root, per_store, engine, args.iodepth, direct)
+    tier = _tier_dict(root, per_store, engine, args.iodepth, direct, extra)
     what = "one store per rank" if sharing == "per-rank" else "one store for all ranks"
     log(f"stores: {sharing} ({what}), capacity_bytes {_bytes(per_store)} each")
     procs: list[tuple[Any, Any]] = []
@@ -1017,6 +1043,7 @@ def run_trace_level(
             "requests_per_replica": [len(s) for s in share],
             "speedup": args.speedup,
             "engine": engine,
+            "tier_options": extra,
             "bytes_per_token": bpt,
             "chunk_bytes_real": real,
             "chunk_bytes_replayed": scaled,

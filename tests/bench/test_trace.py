@@ -256,3 +256,13 @@ def test_replayed_chunks_are_page_aligned() -> None:
     assert T.chunk_sizes(131072, 512, 1 / 1024) == (64 << 20, 64 << 10)
     assert T.chunk_sizes(110, 512, 1.0) == (56320, 57344)  # the nearest multiple of 4096
     assert T.chunk_sizes(8, 512, 1 / 1024) == (4096, 4096)
+
+
+def test_tier_options_read_json_values_and_keep_strings() -> None:
+    assert T.parse_tier_options(["ways=8", "sharing=process", "verify_checksums=false"]) == {
+        "ways": 8,
+        "sharing": "process",
+        "verify_checksums": False,
+    }
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        T.parse_tier_options(["ways"])
