@@ -1113,7 +1113,7 @@ def trace_table(out: dict[str, Any]) -> list[str]:
             f"{r['vllm_thread_tier_us_per_chunk']} | {r['tier_cpu_us_per_chunk']} | "
             f"{r['lag_s'].get('p99', 0):.3f} | {r['verified_chunks']}/{o['hit_blocks']} |"
         )
-    b = out["bound"]
+    b, tot = out["bound"], out["total"]
     lines += [
         "",
         f"exact LRU of the same capacity ({rp['slots_total']} slots = "
@@ -1132,6 +1132,11 @@ def trace_table(out: dict[str, Any]) -> list[str]:
         f"| any cache of unbounded size | {_pct(b['infinite']['block_hit_ratio'])} "
         f"| {_pct(b['infinite']['token_hit_ratio'])} |",
         "",
+        f"tier: {tot['tier_stats'].get('evictions', 0)} evictions, "
+        f"{tot['tier_stats'].get('stores_dropped_set_busy', 0)} stores dropped (set busy), "
+        f"{tot['tier_stats'].get('stores_dropped_queue_full', 0)} (queue full), "
+        f"{tot['tier_stats'].get('checksum_failures', 0)} checksum failures; failed jobs "
+        f"{tot['failed_jobs']}; lag behind the trace p50 {tot['lag_s'].get('p50', 0):.3f} s",
         f"real-size drive load at the trace's pace: read "
         f"{out['total']['real_pace_read_gbps']:.3f} GB/s, write "
         f"{out['total']['real_pace_write_gbps']:.3f} GB/s",
