@@ -110,7 +110,9 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n);
  * Wait up to `timeout_s` (<= 0: do not wait) for at least one completion, then
  * swap the engine's done queue with `batch` (whose len must be 0): the caller
  * owns every completion now in `batch`. Returns at once with nothing once the
- * engine is closed and drained.
+ * engine is closed and drained. A poll (timeout <= 0) that finds the done
+ * queue empty returns without taking the mutex (a racy read of its length:
+ * a completion queued meanwhile is returned by the next call).
  */
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch);
 

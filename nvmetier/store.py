@@ -214,11 +214,22 @@ class BlockStore:
         self._finished: list[JobOutcome] = []
         self._lookup_counts: dict[bytes, int] = {}
         self._outstanding = 0  # ops submitted to the engine, not yet collected
+        self._waiting = False  # some store job waits for another write of its key
         self._closed = False
         self._verify = config.verify_checksums
         self._events_on = config.enable_kv_events
 
     # ------------------------------------------------------------- scheduler
+    @property
+    def counts_lookups(self) -> bool:
+        """Whether ``lookup`` does more than the table's lookup (admission)."""
+        return bool(self.config.admit_after_lookups)
+
+    def table_lookup(self) -> Callable[[bytes], bool]:
+        """The shared table's ``lookup`` itself: ``lookup`` without a Python
+        frame, for callers that checked ``counts_lookups`` is False."""
+        return self._table.lookup  # type: ignore[no-any-return]
+
     def lookup(self, key: bytes) -> bool:
         """Whether ``key`` is READY in the shared table. A hit is leased: no
         sharer evicts it for ``LEASE_S`` (the HIT -> load window). Never blocks."""
@@ -314,7 +325,10 @@ class BlockStore:
         """Apply finished ops and return the jobs that finished. Never blocks."""
         if self._jobs:
             comps = self.engine.wait_raw(0) if self._outstanding else b""
-            self._collect(comps)  # also resolves stores waiting for another write
+            if comps or self._waiting:
+                self._collect(comps)  # also resolves stores waiting for another write
+        if not self._finished:
+            return []
         out, self._finished = self._finished, []
         return out
 
@@ -337,6 +351,8 @@ class BlockStore:
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")
         self._jobs[job.job_id] = job
+        if pending is not None and pending > n:
+            self._waiting = True  # keys waiting for another process's write
         if not n:
             return  # only waits for other writes: poll() resolves it
         self._outstanding += n
@@ -353,6 +369,8 @@ class BlockStore:
         """Apply engine completions (scheduler thread), in one native call."""
         self._outstanding -= len(comps) // COMPLETION_DTYPE.itemsize
         finished, stored, removed = self._table.complete(comps, self._verify, self._events_on)
+        if self._waiting:
+            self._waiting = bool(self._table.usage()[2])
         if stored:
             self._events.append((False, stored))
         if removed:
@@ -402,7 +420,9 @@ class BlockStore:
                 if wait_s <= 0:
                     return False
             if self._outstanding:
-                self._collect(self.engine.wait_raw(wait_s))
+                comps = self.engine.wait_raw(wait_s)
+                if comps or self._waiting:
+                    self._collect(comps)
             else:  # only stores waiting for other processes' writes of their keys
                 time.sleep(wait_s)
                 self._collect(b"")

@@ -5,7 +5,10 @@ the buffer are borrowed (the store opens and closes them).
 
 Threads: workers block in the syscalls with the GIL released; the checksum is
 computed by python-xxhash on the worker. ``submit`` only enqueues. Completions
-go to a ``queue.SimpleQueue`` that ``wait_completions`` drains.
+go to a ``queue.SimpleQueue`` that ``wait_completions`` drains. Packed ops
+(``submit_raw``) are enqueued as one item and unpacked by a worker, and their
+completions are packed by the workers, so the caller's thread pays per job,
+not per op.
 """
 
 from __future__ import annotations
@@ -13,15 +16,23 @@ from __future__ import annotations
 import errno
 import os
 import queue
+import struct
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import xxhash
 
-from nvmetier.engine.base import OP_WRITE, Completion, IoEngine, Op
+from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE, OP_WRITE, Completion, IoEngine, Op
 from nvmetier.errors import EngineClosedError
 
 _STOP = None
+_PACKED = struct.Struct("<QqQ")  # a completion as COMPLETION_DTYPE lays it out
+assert _PACKED.size == COMPLETION_DTYPE.itemsize
+
+
+class _RawOp(Op):
+    """An op that came packed: its completion goes back packed."""
 
 
 class ThreadEngine(IoEngine):
@@ -40,8 +51,9 @@ class ThreadEngine(IoEngine):
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self._buf = memoryview(buffer).cast("B")
         self._fds = list(fds)
-        self._ops: queue.SimpleQueue[Op | None] = queue.SimpleQueue()
+        self._ops: queue.SimpleQueue[Op | bytes | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._done_raw: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._closed = False
         self._close_lock = threading.Lock()
         self._threads = [
@@ -56,6 +68,31 @@ class ThreadEngine(IoEngine):
             raise EngineClosedError("the I/O engine is closed")
         for op in ops:
             self._ops.put(op)
+
+    def submit_raw(self, ops: bytes) -> None:
+        """Queue packed ops as one item; a worker unpacks them."""
+        if self._closed:
+            raise EngineClosedError("the I/O engine is closed")
+        if ops:
+            self._ops.put(bytes(ops))
+
+    def wait_raw(self, timeout_s: float) -> bytes:
+        """Packed completions of packed ops (workers pack them)."""
+        out: list[bytes] = []
+        try:
+            out.append(
+                self._done_raw.get(timeout=timeout_s)
+                if timeout_s > 0
+                else self._done_raw.get_nowait()
+            )
+        except queue.Empty:
+            return b""
+        get = self._done_raw.get_nowait
+        while True:
+            try:
+                out.append(get())
+            except queue.Empty:
+                return b"".join(out)
 
     def wait_completions(self, timeout_s: float) -> list[Completion]:
         out: list[Completion] = []
@@ -86,7 +123,12 @@ class ThreadEngine(IoEngine):
                 op = self._ops.get_nowait()
             except queue.Empty:
                 break
-            if op is not None:
+            if isinstance(op, bytes):
+                for op_id in np.frombuffer(op, dtype=OP_DTYPE)["op_id"].tolist():
+                    self._done_raw.put(_PACKED.pack(op_id, -errno.ECANCELED, 0))
+            elif isinstance(op, _RawOp):
+                self._done_raw.put(_PACKED.pack(op.op_id, -errno.ECANCELED, 0))
+            elif op is not None:
                 self._done.put(Completion(op.op_id, -errno.ECANCELED, 0))
         self._buf.release()
 
@@ -98,7 +140,23 @@ class ThreadEngine(IoEngine):
             op = self._ops.get()
             if op is None:
                 return
-            self._done.put(self._run(op))
+            if isinstance(op, bytes):
+                # A packed batch: unpack here, off the caller's thread; run the
+                # first op and queue the rest for every worker.
+                batch = [
+                    _RawOp(op_id, kind, fidx, foff, boff, length, seed, bool(csum))
+                    for op_id, foff, boff, length, fidx, seed, kind, csum in (
+                        np.frombuffer(op, dtype=OP_DTYPE).tolist()
+                    )
+                ]
+                for rest in batch[1:]:
+                    self._ops.put(rest)
+                op = batch[0]
+            comp = self._run(op)
+            if isinstance(op, _RawOp):
+                self._done_raw.put(_PACKED.pack(comp.op_id, comp.result, comp.checksum))
+            else:
+                self._done.put(comp)
 
     def _run(self, op: Op) -> Completion:
         view = self._buf[op.buf_offset : op.buf_offset + op.length]

@@ -100,6 +100,7 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 
 _warned_random_seed = False
+_HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
 
 def none_hash_seed_is_random() -> bool:
@@ -214,6 +215,17 @@ class NvmeTierManager(SecondaryTierManager):
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
 
+    @property
+    def store(self) -> BlockStore:
+        return self._store
+
+    @store.setter
+    def store(self, store: BlockStore) -> None:
+        self._store = store
+        # lookup runs once per chunk on the scheduler thread: call the native
+        # table directly unless the store counts lookups (admit_after_lookups).
+        self._lookup = store.lookup if store.counts_lookups else store.table_lookup()
+
     def _open_store(self) -> BlockStore:
         return BlockStore(
             self.config,
@@ -261,7 +273,7 @@ class NvmeTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._seed_checked:
             self._check_seed()
-        return LookupResult.HIT if self.store.lookup(key) else LookupResult.MISS
+        return _HIT if self._lookup(key) else _MISS
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
