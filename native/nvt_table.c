@@ -39,7 +39,7 @@
 #define REC_KEY_MAX 88
 #define REC_STATE_VALID 1
 /* A WRITING slot older than this has its owner's liveness checked. */
-#define DEAD_CHECK_AGE_NS 200000000ULL
+#define DEAD_CHECK_AGE_MS 200u
 
 enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED };
 
@@ -86,9 +86,11 @@ typedef struct {
     nvt_table_header *hdr;
     uint64_t n_slots, n_sets;
     uint32_t ways, set_bytes;
+    nvt_set_layout layout;
     int lock_fd;
     int64_t n_paths, slot_bytes, row_bytes, n_rows;
     uint64_t lease_ns;
+    uint32_t lease_ms;
     int me;            /* registry index, -1 before attach */
     uint32_t my_inc;
     op_info *ops;
@@ -122,9 +124,54 @@ static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t se
     return (nvt_set_head *)(base + NVT_TABLE_HEADER_BYTES + set * (uint64_t)set_bytes);
 }
 
-static inline nvt_slot *set_slots(char *base, uint32_t set_bytes, uint64_t set) {
-    return (nvt_slot *)((char *)set_head(base, set_bytes, set) + NVT_SET_HEAD_BYTES);
+/* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
+typedef struct {
+    uint8_t *tag, *state, *owner;
+    uint16_t *owner_inc;
+    uint32_t *last, *stamp, *gen;
+    uint64_t *fp;
+} slot_ref;
+
+static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
+    char *b = (char *)set_head(t->base, t->set_bytes, set);
+    const nvt_set_layout *L = &t->layout;
+    slot_ref r = {
+        (uint8_t *)(b + L->tag) + w,      (uint8_t *)(b + L->state) + w,  (uint8_t *)(b + L->owner) + w,
+        (uint16_t *)(b + L->owner_inc) + w, (uint32_t *)(b + L->last) + w, (uint32_t *)(b + L->stamp) + w,
+        (uint32_t *)(b + L->gen) + w,     (uint64_t *)(b + L->fp) + w,
+    };
+    return r;
 }
+
+static inline uint8_t *set_tags(TableObject *t, uint64_t set) {
+    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
+}
+
+static inline uint8_t *set_states(TableObject *t, uint64_t set) {
+    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.state;
+}
+
+/* Lease and claim stamps are CLOCK_MONOTONIC milliseconds in 32 bits, compared
+ * modulo 2^32 (leases last seconds, so wrapping every 49 days is harmless);
+ * 0 means none. */
+static inline uint32_t now_ms(void) { return (uint32_t)(now_mono_ns() / 1000000ULL); }
+
+static inline uint32_t stamp_of(uint32_t ms) { return ms ? ms : 1; }
+
+static inline int stamp_after(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
+
+static inline int leased(uint32_t stamp, uint32_t now) { return stamp && stamp_after(stamp, now); }
+
+/* Grant a lease ending at `until` or later: every grant gets a stamp of its
+ * own (one past the current one when that ends later), so the grant that
+ * drops the lease at its end can tell whether a later grant extended it. */
+static inline uint32_t grant(uint32_t *stamp, uint32_t until) {
+    uint32_t s = (*stamp && !stamp_after(until, *stamp)) ? stamp_of(*stamp + 1) : until;
+    *stamp = s;
+    return s;
+}
+
+static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
 
 static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
 
@@ -191,26 +238,27 @@ static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
 }
 
 /* Free a slot (its record first). The set lock is held. */
-static void clear_slot_locked(TableObject *t, nvt_slot *s, uint64_t slot) {
+static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
     zero_record(t, slot);
-    if (s->state == NVT_READY)
+    if (*s.state == NVT_READY)
         __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
-    if (s->state != NVT_EMPTY)
+    if (*s.state != NVT_EMPTY)
         __atomic_sub_fetch(&t->hdr->used, 1, __ATOMIC_RELAXED);
-    __atomic_store_n(&s->state, NVT_EMPTY, __ATOMIC_RELEASE);
-    s->fp = 0;
-    s->gen++;
-    s->stamp_ns = 0;
+    __atomic_store_n(s.state, NVT_EMPTY, __ATOMIC_RELEASE);
+    *s.tag = 0;
+    *s.fp = 0;
+    (*s.gen)++;
+    *s.stamp = 0;
+    *s.owner = 0;
 }
 
 /* Reclaim WRITING slots of dead sharers in one set (held). */
-static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ns, uint64_t now) {
-    nvt_slot *slots = set_slots(t->base, t->set_bytes, set);
+static int repair_set_locked(TableObject *t, uint64_t set, uint32_t min_age_ms, uint32_t now) {
     int n = 0;
     for (uint32_t w = 0; w < t->ways; w++) {
-        nvt_slot *s = &slots[w];
-        if (s->state == NVT_WRITING && now - s->stamp_ns >= min_age_ns &&
-            !owner_alive(t, s->owner, s->owner_inc)) {
+        slot_ref s = slot_at(t, set, w);
+        if (*s.state == NVT_WRITING && (uint32_t)(now - *s.stamp) >= min_age_ms &&
+            !owner_alive(t, *s.owner, *s.owner_inc)) {
             clear_slot_locked(t, s, set * t->ways + w);
             n++;
         }
@@ -228,7 +276,7 @@ static int set_lock(TableObject *t, uint64_t set) {
         /* A sharer died inside this set's critical section: every state it can
          * have left is a WRITING slot of its own (claims mark the slot before
          * touching the record), which is reclaimed here. */
-        repair_set_locked(t, set, 0, now_mono_ns());
+        repair_set_locked(t, set, 0, now_ms());
         pthread_mutex_consistent(&h->mu);
         t->c.lock_recoveries++;
         return 0;
@@ -261,14 +309,18 @@ static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
     return 0;
 }
 
-/* Slot of `fp`/key in `slots` in one of the states of `mask`, or -1. */
-static int find_way(TableObject *t, nvt_slot *slots, uint64_t base_slot, uint64_t fp,
-                    const char *key, Py_ssize_t n, unsigned mask) {
+/* Way of `fp`/key in `set` in one of the states of `mask`, or -1: the tags
+ * filter, the fingerprint and (READY) the record's key confirm. */
+static int find_way(TableObject *t, uint64_t set, uint64_t fp, const char *key, Py_ssize_t n,
+                    unsigned mask) {
+    const uint8_t *tags = set_tags(t, set), tag = tag_of(fp);
     for (uint32_t w = 0; w < t->ways; w++) {
-        nvt_slot *s = &slots[w];
-        if (s->fp != fp || !((1u << s->state) & mask))
+        if (tags[w] != tag)
             continue;
-        if (s->state == NVT_READY && !record_has_key(t, base_slot + w, key, n))
+        slot_ref s = slot_at(t, set, w);
+        if (*s.fp != fp || !((1u << *s.state) & mask))
+            continue;
+        if (*s.state == NVT_READY && !record_has_key(t, set * t->ways + w, key, n))
             continue; /* a fingerprint collision: another key */
         return (int)w;
     }
@@ -429,8 +481,7 @@ static void Table_dealloc(TableObject *self) {
 }
 
 static uint64_t table_bytes(uint64_t n_slots, uint32_t ways) {
-    uint64_t set_bytes = NVT_SET_HEAD_BYTES + (uint64_t)ways * NVT_SLOT_BYTES;
-    return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * set_bytes;
+    return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * (uint64_t)nvt_layout(ways).set_bytes;
 }
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -465,6 +516,11 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->ways = self->hdr->ways;
     self->n_sets = self->hdr->n_sets;
     self->set_bytes = self->hdr->set_bytes;
+    self->layout = nvt_layout(self->ways);
+    if (self->layout.set_bytes != self->set_bytes) {
+        PyErr_SetString(PyExc_ValueError, "the table's set layout is not this version's");
+        goto fail;
+    }
     if ((uint64_t)self->tbuf.len < table_bytes(self->n_slots, self->ways) ||
         (uint64_t)self->ibuf.len < self->n_slots * REC_BYTES || n_paths < 1 ||
         self->n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes || n_rows < 0) {
@@ -477,6 +533,8 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->row_bytes = row_bytes;
     self->n_rows = n_rows;
     self->lease_ns = lease_ns;
+    self->lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
+                     : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
     return (PyObject *)self;
 fail:
     Py_DECREF(self);
@@ -549,13 +607,11 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
     int hit = 0;
     if (set_lock(self, set) == 0) {
-        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
-        int w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+        int w = find_way(self, set, fp, k, n, 1u << NVT_READY);
         if (w >= 0) {
-            uint64_t until = now_mono_ns() + self->lease_ns;
-            if (slots[w].stamp_ns < until)
-                slots[w].stamp_ns = until;
-            slots[w].last_used = tick(self);
+            slot_ref s = slot_at(self, set, (uint32_t)w);
+            uint32_t until = grant(s.stamp, stamp_of(now_ms() + self->lease_ms));
+            *s.last = tick(self);
             hit = 1;
             if (self->n_held == self->cap_held) {
                 size_t cap = self->cap_held ? self->cap_held * 2 : 256;
@@ -567,7 +623,7 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
             }
             if (self->n_held < self->cap_held) { /* else the lease just runs out */
                 self->held[2 * self->n_held] = set * self->ways + (uint64_t)w;
-                self->held[2 * self->n_held + 1] = slots[w].stamp_ns;
+                self->held[2 * self->n_held + 1] = until;
                 self->n_held++;
             }
         }
@@ -591,8 +647,7 @@ static PyObject *Table_contains(TableObject *self, PyObject *key) {
     uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
     int w = -1;
     if (set_lock(self, set) == 0) {
-        w = find_way(self, set_slots(self->base, self->set_bytes, set), set * self->ways, fp, k, n,
-                     1u << NVT_READY);
+        w = find_way(self, set, fp, k, n, 1u << NVT_READY);
         set_unlock(self, set);
     }
     return PyBool_FromLong(w >= 0);
@@ -608,8 +663,7 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
     uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
     int w = -1;
     if (set_lock(self, set) == 0) {
-        w = find_way(self, set_slots(self->base, self->set_bytes, set), set * self->ways, fp, k, n,
-                     1u << NVT_READY);
+        w = find_way(self, set, fp, k, n, 1u << NVT_READY);
         set_unlock(self, set);
     }
     if (w < 0)
@@ -634,10 +688,9 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
         if (set_lock(self, set) != 0)
             continue;
-        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
-        int w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+        int w = find_way(self, set, fp, k, n, 1u << NVT_READY);
         if (w >= 0)
-            slots[w].last_used = tick(self);
+            *slot_at(self, set, (uint32_t)w).last = tick(self);
         set_unlock(self, set);
     }
     Py_DECREF(seq);
@@ -647,47 +700,60 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
 /* Choose the way to write `fp` into (the set is locked). Returns the way, or
  * -1 when every way is being written or leased, or -2 when the key is already
  * present or being written. *evict is set when a READY/BAD key is displaced. */
-static int claim_way(TableObject *t, nvt_slot *slots, uint64_t set, uint64_t fp, const char *k,
-                     Py_ssize_t n, uint64_t now, int *evict) {
-    int empty = -1, victim = -1, victim_bad = 0;
-    uint64_t victim_used = 0;
+static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, Py_ssize_t n,
+                     uint32_t now, int *evict) {
+    const uint8_t *tags = set_tags(t, set), *states = set_states(t, set), tag = tag_of(fp);
+    int empty = -1;
     *evict = 0;
+    /* This key in any state (tags filter), and the first empty way. */
     for (uint32_t w = 0; w < t->ways; w++) {
-        nvt_slot *s = &slots[w];
-        uint8_t st = s->state;
-        if (st != NVT_EMPTY && s->fp == fp) {
-            if (st == NVT_WRITING)
-                return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-            if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
-                return -2;
-            if (st == NVT_BAD) /* a failed load left it: rewrite in place */
-                return (int)w;
-        }
-        if (st == NVT_EMPTY) {
-            if (empty < 0)
+        if (tags[w] != tag) {
+            if (empty < 0 && states[w] == NVT_EMPTY)
                 empty = (int)w;
             continue;
         }
-        if (st == NVT_WRITING) {
-            if (now - s->stamp_ns >= DEAD_CHECK_AGE_NS && !owner_alive(t, s->owner, s->owner_inc)) {
-                clear_slot_locked(t, s, set * t->ways + w);
-                t->c.dead_reclaimed++;
-                if (empty < 0)
-                    empty = (int)w;
-            }
+        slot_ref s = slot_at(t, set, w);
+        uint8_t st = *s.state;
+        if (st == NVT_EMPTY || *s.fp != fp)
             continue;
-        }
-        if (s->stamp_ns > now)
-            continue; /* leased: a lookup hit or a load in flight */
-        int bad = st == NVT_BAD;
-        if (victim < 0 || bad > victim_bad || (bad == victim_bad && s->last_used < victim_used)) {
-            victim = (int)w;
-            victim_bad = bad;
-            victim_used = s->last_used;
-        }
+        if (st == NVT_WRITING)
+            return -3 - (int)w; /* another store of this key is in flight (any sharer) */
+        if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
+            return -2;
+        if (st == NVT_BAD) /* a failed load left it: rewrite in place */
+            return (int)w;
     }
     if (empty >= 0)
         return empty;
+    /* A full set: the least recently used way no lease protects, BAD first;
+     * WRITING ways of sharers that died are reclaimed on the way. */
+    const uint32_t clock = (uint32_t)__atomic_load_n(&t->hdr->clock, __ATOMIC_RELAXED);
+    int victim = -1, victim_bad = 0;
+    uint32_t victim_age = 0;
+    for (uint32_t w = 0; w < t->ways; w++) {
+        slot_ref s = slot_at(t, set, w);
+        uint8_t st = states[w];
+        if (st == NVT_WRITING) {
+            if ((uint32_t)(now - *s.stamp) >= DEAD_CHECK_AGE_MS &&
+                !owner_alive(t, *s.owner, *s.owner_inc)) {
+                clear_slot_locked(t, s, set * t->ways + w);
+                t->c.dead_reclaimed++;
+                return (int)w;
+            }
+            continue;
+        }
+        if (st == NVT_EMPTY)
+            return (int)w;
+        if (leased(*s.stamp, now))
+            continue; /* a lookup hit or a load in flight */
+        int bad = st == NVT_BAD;
+        uint32_t age = clock - *s.last;
+        if (victim < 0 || bad > victim_bad || (bad == victim_bad && age > victim_age)) {
+            victim = (int)w;
+            victim_bad = bad;
+            victim_age = age;
+        }
+    }
     if (victim >= 0)
         *evict = 1;
     return victim;
@@ -725,7 +791,7 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
     if (!out)
         goto error;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
-    uint64_t now = now_mono_ns();
+    uint32_t now = stamp_of(now_ms());
     for (Py_ssize_t i = 0; i < m; i++) {
         const char *k;
         Py_ssize_t n;
@@ -746,12 +812,11 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
             self->c.stores_dropped_set_busy++;
             continue;
         }
-        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
         int evict;
-        int w = claim_way(self, slots, set, fp, k, n, now, &evict);
+        int w = claim_way(self, set, fp, k, n, now, &evict);
         if (w <= -3) { /* being written: finish this job only once that write is done */
             uint32_t ww = (uint32_t)(-3 - w);
-            uint32_t gen = slots[ww].gen;
+            uint32_t gen = *slot_at(self, set, ww).gen;
             set_unlock(self, set);
             self->c.stores_skipped_present++;
             if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
@@ -785,7 +850,7 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
             continue;
         }
         uint64_t slot = set * self->ways + (uint64_t)w;
-        nvt_slot *s = &slots[w];
+        slot_ref s = slot_at(self, set, (uint32_t)w);
         if (evict) {
             self->c.evictions++;
             const unsigned char *r = record(self, slot);
@@ -808,22 +873,23 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         }
         /* Mark the slot ours before its record changes: a death from here on
          * leaves a WRITING slot of a dead sharer, which is reclaimed. */
-        uint8_t old = s->state;
+        uint8_t old = *s.state;
         if (old == NVT_EMPTY)
             __atomic_add_fetch(&self->hdr->used, 1, __ATOMIC_RELAXED);
         else if (old == NVT_READY)
             __atomic_sub_fetch(&self->hdr->ready, 1, __ATOMIC_RELAXED);
-        s->owner = (uint8_t)(self->me < 0 ? 0 : self->me);
-        s->owner_inc = (uint16_t)self->my_inc;
-        s->stamp_ns = now;
-        s->gen++;
-        s->fp = fp;
-        __atomic_store_n(&s->state, NVT_WRITING, __ATOMIC_RELEASE);
+        *s.owner = (uint8_t)(self->me < 0 ? 0 : self->me);
+        *s.owner_inc = (uint16_t)self->my_inc;
+        *s.stamp = now;
+        (*s.gen)++;
+        *s.fp = fp;
+        *s.tag = tag_of(fp);
+        __atomic_store_n(s.state, NVT_WRITING, __ATOMIC_RELEASE);
         /* The old record stops being visible before the data changes. */
         zero_record(self, slot);
         op_info *o = &self->ops[oi];
         o->slot = (uint32_t)slot;
-        o->gen = s->gen;
+        o->gen = *s.gen;
         set_unlock(self, set);
         o->fp = fp;
         o->expected = 0;
@@ -858,8 +924,8 @@ error:
         op_info *o = &self->ops[oi];
         uint64_t set = o->slot / self->ways;
         if (set_lock(self, set) == 0) {
-            nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[o->slot % self->ways];
-            if (s->state == NVT_WRITING && s->gen == o->gen)
+            slot_ref s = slot_at(self, set, o->slot % self->ways);
+            if (*s.state == NVT_WRITING && *s.gen == o->gen)
                 clear_slot_locked(self, s, o->slot);
             set_unlock(self, set);
         }
@@ -908,7 +974,7 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
     if (!out)
         goto error;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
-    uint64_t until = now_mono_ns() + self->lease_ns;
+    uint32_t until = stamp_of(now_ms() + self->lease_ms);
     for (Py_ssize_t i = 0; i < m; i++) {
         const char *k;
         Py_ssize_t n;
@@ -917,18 +983,16 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         int64_t row = row_at(&rows, i);
         uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
         int w = -1;
-        uint32_t gen = 0;
+        uint32_t gen = 0, lease = 0;
         uint64_t expected = 0;
         if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
-            nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
-            w = find_way(self, slots, set * self->ways, fp, k, n, 1u << NVT_READY);
+            w = find_way(self, set, fp, k, n, 1u << NVT_READY);
             if (w >= 0) {
-                nvt_slot *s = &slots[w];
-                if (s->stamp_ns < until)
-                    s->stamp_ns = until;
-                s->owner = 1; /* a load holds the lease: end-of-step releases keep off it */
-                s->last_used = tick(self);
-                gen = s->gen;
+                slot_ref s = slot_at(self, set, (uint32_t)w);
+                lease = grant(s.stamp, until);
+                *s.owner = 1; /* a load holds the lease: end-of-step releases keep off it */
+                *s.last = tick(self);
+                gen = *s.gen;
                 expected = record_payload(self, set * self->ways + (uint64_t)w);
             }
             set_unlock(self, set);
@@ -954,7 +1018,7 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         o->gen = gen;
         o->fp = fp;
         o->expected = expected;
-        o->lease = until;
+        o->lease = lease;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
         o->length = self->row_bytes;
@@ -1009,17 +1073,17 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
     op_info *o = &t->ops[oi];
     job_info *j = &t->jobs[o->job];
     uint64_t set = o->slot / t->ways;
-    nvt_slot *s = &set_slots(t->base, t->set_bytes, set)[o->slot % t->ways];
+    slot_ref s = slot_at(t, set, o->slot % t->ways);
     int ok = c->result == o->length;
     int lock_ok = set_lock(t, set) == 0;
     if (o->kind == NVT_OP_WRITE) {
-        if (ok && lock_ok && s->state == NVT_WRITING && s->gen == o->gen) {
+        if (ok && lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
             /* The data is written: only now does the record appear, then the slot. */
             write_record(t, o->slot, o->key, o->key_len, c->checksum);
-            s->stamp_ns = 0;
-            s->owner = 0; /* READY: owner = 1 while a load's lease is on the slot */
-            s->last_used = tick(t);
-            __atomic_store_n(&s->state, NVT_READY, __ATOMIC_RELEASE);
+            (*s.stamp) = 0;
+            (*s.owner) = 0; /* READY: owner = 1 while a load's lease is on the slot */
+            (*s.last) = tick(t);
+            __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
             __atomic_add_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
             if (lock_ok)
                 set_unlock(t, set);
@@ -1029,7 +1093,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             if (events && append_key(stored, o->key, o->key_len) < 0)
                 return -1;
         } else {
-            if (lock_ok && s->state == NVT_WRITING && s->gen == o->gen)
+            if (lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen)
                 clear_slot_locked(t, s, o->slot); /* the record is still zero */
             if (lock_ok)
                 set_unlock(t, set);
@@ -1038,10 +1102,10 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
                 return -1;
         }
     } else {
-        int same = lock_ok && s->gen == o->gen && s->state == NVT_READY;
-        if (same && s->stamp_ns == o->lease) {
-            s->stamp_ns = 0; /* nobody extended our lease: the slot is evictable again */
-            s->owner = 0;
+        int same = lock_ok && (*s.gen) == o->gen && (*s.state) == NVT_READY;
+        if (same && (*s.stamp) == o->lease) {
+            (*s.stamp) = 0; /* nobody extended our lease: the slot is evictable again */
+            (*s.owner) = 0;
         }
         if (!same) {
             if (lock_ok)
@@ -1051,7 +1115,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
                 return -1;
         } else if (!ok) {
             /* A transient error is not corruption: a miss until rewritten. */
-            s->state = NVT_BAD;
+            (*s.state) = NVT_BAD;
             __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
             set_unlock(t, set);
             t->c.read_errors++;
@@ -1123,19 +1187,20 @@ static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
  * writer died and the slot was reclaimed). */
 static int check_watches(TableObject *self, PyObject *finished) {
     size_t keep = 0;
-    uint64_t now = now_mono_ns();
+    uint32_t now = now_ms();
     for (size_t i = 0; i < self->n_watches; i++) {
         struct watch wt = self->watches[i];
         uint64_t set = wt.slot / self->ways;
         int pending = 1;
         if (set_lock(self, set) == 0) {
-            nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[wt.slot % self->ways];
-            if (s->state == NVT_WRITING && s->gen == wt.gen && now - s->stamp_ns >= DEAD_CHECK_AGE_NS &&
-                !owner_alive(self, s->owner, s->owner_inc)) {
+            slot_ref s = slot_at(self, set, wt.slot % self->ways);
+            if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
+                (uint32_t)(now - (*s.stamp)) >= DEAD_CHECK_AGE_MS &&
+                !owner_alive(self, (*s.owner), (*s.owner_inc))) {
                 clear_slot_locked(self, s, wt.slot);
                 self->c.dead_reclaimed++;
             }
-            pending = s->state == NVT_WRITING && s->gen == wt.gen;
+            pending = (*s.state) == NVT_WRITING && (*s.gen) == wt.gen;
             set_unlock(self, set);
         } else {
             pending = 0;
@@ -1200,9 +1265,9 @@ static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ign
         uint64_t slot = self->held[2 * i], until = self->held[2 * i + 1], set = slot / self->ways;
         if (set_lock(self, set) != 0)
             continue;
-        nvt_slot *s = &set_slots(self->base, self->set_bytes, set)[slot % self->ways];
-        if (s->state == NVT_READY && s->stamp_ns == until && !s->owner)
-            s->stamp_ns = 0;
+        slot_ref s = slot_at(self, set, (uint32_t)(slot % self->ways));
+        if ((*s.state) == NVT_READY && (*s.stamp) == (uint32_t)until && !(*s.owner))
+            (*s.stamp) = 0;
         set_unlock(self, set);
     }
     self->n_held = 0;
@@ -1221,11 +1286,13 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
     uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
     int done = 0;
     if (set_lock(self, set) == 0) {
-        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
-        int w = find_way(self, slots, set * self->ways, fp, k, n, (1u << NVT_READY) | (1u << NVT_BAD));
-        if (w >= 0 && slots[w].stamp_ns <= now_mono_ns()) {
-            clear_slot_locked(self, &slots[w], set * self->ways + (uint64_t)w);
-            done = 1;
+        int w = find_way(self, set, fp, k, n, (1u << NVT_READY) | (1u << NVT_BAD));
+        if (w >= 0) {
+            slot_ref s = slot_at(self, set, (uint32_t)w);
+            if (!leased(*s.stamp, now_ms())) {
+                clear_slot_locked(self, s, set * self->ways + (uint64_t)w);
+                done = 1;
+            }
         }
         set_unlock(self, set);
     }
@@ -1237,17 +1304,17 @@ PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
                         "recount the used/ready gauges. Returns the slots reclaimed.");
 
 static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    uint64_t now = now_mono_ns();
+    uint32_t now = now_ms();
     int64_t used = 0, ready = 0;
     long long reclaimed = 0;
     for (uint64_t set = 0; set < self->n_sets; set++) {
         if (set_lock(self, set) != 0)
             continue;
         reclaimed += repair_set_locked(self, set, 0, now);
-        nvt_slot *slots = set_slots(self->base, self->set_bytes, set);
+        const uint8_t *states = set_states(self, set);
         for (uint32_t w = 0; w < self->ways; w++) {
-            used += slots[w].state != NVT_EMPTY;
-            ready += slots[w].state == NVT_READY;
+            used += states[w] != NVT_EMPTY;
+            ready += states[w] == NVT_READY;
         }
         set_unlock(self, set);
     }
@@ -1259,8 +1326,9 @@ static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
 PyDoc_STRVAR(load_doc,
              "load(slots)\n\n"
              "Rebuild: mark READY every slot of `slots` (int64 buffer) whose record the\n"
-             "caller proved valid, with its fingerprint from the record's key and its\n"
-             "recency from the record's store time. Only while no other sharer is attached.");
+             "caller proved valid, with its fingerprint from the record's key; `slots` in\n"
+             "the order of the records' store times, oldest first (the recency order).\n"
+             "Only while no other sharer is attached.");
 
 static PyObject *Table_load(TableObject *self, PyObject *arg) {
     Py_buffer v;
@@ -1273,35 +1341,26 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
     }
     const int64_t *slots = v.buf;
     Py_ssize_t n = v.len / 8;
-    uint64_t newest = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (slots[i] < 0 || (uint64_t)slots[i] >= self->n_slots)
             continue;
         uint64_t slot = (uint64_t)slots[i];
         const unsigned char *r = record(self, slot);
         uint8_t kl = r[5] <= REC_KEY_MAX ? r[5] : REC_KEY_MAX;
-        uint64_t stored;
-        memcpy(&stored, r + 16, 8);
-        nvt_slot *s = &set_slots(self->base, self->set_bytes, slot / self->ways)[slot % self->ways];
-        if (s->state == NVT_EMPTY)
+        slot_ref s = slot_at(self, slot / self->ways, (uint32_t)(slot % self->ways));
+        if ((*s.state) == NVT_EMPTY)
             self->hdr->used++;
-        if (s->state != NVT_READY)
+        if ((*s.state) != NVT_READY)
             self->hdr->ready++;
-        s->fp = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
-        s->last_used = stored;
-        s->stamp_ns = 0;
-        s->owner = 0;
-        s->gen++;
-        s->state = NVT_READY;
-        if (stored > newest)
-            newest = stored;
+        (*s.fp) = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
+        (*s.tag) = tag_of(*s.fp);
+        (*s.last) = (uint32_t)tick(self);
+        (*s.stamp) = 0;
+        (*s.owner) = 0;
+        (*s.gen)++;
+        (*s.state) = NVT_READY;
     }
     PyBuffer_Release(&v);
-    if (self->hdr->clock < newest)
-        self->hdr->clock = newest;
-    uint64_t wall = now_wall_ns();
-    if (self->hdr->clock < wall)
-        self->hdr->clock = wall;
     Py_RETURN_NONE;
 }
 
@@ -1376,17 +1435,16 @@ static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
 }
 
 PyDoc_STRVAR(format_doc,
-             "format(table, n_slots, ways, reset_only)\n\n"
-             "Write the header and initialize every set's mutex. reset_only keeps the slots\n"
-             "(a table proven clean): leases are dropped and WRITING slots freed; otherwise\n"
-             "every slot is zeroed. Only while no other process is attached.");
+             "format(table, n_slots, ways)\n\n"
+             "Zero the table, write its header and initialize every set's mutex (the\n"
+             "first process to attach, before load()). Only while no other process is\n"
+             "attached.");
 
 static PyObject *py_format(PyObject *m, PyObject *args) {
     Py_buffer v;
     unsigned long long n_slots;
     unsigned int ways;
-    int reset_only;
-    if (!PyArg_ParseTuple(args, "w*KIp", &v, &n_slots, &ways, &reset_only))
+    if (!PyArg_ParseTuple(args, "w*KI", &v, &n_slots, &ways))
         return NULL;
     if (!ways || n_slots % ways || (uint64_t)v.len < table_bytes(n_slots, ways)) {
         PyBuffer_Release(&v);
@@ -1395,32 +1453,12 @@ static PyObject *py_format(PyObject *m, PyObject *args) {
     }
     char *base = v.buf;
     nvt_table_header *h = (nvt_table_header *)base;
-    uint32_t set_bytes = NVT_SET_HEAD_BYTES + ways * NVT_SLOT_BYTES;
+    uint32_t set_bytes = nvt_layout(ways).set_bytes;
     uint64_t n_sets = n_slots / ways;
-    int64_t used = 0, ready = 0;
-    if (!reset_only) {
-        memset(base, 0, table_bytes(n_slots, ways));
-    } else {
-        memset(base + NVT_SHARERS_OFFSET, 0, NVT_MAX_SHARERS * sizeof(nvt_sharer));
-    }
+    memset(base, 0, table_bytes(n_slots, ways));
     int err = 0;
-    for (uint64_t s = 0; s < n_sets && !err; s++) {
-        nvt_set_head *head = set_head(base, set_bytes, s);
-        memset(head, 0, sizeof(*head));
-        err = init_mutex(&head->mu);
-        nvt_slot *slots = set_slots(base, set_bytes, s);
-        for (uint32_t w = 0; w < ways; w++) {
-            nvt_slot *sl = &slots[w];
-            if (sl->state == NVT_WRITING || sl->state > NVT_BAD) {
-                memset(sl, 0, sizeof(*sl));
-            }
-            sl->stamp_ns = 0;
-            sl->owner = 0;
-            sl->owner_inc = 0;
-            used += sl->state != NVT_EMPTY;
-            ready += sl->state == NVT_READY;
-        }
-    }
+    for (uint64_t s = 0; s < n_sets && !err; s++)
+        err = init_mutex(&set_head(base, set_bytes, s)->mu);
     h->magic = NVT_TABLE_MAGIC;
     h->version = NVT_TABLE_VERSION;
     h->header_bytes = NVT_TABLE_HEADER_BYTES;
@@ -1428,12 +1466,7 @@ static PyObject *py_format(PyObject *m, PyObject *args) {
     h->ways = ways;
     h->set_bytes = set_bytes;
     h->n_sets = n_sets;
-    h->used = used;
-    h->ready = ready;
     h->max_sharers = NVT_MAX_SHARERS;
-    h->clean = 0;
-    if (h->clock < now_wall_ns())
-        h->clock = now_wall_ns();
     PyBuffer_Release(&v);
     if (err) {
         PyErr_SetString(PyExc_OSError, "pthread_mutex_init failed for a process-shared robust mutex");

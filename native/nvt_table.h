@@ -15,18 +15,27 @@
  *     40 clock u64 (recency counter, atomic) | 48 used i64 | 56 ready i64 |
  *     64 clean u32 | 68 max_sharers u32 | ... |
  *     256 sharers[NVT_MAX_SHARERS] of {pid u32, incarnation u32, attached_ns u64}
- *   then n_sets sets of set_bytes = 64 + ways * 32:
- *     set head: a robust, process-shared pthread mutex (padded to 64 bytes)
- *     ways slots: {fp u64, last_used u64, stamp_ns u64, gen u32, state u8,
- *                  owner u8, owner_inc u16}
+ *   then n_sets sets of set_bytes (nvt_set_layout below): a robust,
+ *   process-shared pthread mutex padded to 64 bytes, then one array per field,
+ *   each starting 8-byte aligned, the set padded to 64 bytes:
+ *     tag u8[ways] | state u8[ways] | owner u8[ways] | owner_inc u16[ways] |
+ *     last u32[ways] | stamp u32[ways] | gen u32[ways] | fp u64[ways]
+ *
+ * Field arrays instead of slot structs keep the scans short: a lookup reads
+ * the tags (one cache line for up to 64 ways) and the fingerprint of a tag
+ * match only; a claim finds an empty way in the states line; only a full set
+ * reads stamps and recencies (4 bytes a way each).
  *
  * Slot fields: fp is the key's fingerprint, XXH3-64(key) (also the payload
- * checksum seed); gen changes on every claim and every clear; stamp_ns is the
- * HIT lease end (READY: CLOCK_MONOTONIC ns until which eviction skips the
- * slot) or the claim time (WRITING); owner/owner_inc name the sharer writing
- * it (registry index and the low 16 bits of its incarnation). For a READY
- * slot, owner is 1 while a load's lease is on it (an end-of-step release of
- * lookup leases then leaves it alone; the load's completion drops it).
+ * checksum seed); tag is its top byte with the low bit set, 0 for an EMPTY
+ * way; gen changes on every claim and every clear; last is the recency (the
+ * low 32 bits of the header's clock, compared modulo 2^32); stamp is the HIT
+ * lease end (READY: CLOCK_MONOTONIC milliseconds, modulo 2^32, until which
+ * eviction skips the slot; 0: none) or the claim time (WRITING);
+ * owner/owner_inc name the sharer writing it (registry index and the low 16
+ * bits of its incarnation). For a READY slot, owner is 1 while a load's lease
+ * is on it (an end-of-step release of lookup leases then leaves it alone; the
+ * load's completion drops it).
  *
  * Locks: every read-modify-write of a set's slots holds the set's mutex. The
  * mutexes are robust: a sharer that dies holding one leaves EOWNERDEAD to the
@@ -44,12 +53,11 @@
 #include <stdint.h>
 
 #define NVT_TABLE_MAGIC 0x454C42415454564EULL /* "NVTTABLE" little-endian */
-#define NVT_TABLE_VERSION 1
+#define NVT_TABLE_VERSION 2
 #define NVT_TABLE_HEADER_BYTES 8192
 #define NVT_MAX_SHARERS 256
 #define NVT_SHARERS_OFFSET 256
 #define NVT_SET_HEAD_BYTES 64
-#define NVT_SLOT_BYTES 32
 #define NVT_REGISTRY_LOCK_BASE (1LL << 20)
 
 enum { NVT_EMPTY = 0, NVT_WRITING = 1, NVT_READY = 2, NVT_BAD = 3 };
@@ -76,21 +84,31 @@ typedef struct {
 } nvt_table_header;
 
 typedef struct {
-    uint64_t fp;
-    uint64_t last_used;
-    uint64_t stamp_ns;
-    uint32_t gen;
-    uint8_t state;
-    uint8_t owner;
-    uint16_t owner_inc;
-} nvt_slot;
-
-typedef struct {
     pthread_mutex_t mu;
     char pad[NVT_SET_HEAD_BYTES - sizeof(pthread_mutex_t)];
 } nvt_set_head;
 
-_Static_assert(sizeof(nvt_slot) == NVT_SLOT_BYTES, "slot layout");
+/* Byte offsets of a set's field arrays from the start of the set. */
+typedef struct {
+    uint32_t tag, state, owner, owner_inc, last, stamp, gen, fp, set_bytes;
+} nvt_set_layout;
+
+static inline uint32_t nvt_align(uint32_t n, uint32_t a) { return (n + a - 1) / a * a; }
+
+static inline nvt_set_layout nvt_layout(uint32_t ways) {
+    nvt_set_layout L;
+    L.tag = NVT_SET_HEAD_BYTES;
+    L.state = L.tag + nvt_align(ways, 8);
+    L.owner = L.state + nvt_align(ways, 8);
+    L.owner_inc = L.owner + nvt_align(ways, 8);
+    L.last = L.owner_inc + nvt_align(2 * ways, 8);
+    L.stamp = L.last + nvt_align(4 * ways, 8);
+    L.gen = L.stamp + nvt_align(4 * ways, 8);
+    L.fp = L.gen + nvt_align(4 * ways, 8);
+    L.set_bytes = nvt_align(L.fp + 8 * ways, 64);
+    return L;
+}
+
 _Static_assert(sizeof(nvt_set_head) == NVT_SET_HEAD_BYTES, "set head layout");
 _Static_assert(sizeof(nvt_table_header) <= NVT_SHARERS_OFFSET, "header layout");
 _Static_assert(NVT_SHARERS_OFFSET + NVT_MAX_SHARERS * sizeof(nvt_sharer) <= NVT_TABLE_HEADER_BYTES,

@@ -395,7 +395,7 @@ class StoreFiles:
             # close can never leave the table claiming what the records don't.
             if self._wipe:
                 _zero(self.index)
-            _table.format(self.table_map, self.sb.n_slots, self.sb.ways, False)
+            _table.format(self.table_map, self.sb.n_slots, self.sb.ways)
             rebuild = self._scan_records()
         elif not _table.header(self.table_map)["valid"]:
             raise FormatError(f"{path!r} is not a valid table while sharers are attached")
@@ -435,7 +435,8 @@ class StoreFiles:
         if len(scan.bad) > _MAX_LOGGED_DROPS:
             logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
         self.records_dropped = len(scan.bad)
-        return scan.slots
+        # Oldest first: load() gives recency in this order (the LRU survives).
+        return scan.slots[np.argsort(scan.stored_ns, kind="stable")]
 
     # --- superblock -----------------------------------------------------------
     def _read_superblock(self, path: str) -> fmt.Superblock:

@@ -50,17 +50,28 @@ STATE_EMPTY = 0
 STATE_VALID = 1
 EMPTY_RECORD = bytes(RECORD_BYTES)
 
-# --- shared slot table (native/nvt_table.h holds the same numbers) ----------
+# --- shared slot table (native/nvt_table.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
 TABLE_SET_HEAD_BYTES = 64
-TABLE_SLOT_BYTES = 32
+# Bytes per way of a set's field arrays: tag, state, owner (u8), owner_inc
+# (u16), last, stamp, gen (u32), fp (u64); each array 8-byte aligned.
+TABLE_SLOT_BYTES = 1 + 1 + 1 + 2 + 4 + 4 + 4 + 8
+
+
+def table_set_bytes(ways: int) -> int:
+    """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h)."""
+
+    def a8(n: int) -> int:
+        return (n + 7) // 8 * 8
+
+    body = 3 * a8(ways) + a8(2 * ways) + 3 * a8(4 * ways) + 8 * ways
+    return (TABLE_SET_HEAD_BYTES + body + 63) // 64 * 64
 
 
 def table_bytes(n_slots: int, ways: int) -> int:
     """Size of the ``table`` file of a store of ``n_slots`` in sets of ``ways``
     (whole pages, so it can be mapped)."""
-    n_sets = n_slots // ways
-    return align_up(TABLE_HEADER_BYTES + n_sets * (TABLE_SET_HEAD_BYTES + ways * TABLE_SLOT_BYTES))
+    return align_up(TABLE_HEADER_BYTES + (n_slots // ways) * table_set_bytes(ways))
 
 
 def align_up(n: int, align: int = ALIGN_BYTES) -> int:
@@ -247,7 +258,7 @@ def geometry(
         return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
     overhead = reserved_bytes(identity, n_paths)
     usable = capacity_bytes - overhead - TABLE_HEADER_BYTES
-    per_slot = slot_bytes + RECORD_BYTES + TABLE_SLOT_BYTES + -(-TABLE_SET_HEAD_BYTES // ways)
+    per_slot = slot_bytes + RECORD_BYTES + -(-table_set_bytes(ways) // ways)
     n_slots = max(0, usable // per_slot) // unit * unit
 
     # The index and table files are rounded up to whole pages so they can be mapped.
@@ -285,7 +296,7 @@ def reserved_bytes(identity: dict[str, Any], n_dirs: int) -> int:
 
 def _per_path_slots(caps: tuple[int, ...], slot_bytes: int, ways: int, overhead: int) -> int:
     n = len(caps)
-    meta_per_slot = RECORD_BYTES + TABLE_SLOT_BYTES + -(-TABLE_SET_HEAD_BYTES // ways)
+    meta_per_slot = RECORD_BYTES + -(-table_set_bytes(ways) // ways)
     spp = min(
         [max(0, c - ALIGN_BYTES) // slot_bytes for c in caps[1:]]
         + [max(0, caps[0] - overhead - TABLE_HEADER_BYTES) // (slot_bytes + n * meta_per_slot)]

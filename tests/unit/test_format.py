@@ -120,8 +120,8 @@ def test_geometry_never_exceeds_capacity(capacity: int, chunk: int, ways: int, p
     assert used <= capacity
     assert n_slots % (ways * paths) == 0
     # Nearly all of the budget is used: less than one more unit would fit.
-    per_slot = slot_bytes + fmt.RECORD_BYTES + fmt.TABLE_SLOT_BYTES + fmt.TABLE_SET_HEAD_BYTES
-    assert capacity - used < (ways * paths) * per_slot + 3 * 4096
+    one_unit = (ways * paths) * (slot_bytes + fmt.RECORD_BYTES) + paths * fmt.table_set_bytes(ways)
+    assert capacity - used < one_unit + 3 * 4096
 
 
 def test_geometry_too_small_says_what_is_needed() -> None:

@@ -52,11 +52,25 @@ ENOSPC = 28
 
 EMPTY, WRITING, READY, BAD = 0, 1, 2, 3
 
-# nvt_table.h: header, then sets of {64-byte mutex head, WAYS x 32-byte slot}.
+# nvt_table.h: header, then sets of a 64-byte mutex head and one array per field
+# (tag, state, owner u8; owner_inc u16; last, stamp, gen u32; fp u64), each array
+# 8-byte aligned (nvt_layout).
 HEADER_BYTES = 8192
 SET_HEAD_BYTES = 64
-SLOT = struct.Struct("<QQQIBBH")  # fp, last_used, stamp_ns, gen, state, owner, owner_inc
-SET_BYTES = SET_HEAD_BYTES + WAYS * SLOT.size
+
+
+def _a8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+OFF_STATE = SET_HEAD_BYTES + _a8(WAYS)
+OFF_OWNER = OFF_STATE + _a8(WAYS)
+OFF_INC = OFF_OWNER + _a8(WAYS)
+OFF_LAST = OFF_INC + _a8(2 * WAYS)
+OFF_STAMP = OFF_LAST + _a8(4 * WAYS)
+OFF_GEN = OFF_STAMP + _a8(4 * WAYS)
+OFF_FP = OFF_GEN + _a8(4 * WAYS)
+SET_BYTES = (OFF_FP + 8 * WAYS + 63) // 64 * 64
 # format.py's index record: magic u32, state u8, key_len u8, .., payload u64 at 8, key at 32.
 REC_BYTES = 128
 REC_MAGIC = 0x5254564E
@@ -120,7 +134,7 @@ class Shared:
     def __init__(self) -> None:
         self.table_map = mmap.mmap(-1, _table.table_bytes(N_SLOTS, WAYS))
         self.index_map = mmap.mmap(-1, N_SLOTS * REC_BYTES)
-        _table.format(self.table_map, N_SLOTS, WAYS, False)
+        _table.format(self.table_map, N_SLOTS, WAYS)
         fd, self.lock_path = tempfile.mkstemp(prefix="nvt-table-model-", suffix=".lock")
         os.close(fd)
         self.fds: list[int] = []
@@ -154,9 +168,23 @@ class Shared:
         os.unlink(self.lock_path)
 
     def raw_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
+        """(fp, last, stamp, gen, state, owner, owner_inc) of ``slot``."""
         set_idx, way = divmod(slot, WAYS)
-        off = HEADER_BYTES + set_idx * SET_BYTES + SET_HEAD_BYTES + way * SLOT.size
-        return SLOT.unpack_from(self.table_map, off)  # type: ignore[return-value]
+        base = HEADER_BYTES + set_idx * SET_BYTES
+        m = self.table_map
+
+        def get(fmt: str, off: int, size: int) -> int:
+            return int(struct.unpack_from(fmt, m, base + off + way * size)[0])
+
+        return (
+            get("<Q", OFF_FP, 8),
+            get("<I", OFF_LAST, 4),
+            get("<I", OFF_STAMP, 4),
+            get("<I", OFF_GEN, 4),
+            get("<B", OFF_STATE, 1),
+            get("<B", OFF_OWNER, 1),
+            get("<H", OFF_INC, 2),
+        )
 
     def raw_record(self, slot: int) -> bytes:
         return bytes(self.index_map[slot * REC_BYTES : (slot + 1) * REC_BYTES])
@@ -593,7 +621,7 @@ class TableModel(RuleBasedStateMachine):
         order, leases and records."""
         if not self.handles:
             return
-        now = time.monotonic_ns()
+        now_ms = (time.monotonic_ns() // 1_000_000) & 0xFFFFFFFF
         for set_idx in range(N_SETS):
             seen: set[bytes] = set()
             raws = []
@@ -616,7 +644,8 @@ class TableModel(RuleBasedStateMachine):
                 assert (magic, rec_state) == (REC_MAGIC, 1)
                 assert rec[REC_KEY_OFFSET : REC_KEY_OFFSET + key_len] == m.key
                 assert struct.unpack_from("<Q", rec, 8)[0] == m.payload
-                assert (stamp > now) == (m.lease is not None), slot
+                leased = stamp != 0 and ((stamp - now_ms) & 0xFFFFFFFF) < (1 << 31)
+                assert leased == (m.lease is not None), slot
             # Recency: the table's last_used orders the held ways as the model's does.
             held = [slot for _, slot in raws if self.slots[slot].state in (READY, BAD)]
             by_table = sorted(held, key=lambda v: self.sh.raw_slot(v)[1])
@@ -749,7 +778,7 @@ import nvmetier._table as T
 from nvmetier.engine.base import COMPLETION_DTYPE
 tm = mmap.mmap(-1, T.table_bytes(8, 2))
 im = mmap.mmap(-1, 8 * 128)
-T.format(tm, 8, 2, False)
+T.format(tm, 8, 2)
 fd, _ = tempfile.mkstemp()
 t = T.Table(tm, im, fd, n_paths=1, slot_bytes=4096, row_bytes=4096, n_rows=4, lease_ns=10**9)
 t.attach()
