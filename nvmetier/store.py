@@ -186,6 +186,10 @@ class BlockStore:
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
+            # Polled every ~1 ms by vLLM's tier-poll thread: skip a Python frame.
+            self._wait_raw: Callable[[float], bytes] = getattr(
+                self.engine, "native_wait_raw", self.engine.wait_raw
+            )
         except BaseException:
             engine_built = getattr(self, "engine", None)
             if engine_built is not None:
@@ -324,7 +328,7 @@ class BlockStore:
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
         if self._jobs:
-            comps = self.engine.wait_raw(0) if self._outstanding else b""
+            comps = self._wait_raw(0) if self._outstanding else b""
             if comps or self._waiting:
                 self._collect(comps)  # also resolves stores waiting for another write
         if not self._finished:

@@ -306,6 +306,9 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        done = self._store.poll()
+        if not done:
+            return ()
         return [
             JobResult(
                 job_id=o.job_id,
@@ -314,7 +317,7 @@ class NvmeTierManager(SecondaryTierManager):
                 transfer_time=o.transfer_time_s,
                 transfer_bytes=o.transfer_bytes,
             )
-            for o in self.store.poll()
+            for o in done
         ]
 
     @override
