@@ -262,6 +262,48 @@ static PyObject *NvtEngine_submit(NvtEngineObject *self, PyObject *ops) {
     return PyBool_FromLong(ret == 0);
 }
 
+/* Take the engine's completions into *batch (the reusable spare when it is
+ * free: *own_spare says so), waiting up to timeout_s in slices with the GIL
+ * released so Ctrl-C gets through. On return an exception may be set (a
+ * signal); the caller still owns the batch and hands it to nvt_put_batch. */
+static void nvt_take_batch(NvtEngineObject *self, double timeout_s, nvt_completion_batch *batch,
+                           int *own_spare) {
+    nvt_completion_batch empty = {0};
+    *batch = empty;
+    *own_spare = !self->spare_busy;
+    if (*own_spare) {
+        *batch = self->spare;
+        self->spare_busy = 1;
+    }
+    batch->len = 0;
+    if (timeout_s <= 0) {
+        /* A poll takes the engine mutex for a few instructions: keep the GIL. */
+        nvt_engine_wait(self->eng, 0, batch);
+        return;
+    }
+    double left = timeout_s;
+    while (!batch->len && left > 0) {
+        double slice = left < NVT_WAIT_SLICE_S ? left : NVT_WAIT_SLICE_S;
+        Py_BEGIN_ALLOW_THREADS
+        nvt_engine_wait(self->eng, slice, batch);
+        Py_END_ALLOW_THREADS
+        left -= slice;
+        if (!batch->len && left > 0 && PyErr_CheckSignals() < 0)
+            break;
+    }
+}
+
+/* Give back a batch from nvt_take_batch (its completions already taken). */
+static void nvt_put_batch(NvtEngineObject *self, nvt_completion_batch *batch, int own_spare) {
+    batch->len = 0;
+    if (own_spare) {
+        self->spare = *batch;
+        self->spare_busy = 0;
+    } else {
+        free(batch->items);
+    }
+}
+
 PyDoc_STRVAR(wait_doc, "wait(timeout_s) -> list[tuple[op_id, result, checksum]]\n\n"
                        "Wait up to timeout_s (<= 0: poll) for completions, releasing the GIL.\n"
                        "Returns [] on timeout, and at once once the engine is closed and drained.");
@@ -275,29 +317,9 @@ static PyObject *NvtEngine_wait(NvtEngineObject *self, PyObject *arg) {
         return NULL;
     }
 
-    nvt_completion_batch batch = {0};
-    int own_spare = !self->spare_busy;
-    if (own_spare) {
-        batch = self->spare;
-        self->spare_busy = 1;
-    }
-    batch.len = 0;
-
-    if (timeout_s <= 0) {
-        /* A poll takes the engine mutex for a few instructions: keep the GIL. */
-        nvt_engine_wait(self->eng, 0, &batch);
-    } else {
-        double left = timeout_s;
-        while (!batch.len && left > 0) {
-            double slice = left < NVT_WAIT_SLICE_S ? left : NVT_WAIT_SLICE_S;
-            Py_BEGIN_ALLOW_THREADS
-            nvt_engine_wait(self->eng, slice, &batch);
-            Py_END_ALLOW_THREADS
-            left -= slice;
-            if (!batch.len && left > 0 && PyErr_CheckSignals() < 0)
-                break;
-        }
-    }
+    nvt_completion_batch batch;
+    int own_spare;
+    nvt_take_batch(self, timeout_s, &batch, &own_spare);
 
     PyObject *list = NULL;
     if (!PyErr_Occurred())
@@ -325,14 +347,7 @@ static PyObject *NvtEngine_wait(NvtEngineObject *self, PyObject *arg) {
     /* Out of memory or interrupted: these completions are lost with the error. */
     for (; i < batch.len; i++)
         Py_DECREF((PyObject *)batch.items[i].op_id);
-    batch.len = 0;
-
-    if (own_spare) {
-        self->spare = batch;
-        self->spare_busy = 0;
-    } else {
-        free(batch.items);
-    }
+    nvt_put_batch(self, &batch, own_spare);
     return list;
 }
 
@@ -387,38 +402,14 @@ static PyObject *NvtEngine_wait_raw(NvtEngineObject *self, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "wait_raw() on an engine that carries op objects");
         return NULL;
     }
-    nvt_completion_batch batch = {0};
-    int own_spare = !self->spare_busy;
-    if (own_spare) {
-        batch = self->spare;
-        self->spare_busy = 1;
-    }
-    batch.len = 0;
-    if (timeout_s <= 0) {
-        nvt_engine_wait(self->eng, 0, &batch);
-    } else {
-        double left = timeout_s;
-        while (!batch.len && left > 0) {
-            double slice = left < NVT_WAIT_SLICE_S ? left : NVT_WAIT_SLICE_S;
-            Py_BEGIN_ALLOW_THREADS
-            nvt_engine_wait(self->eng, slice, &batch);
-            Py_END_ALLOW_THREADS
-            left -= slice;
-            if (!batch.len && left > 0 && PyErr_CheckSignals() < 0)
-                break;
-        }
-    }
+    nvt_completion_batch batch;
+    int own_spare;
+    nvt_take_batch(self, timeout_s, &batch, &own_spare);
     PyObject *out = NULL;
     if (!PyErr_Occurred())
         out = PyBytes_FromStringAndSize((const char *)batch.items,
                                         (Py_ssize_t)(batch.len * sizeof(nvt_completion)));
-    batch.len = 0;
-    if (own_spare) {
-        self->spare = batch;
-        self->spare_busy = 0;
-    } else {
-        free(batch.items);
-    }
+    nvt_put_batch(self, &batch, own_spare);
     return out;
 }
 

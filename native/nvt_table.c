@@ -327,6 +327,23 @@ static int find_way(TableObject *t, uint64_t set, uint64_t fp, const char *key, 
     return -1;
 }
 
+/* Parse `key`, lock its set and find the key in the states of `mask`.
+ * Returns 0 with the set locked (*w: the way, or -1), 1 when the set could not
+ * be locked (*w = -1, nothing held), or -1 with an exception set. */
+static int locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return -1;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0);
+    *set = fp % t->n_sets;
+    *w = -1;
+    if (set_lock(t, *set) != 0)
+        return 1;
+    *w = find_way(t, *set, fp, k, n, mask);
+    return 0;
+}
+
 /* ------------------------------------------------------------------ slabs */
 static int64_t op_alloc(TableObject *t) {
     if (!t->n_op_free) {
@@ -600,14 +617,12 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
                          "no sharer evicts it for lease_ns, and counts as an access.");
 
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
-    const char *k;
-    Py_ssize_t n;
-    if (key_arg(key, &k, &n) < 0)
+    uint64_t set;
+    int w, hit = 0;
+    int r = locate(self, key, 1u << NVT_READY, &set, &w);
+    if (r < 0)
         return NULL;
-    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
-    int hit = 0;
-    if (set_lock(self, set) == 0) {
-        int w = find_way(self, set, fp, k, n, 1u << NVT_READY);
+    if (r == 0) {
         if (w >= 0) {
             slot_ref s = slot_at(self, set, (uint32_t)w);
             uint32_t until = grant(s.stamp, stamp_of(now_ms() + self->lease_ms));
@@ -640,32 +655,24 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
 
 static PyObject *Table_contains(TableObject *self, PyObject *key) {
-    const char *k;
-    Py_ssize_t n;
-    if (key_arg(key, &k, &n) < 0)
+    uint64_t set;
+    int w, r = locate(self, key, 1u << NVT_READY, &set, &w);
+    if (r < 0)
         return NULL;
-    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
-    int w = -1;
-    if (set_lock(self, set) == 0) {
-        w = find_way(self, set, fp, k, n, 1u << NVT_READY);
+    if (r == 0)
         set_unlock(self, set);
-    }
     return PyBool_FromLong(w >= 0);
 }
 
 PyDoc_STRVAR(slot_of_doc, "slot_of(key) -> int | None\n\nThe slot holding key READY, or None.");
 
 static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
-    const char *k;
-    Py_ssize_t n;
-    if (key_arg(key, &k, &n) < 0)
+    uint64_t set;
+    int w, r = locate(self, key, 1u << NVT_READY, &set, &w);
+    if (r < 0)
         return NULL;
-    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
-    int w = -1;
-    if (set_lock(self, set) == 0) {
-        w = find_way(self, set, fp, k, n, 1u << NVT_READY);
+    if (r == 0)
         set_unlock(self, set);
-    }
     if (w < 0)
         Py_RETURN_NONE;
     return PyLong_FromUnsignedLongLong(set * self->ways + (uint64_t)w);
@@ -679,16 +686,14 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < m; i++) {
-        const char *k;
-        Py_ssize_t n;
-        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
+        uint64_t set;
+        int w, r = locate(self, PySequence_Fast_GET_ITEM(seq, i), 1u << NVT_READY, &set, &w);
+        if (r < 0) {
             Py_DECREF(seq);
             return NULL;
         }
-        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
-        if (set_lock(self, set) != 0)
+        if (r)
             continue;
-        int w = find_way(self, set, fp, k, n, 1u << NVT_READY);
         if (w >= 0)
             *slot_at(self, set, (uint32_t)w).last = tick(self);
         set_unlock(self, set);
@@ -1279,14 +1284,12 @@ PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
                              "leased by a lookup or load.");
 
 static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
-    const char *k;
-    Py_ssize_t n;
-    if (key_arg(key, &k, &n) < 0)
+    uint64_t set;
+    int w, done = 0;
+    int r = locate(self, key, (1u << NVT_READY) | (1u << NVT_BAD), &set, &w);
+    if (r < 0)
         return NULL;
-    uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
-    int done = 0;
-    if (set_lock(self, set) == 0) {
-        int w = find_way(self, set, fp, k, n, (1u << NVT_READY) | (1u << NVT_BAD));
+    if (r == 0) {
         if (w >= 0) {
             slot_ref s = slot_at(self, set, (uint32_t)w);
             if (!leased(*s.stamp, now_ms())) {

@@ -106,6 +106,15 @@ class _TierClock:
         timing's own cost per call (``self_ns``)."""
         return max(0.0, self.inside_ns - self.calls * self.self_ns) / 1e9
 
+    def report(self) -> dict[str, Any]:
+        """The figures a phase reports (JSON ``extra``)."""
+        return {
+            "tier_cpu_on_scheduler_s": round(self.inside_ns / 1e9, 4),
+            "tier_on_vllm_threads_corrected_s": round(self.inside_corrected_s(), 5),
+            "tier_method_calls": self.calls,
+            "timing_cost_per_call_ns": round(self.self_ns, 1),
+        }
+
     def start(self) -> _Cpu:
         self.inside_ns = 0
         self.calls = 0
@@ -215,10 +224,7 @@ def run_vllm_level(
         tier_s = clock.tier_s(cpu, usr, sys_)
         stored_bytes = n * bs
         extra: dict[str, Any] = {
-            "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
-            "tier_on_vllm_threads_corrected_s": round(clock.inside_corrected_s(), 5),
-            "tier_method_calls": clock.calls,
-            "timing_cost_per_call_ns": round(clock.self_ns, 1),
+            **clock.report(),
             "chunks": n,
             "store_batch": batch,
             "primary_full_waits": full_waits,
@@ -316,10 +322,7 @@ def run_vllm_level(
             sys_,
             errors=n - loaded,
             extra={
-                "tier_cpu_on_scheduler_s": round(clock.inside_ns / 1e9, 4),
-                "tier_on_vllm_threads_corrected_s": round(clock.inside_corrected_s(), 5),
-                "tier_method_calls": clock.calls,
-                "timing_cost_per_call_ns": round(clock.self_ns, 1),
+                **clock.report(),
                 "chunks": n,
                 "chunks_per_request": per_req,
                 "lookup_misses": misses,
