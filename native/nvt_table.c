@@ -345,23 +345,31 @@ static int locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, i
 }
 
 /* ------------------------------------------------------------------ slabs */
+/* Double a slab of `size`-byte entries (first: `first` entries) and its free
+ * list; new entries are zeroed (so free: in_use = 0, which a stale completion
+ * id must find). Returns -1 when out of memory, the slab unchanged. */
+static int slab_grow(void **items, size_t size, uint32_t **free_list, uint32_t *n_free, uint32_t *cap,
+                     uint32_t first) {
+    uint32_t old = *cap, grown = old ? old * 2 : first;
+    char *it = PyMem_Realloc(*items, (size_t)grown * size);
+    if (!it)
+        return -1;
+    *items = it;
+    uint32_t *fr = PyMem_Realloc(*free_list, (size_t)grown * sizeof(uint32_t));
+    if (!fr)
+        return -1;
+    *free_list = fr;
+    memset(it + (size_t)old * size, 0, (size_t)(grown - old) * size);
+    for (uint32_t i = grown; i > old; i--)
+        fr[(*n_free)++] = i - 1;
+    *cap = grown;
+    return 0;
+}
+
 static int64_t op_alloc(TableObject *t) {
-    if (!t->n_op_free) {
-        uint32_t old = t->n_ops_cap, cap = old ? old * 2 : 1024;
-        op_info *ops = PyMem_Realloc(t->ops, cap * sizeof(op_info));
-        if (!ops)
-            return -1;
-        t->ops = ops;
-        uint32_t *fr = PyMem_Realloc(t->op_free, cap * sizeof(uint32_t));
-        if (!fr)
-            return -1;
-        t->op_free = fr;
-        for (uint32_t i = cap; i > old; i--) {
-            t->ops[i - 1].in_use = 0; /* a stale completion must find it free */
-            t->op_free[t->n_op_free++] = i - 1;
-        }
-        t->n_ops_cap = cap;
-    }
+    if (!t->n_op_free && slab_grow((void **)&t->ops, sizeof(op_info), &t->op_free, &t->n_op_free,
+                                   &t->n_ops_cap, 1024) < 0)
+        return -1;
     uint32_t i = t->op_free[--t->n_op_free];
     t->ops[i].in_use = 1;
     t->ops_live++;
@@ -375,22 +383,9 @@ static void op_release(TableObject *t, uint32_t i) {
 }
 
 static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
-    if (!t->n_job_free) {
-        uint32_t old = t->n_jobs_cap, cap = old ? old * 2 : 64;
-        job_info *jobs = PyMem_Realloc(t->jobs, cap * sizeof(job_info));
-        if (!jobs)
-            return -1;
-        t->jobs = jobs;
-        uint32_t *fr = PyMem_Realloc(t->job_free, cap * sizeof(uint32_t));
-        if (!fr)
-            return -1;
-        t->job_free = fr;
-        for (uint32_t i = cap; i > old; i--) {
-            memset(&t->jobs[i - 1], 0, sizeof(job_info));
-            t->job_free[t->n_job_free++] = i - 1;
-        }
-        t->n_jobs_cap = cap;
-    }
+    if (!t->n_job_free && slab_grow((void **)&t->jobs, sizeof(job_info), &t->job_free, &t->n_job_free,
+                                    &t->n_jobs_cap, 64) < 0)
+        return -1;
     uint32_t i = t->job_free[--t->n_job_free];
     job_info *j = &t->jobs[i];
     j->job_id = job_id;
