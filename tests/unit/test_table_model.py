@@ -419,7 +419,6 @@ class TableModel(RuleBasedStateMachine):
         h = self.handles[hi % len(self.handles)]
         job_id = self.next_job
         self.next_job += 1
-        token = self.new_lease()
         want_ops: list[tuple[int, int]] = []
         want_missing: list[int] = []
         mops: list[MOp] = []
@@ -430,6 +429,7 @@ class TableModel(RuleBasedStateMachine):
                 want_missing.append(pos)
                 continue
             s = self.slots[slot]
+            token = self.new_lease()  # every grant is a lease of its own
             s.lease = token
             s.load_lease = True
             s.last_used = self.tick()

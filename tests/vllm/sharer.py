@@ -17,12 +17,14 @@ read.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import random
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -354,9 +356,24 @@ class Sharer:
         self.proc = ctx.Process(target=serve, args=(child_conn,), name=name, daemon=True)
         self.proc.start()
         child_conn.close()
+        # vLLM's CPU primary of each engine this sharer opens: a killed sharer
+        # cannot remove it, so the test does (a SIGKILLed vLLM leaves it too).
+        self.shm_paths: list[str] = []
 
     def send(self, cmd: str, **kw: Any) -> None:
+        if cmd == "open":
+            engine_id = kw.setdefault("engine_id", f"nvmetier-test-{uuid.uuid4().hex[:12]}")
+            self.shm_paths.append(f"/dev/shm/vllm_offload_{engine_id}.mmap")
         self.conn.send((cmd, kw))
+
+    def _remove_shm(self) -> None:
+        """Remove the primaries of a process that is gone."""
+        if self.proc.is_alive():
+            return
+        for path in self.shm_paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.shm_paths = []
 
     def recv(self, timeout_s: float = OP_TIMEOUT_S) -> Any:
         if not self.conn.poll(timeout_s):
@@ -379,6 +396,7 @@ class Sharer:
         if self.proc.is_alive():
             self.proc.kill()
         self.proc.join(10)
+        self._remove_shm()
 
     def exit(self, timeout_s: float = OP_TIMEOUT_S) -> None:
         """Shut the engine down cleanly and end the process."""
