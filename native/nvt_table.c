@@ -213,8 +213,11 @@ static void write_record(TableObject *t, uint64_t slot, const char *key, uint8_t
 
 static inline void zero_record(TableObject *t, uint64_t slot) { memset(record(t, slot), 0, REC_BYTES); }
 
-static inline uint64_t tick(TableObject *t) {
-    return __atomic_add_fetch(&t->hdr->clock, 1, __ATOMIC_RELAXED);
+/* The recency clock of one set (in its head line, beside the mutex; the set
+ * is locked): eviction compares ways of one set only, so each set counts its
+ * own accesses and no line is shared between sets or processes. */
+static inline uint32_t tick(TableObject *t, uint64_t set) {
+    return ++set_head(t->base, t->set_bytes, set)->clock;
 }
 
 /* Whether the sharer that claimed a WRITING slot is still attached. */
@@ -621,7 +624,7 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
         if (w >= 0) {
             slot_ref s = slot_at(self, set, (uint32_t)w);
             uint32_t until = grant(s.stamp, stamp_of(now_ms() + self->lease_ms));
-            *s.last = tick(self);
+            *s.last = tick(self, set);
             hit = 1;
             if (self->n_held == self->cap_held) {
                 size_t cap = self->cap_held ? self->cap_held * 2 : 256;
@@ -690,7 +693,7 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         if (r)
             continue;
         if (w >= 0)
-            *slot_at(self, set, (uint32_t)w).last = tick(self);
+            *slot_at(self, set, (uint32_t)w).last = tick(self, set);
         set_unlock(self, set);
     }
     Py_DECREF(seq);
@@ -727,7 +730,7 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
         return empty;
     /* A full set: the least recently used way no lease protects, BAD first;
      * WRITING ways of sharers that died are reclaimed on the way. */
-    const uint32_t clock = (uint32_t)__atomic_load_n(&t->hdr->clock, __ATOMIC_RELAXED);
+    const uint32_t clock = set_head(t->base, t->set_bytes, set)->clock;
     int victim = -1, victim_bad = 0;
     uint32_t victim_age = 0;
     for (uint32_t w = 0; w < t->ways; w++) {
@@ -991,7 +994,7 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
                 slot_ref s = slot_at(self, set, (uint32_t)w);
                 lease = grant(s.stamp, until);
                 *s.owner = 1; /* a load holds the lease: end-of-step releases keep off it */
-                *s.last = tick(self);
+                *s.last = tick(self, set);
                 gen = *s.gen;
                 expected = record_payload(self, set * self->ways + (uint64_t)w);
             }
@@ -1082,7 +1085,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             write_record(t, o->slot, o->key, o->key_len, c->checksum);
             (*s.stamp) = 0;
             (*s.owner) = 0; /* READY: owner = 1 while a load's lease is on the slot */
-            (*s.last) = tick(t);
+            (*s.last) = tick(t, set);
             __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
             __atomic_add_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
             if (lock_ok)
@@ -1352,7 +1355,7 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
             self->hdr->ready++;
         (*s.fp) = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
         (*s.tag) = tag_of(*s.fp);
-        (*s.last) = (uint32_t)tick(self);
+        (*s.last) = tick(self, slot / self->ways);
         (*s.stamp) = 0;
         (*s.owner) = 0;
         (*s.gen)++;

@@ -12,7 +12,7 @@
  *   header, NVT_TABLE_HEADER_BYTES:
  *     0 magic u64 "NVTTABLE" | 8 version u32 | 12 header_bytes u32 |
  *     16 n_slots u64 | 24 ways u32 | 28 set_bytes u32 | 32 n_sets u64 |
- *     40 clock u64 (recency counter, atomic) | 48 used i64 | 56 ready i64 |
+ *     40 reserved u64 | 48 used i64 | 56 ready i64 |
  *     64 clean u32 | 68 max_sharers u32 | ... |
  *     256 sharers[NVT_MAX_SHARERS] of {pid u32, incarnation u32, attached_ns u64}
  *   then n_sets sets of set_bytes (nvt_set_layout below): a robust,
@@ -29,7 +29,7 @@
  * Slot fields: fp is the key's fingerprint, XXH3-64(key) (also the payload
  * checksum seed); tag is its top byte with the low bit set, 0 for an EMPTY
  * way; gen changes on every claim and every clear; last is the recency (the
- * low 32 bits of the header's clock, compared modulo 2^32); stamp is the HIT
+ * set's own clock, in its head beside the mutex, compared modulo 2^32); stamp is the HIT
  * lease end (READY: CLOCK_MONOTONIC milliseconds, modulo 2^32, until which
  * eviction skips the slot; 0: none) or the claim time (WRITING);
  * owner/owner_inc name the sharer writing it (registry index and the low 16
@@ -85,7 +85,8 @@ typedef struct {
 
 typedef struct {
     pthread_mutex_t mu;
-    char pad[NVT_SET_HEAD_BYTES - sizeof(pthread_mutex_t)];
+    uint32_t clock; /* the set's recency counter (ways' `last` are its values) */
+    char pad[NVT_SET_HEAD_BYTES - sizeof(pthread_mutex_t) - sizeof(uint32_t)];
 } nvt_set_head;
 
 /* Byte offsets of a set's field arrays from the start of the set. */
