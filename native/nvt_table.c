@@ -105,6 +105,9 @@ typedef struct {
     struct watch { uint32_t slot, gen, job, pos; } *watches;
     size_t n_watches, cap_watches;
     counters c;
+    /* Changes to the header's used/ready gauges not yet published: added with
+     * one atomic each per call (publish_counts), not one per op. */
+    int64_t d_used, d_ready;
 } TableObject;
 
 /* ------------------------------------------------------------------ helpers */
@@ -169,6 +172,17 @@ static inline uint32_t grant(uint32_t *stamp, uint32_t until) {
     uint32_t s = (*stamp && !stamp_after(until, *stamp)) ? stamp_of(*stamp + 1) : until;
     *stamp = s;
     return s;
+}
+
+static inline void publish_counts(TableObject *t) {
+    if (t->d_used) {
+        __atomic_add_fetch(&t->hdr->used, t->d_used, __ATOMIC_RELAXED);
+        t->d_used = 0;
+    }
+    if (t->d_ready) {
+        __atomic_add_fetch(&t->hdr->ready, t->d_ready, __ATOMIC_RELAXED);
+        t->d_ready = 0;
+    }
 }
 
 static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
@@ -244,9 +258,9 @@ static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
 static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
     zero_record(t, slot);
     if (*s.state == NVT_READY)
-        __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+        t->d_ready--;
     if (*s.state != NVT_EMPTY)
-        __atomic_sub_fetch(&t->hdr->used, 1, __ATOMIC_RELAXED);
+        t->d_used--;
     __atomic_store_n(s.state, NVT_EMPTY, __ATOMIC_RELEASE);
     *s.tag = 0;
     *s.fp = 0;
@@ -878,9 +892,9 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
          * leaves a WRITING slot of a dead sharer, which is reclaimed. */
         uint8_t old = *s.state;
         if (old == NVT_EMPTY)
-            __atomic_add_fetch(&self->hdr->used, 1, __ATOMIC_RELAXED);
+            self->d_used++;
         else if (old == NVT_READY)
-            __atomic_sub_fetch(&self->hdr->ready, 1, __ATOMIC_RELAXED);
+            self->d_ready--;
         *s.owner = (uint8_t)(self->me < 0 ? 0 : self->me);
         *s.owner_inc = (uint16_t)self->my_inc;
         *s.stamp = now;
@@ -907,6 +921,7 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
     }
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
+    publish_counts(self);
     if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
         Py_XDECREF(failed);
         Py_XDECREF(evicted);
@@ -944,6 +959,7 @@ error:
     }
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
+    publish_counts(self);
     Py_XDECREF(out);
     Py_XDECREF(failed);
     Py_XDECREF(evicted);
@@ -1087,7 +1103,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             (*s.owner) = 0; /* READY: owner = 1 while a load's lease is on the slot */
             (*s.last) = tick(t, set);
             __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
-            __atomic_add_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+            t->d_ready++;
             if (lock_ok)
                 set_unlock(t, set);
             t->c.ops_written++;
@@ -1119,7 +1135,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
         } else if (!ok) {
             /* A transient error is not corruption: a miss until rewritten. */
             (*s.state) = NVT_BAD;
-            __atomic_sub_fetch(&t->hdr->ready, 1, __ATOMIC_RELAXED);
+            t->d_ready--;
             set_unlock(t, set);
             t->c.read_errors++;
             if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
@@ -1247,12 +1263,14 @@ static PyObject *Table_complete(TableObject *self, PyObject *args) {
     if (self->n_watches && check_watches(self, finished) < 0)
         goto error;
     PyBuffer_Release(&comps);
+    publish_counts(self);
     PyObject *res = Py_BuildValue("(NOO)", finished, stored ? stored : Py_None, removed ? removed : Py_None);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
     return res;
 error:
     PyBuffer_Release(&comps);
+    publish_counts(self);
     Py_XDECREF(finished);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
@@ -1297,6 +1315,7 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
         }
         set_unlock(self, set);
     }
+    publish_counts(self);
     return PyBool_FromLong(done);
 }
 
@@ -1319,6 +1338,7 @@ static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
         }
         set_unlock(self, set);
     }
+    self->d_used = self->d_ready = 0; /* counted afresh */
     __atomic_store_n(&self->hdr->used, used, __ATOMIC_RELAXED);
     __atomic_store_n(&self->hdr->ready, ready, __ATOMIC_RELAXED);
     return PyLong_FromLongLong(reclaimed);
@@ -1385,6 +1405,7 @@ PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
                         "process's stores waiting for another write of their key, and jobs in flight.");
 
 static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    publish_counts(self);
     int64_t used = __atomic_load_n(&self->hdr->used, __ATOMIC_RELAXED);
     int64_t ready = __atomic_load_n(&self->hdr->ready, __ATOMIC_RELAXED);
     return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
