@@ -2,8 +2,9 @@
 
 Owns: the classification of every index record at open time (valid, empty, or
 bad with a reason) and the resolution of duplicate keys. It reads the mapped
-index and never writes it: the caller (``BlockStore._recover``) zeroes the bad
-records and loads the valid ones into its ``SlotIndex``.
+index and never writes it: the caller (``StoreFiles._scan_records``, when the
+first process attaches) zeroes the bad records and loads the valid ones into
+the shared slot table; fsck and info apply the same rules.
 
 Called once per open by the thread that opens the store; blocks for one pass
 over the index (about 0.1-0.3 s per million slots with the native scan). A
