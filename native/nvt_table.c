@@ -776,6 +776,28 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
     return victim;
 }
 
+/* The common arguments of a job: keys as a fast sequence, rows as an int
+ * buffer of as many, and an output buffer for one op per key. Returns the key
+ * count, or -1 with an exception set and nothing held. */
+static Py_ssize_t job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
+                           PyObject **out) {
+    *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (!*seq)
+        return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(*seq);
+    if (rows_arg(rows_obj, rows, m) < 0) {
+        Py_DECREF(*seq);
+        return -1;
+    }
+    *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
+    if (!*out) {
+        PyBuffer_Release(rows);
+        Py_DECREF(*seq);
+        return -1;
+    }
+    return m;
+}
+
 PyDoc_STRVAR(store_ops_doc,
              "store_ops(job_id, keys, rows, max_ops, events) -> (ops, failed, evicted, pending)\n\n"
              "Claim a slot for every key to write (rows: int32/int64 buffer) and return the\n"
@@ -792,21 +814,14 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
     int events;
     if (!PyArg_ParseTuple(args, "LOOLp", &job_id, &keys, &rows_obj, &max_ops, &events))
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq)
-        return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject *seq, *out;
     Py_buffer rows;
-    if (rows_arg(rows_obj, &rows, m) < 0) {
-        Py_DECREF(seq);
+    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
         return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
     PyObject *failed = NULL, *evicted = NULL;
     int64_t job = -1;
     Py_ssize_t n_ops = 0;
-    if (!out)
-        goto error;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
     uint32_t now = stamp_of(now_ms());
     for (Py_ssize_t i = 0; i < m; i++) {
@@ -977,21 +992,14 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
     int verify;
     if (!PyArg_ParseTuple(args, "LOOp", &job_id, &keys, &rows_obj, &verify))
         return NULL;
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!seq)
-        return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject *seq, *out;
     Py_buffer rows;
-    if (rows_arg(rows_obj, &rows, m) < 0) {
-        Py_DECREF(seq);
+    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
         return NULL;
-    }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
     PyObject *missing = NULL;
     int64_t job = -1;
     Py_ssize_t n_ops = 0;
-    if (!out)
-        goto error;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
     uint32_t until = stamp_of(now_ms() + self->lease_ms);
     for (Py_ssize_t i = 0; i < m; i++) {
