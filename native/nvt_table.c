@@ -1517,10 +1517,9 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
         return NULL;
     }
     const nvt_table_header *h = v.buf;
-    PyObject *d = Py_BuildValue("{sKsIsKsIsKsLsLsI}", "magic", (unsigned long long)h->magic, "version",
+    PyObject *d = Py_BuildValue("{sKsIsKsIsLsL}", "magic", (unsigned long long)h->magic, "version",
                                 h->version, "n_slots", (unsigned long long)h->n_slots, "ways", h->ways,
-                                "clock", (unsigned long long)h->clock, "used", (long long)h->used, "ready",
-                                (long long)h->ready, "clean", h->clean);
+                                "used", (long long)h->used, "ready", (long long)h->ready);
     PyBuffer_Release(&v);
     if (d) {
         PyObject *ok = PyBool_FromLong(h->magic == NVT_TABLE_MAGIC && h->version == NVT_TABLE_VERSION);
@@ -1528,20 +1527,6 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
         Py_DECREF(ok);
     }
     return d;
-}
-
-PyDoc_STRVAR(set_clean_doc, "set_clean(table, flag)\n\nMark the table consistent with the records "
-                            "(the last sharer, at an orderly close) or not.");
-
-static PyObject *py_set_clean(PyObject *m, PyObject *args) {
-    Py_buffer v;
-    int flag;
-    if (!PyArg_ParseTuple(args, "w*p", &v, &flag))
-        return NULL;
-    if (v.len >= NVT_TABLE_HEADER_BYTES)
-        __atomic_store_n(&((nvt_table_header *)v.buf)->clean, (uint32_t)flag, __ATOMIC_RELEASE);
-    PyBuffer_Release(&v);
-    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
@@ -1583,7 +1568,6 @@ static PyMethodDef module_methods[] = {
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},
-    {"set_clean", py_set_clean, METH_VARARGS, set_clean_doc},
     {"sharers", py_sharers, METH_VARARGS, sharers_doc},
     {NULL, NULL, 0, NULL},
 };

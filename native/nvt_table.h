@@ -13,7 +13,7 @@
  *     0 magic u64 "NVTTABLE" | 8 version u32 | 12 header_bytes u32 |
  *     16 n_slots u64 | 24 ways u32 | 28 set_bytes u32 | 32 n_sets u64 |
  *     40 reserved u64 | 48 used i64 | 56 ready i64 |
- *     64 clean u32 | 68 max_sharers u32 | ... |
+ *     64 reserved u32 | 68 max_sharers u32 | ... |
  *     256 sharers[NVT_MAX_SHARERS] of {pid u32, incarnation u32, attached_ns u64}
  *   then n_sets sets of set_bytes (nvt_set_layout below): a robust,
  *   process-shared pthread mutex padded to 64 bytes, then one array per field,
@@ -76,10 +76,10 @@ typedef struct {
     uint32_t ways;
     uint32_t set_bytes;
     uint64_t n_sets;
-    uint64_t clock;
+    uint64_t reserved0;
     int64_t used;
     int64_t ready;
-    uint32_t clean;
+    uint32_t reserved1;
     uint32_t max_sharers;
 } nvt_table_header;
 

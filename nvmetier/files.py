@@ -17,7 +17,7 @@ Sharing protocol (``sharing: node``), with two files in the main store dir:
   create the store, rebuild the table from the records and clear the clean
   flags, then converts to shared (safe: ``lock.init`` keeps other openers
   out). A closer that gets it exclusively is the last sharer: it sweeps the
-  table and marks the store clean. ``sharing: process`` keeps it exclusive
+  table and marks the superblock clean. ``sharing: process`` keeps it exclusive
   for the process's life, so any other opener gets ``StoreLockedError``, and
   so does an exclusive opener while sharers are attached. Each sharer also
   holds an OFD byte lock on ``lock`` naming its registry entry in the table
@@ -222,7 +222,6 @@ class StoreFiles:
         self.table: Any = None  # nvmetier._table.Table once attached
         self.table_map: mmap.mmap
         self.records_dropped = 0
-        self.table_rebuilt = False
         self._lock_fd = -1
         self._init_fd = -1
         self._index_fd = -1
@@ -393,7 +392,11 @@ class StoreFiles:
             # rebuilds the table from them (a native scan, ~40 ms per 256 K
             # slots), so bit rot, a crash or an fsck --repair since the last
             # close can never leave the table claiming what the records don't.
-            if self._wipe:
+            if self._wipe and not self.created:  # a new index is zero already
+                logger.info(
+                    "nvmetier: persist is false; forgetting the chunks a previous run left in %s",
+                    self.dirs[0],
+                )
                 _zero(self.index)
             _table.format(self.table_map, self.sb.n_slots, self.sb.ways)
             rebuild = self._scan_records()
@@ -411,7 +414,6 @@ class StoreFiles:
         )
         if rebuild is not None:
             self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64))
-            self.table_rebuilt = True
         self.table.attach()
 
     def other_sharers(self) -> int:
@@ -571,7 +573,7 @@ class StoreFiles:
 
     def close(self, clean: bool = True) -> bool:
         """Detach; the last sharer also sweeps the table and, when ``clean``,
-        marks the table and the superblock clean. Closes every fd.
+        marks the superblock clean. Closes every fd.
 
         Returns:
             True when this process was the last one attached (nobody else
@@ -600,11 +602,6 @@ class StoreFiles:
                 with contextlib.suppress(OSError):
                     os.fsync(fd)
             if last and clean and self.table is not None:
-                import nvmetier._table as _table
-
-                with contextlib.suppress(ValueError, OSError):
-                    _table.set_clean(self.table_map, True)
-                    self.table_map.flush()
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None
