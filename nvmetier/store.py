@@ -110,7 +110,7 @@ def _rows_array(rows: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.asarray(rows, dtype=np.int64)
 
 
-def _key_list(keys: Collection[bytes]) -> Sequence[bytes]:
+def _key_list(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
@@ -263,7 +263,7 @@ class BlockStore:
             self._table.release_leases()
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        self._table.touch(keys if isinstance(keys, (list, tuple)) else list(keys))
+        self._table.touch(_key_list(keys))
 
     def submit_store(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
@@ -295,9 +295,8 @@ class BlockStore:
             job_id, todo_keys, todo_rows, max_ops, self._events_on
         )
         if failed:
-            job.failed.update(positions[i] for i in failed) if positions else job.failed.update(
-                failed
-            )
+            # Positions are in what store_ops saw: map them back to the job's keys.
+            job.failed.update(failed if positions is None else (positions[i] for i in failed))
             job.first_error = "bad key length or row"
         if evicted:
             self._events.append((True, evicted))
@@ -328,9 +327,7 @@ class BlockStore:
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
         if self._jobs:
-            comps = self._wait_raw(0) if self._outstanding else b""
-            if comps or self._waiting:
-                self._collect(comps)  # also resolves stores waiting for another write
+            self._take(0)
         if not self._finished:
             return []
         out, self._finished = self._finished, []
@@ -368,6 +365,13 @@ class BlockStore:
             cancelled["op_id"] = np.frombuffer(ops, dtype=OP_DTYPE)["op_id"]
             cancelled["result"] = -errno.ECANCELED
             self._collect(cancelled.tobytes())
+
+    def _take(self, timeout_s: float) -> None:
+        """Apply what the engine completed (waiting up to ``timeout_s`` for it)
+        and resolve stores waiting for another process's write of their key."""
+        comps = self._wait_raw(timeout_s) if self._outstanding else b""
+        if comps or self._waiting:
+            self._collect(comps)
 
     def _collect(self, comps: bytes) -> None:
         """Apply engine completions (scheduler thread), in one native call."""
@@ -424,12 +428,10 @@ class BlockStore:
                 if wait_s <= 0:
                     return False
             if self._outstanding:
-                comps = self.engine.wait_raw(wait_s)
-                if comps or self._waiting:
-                    self._collect(comps)
+                self._take(wait_s)
             else:  # only stores waiting for other processes' writes of their keys
                 time.sleep(wait_s)
-                self._collect(b"")
+                self._take(0)
         return True
 
     def close(self, persist: bool | None = None) -> None:

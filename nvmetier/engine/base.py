@@ -69,6 +69,16 @@ class Op(NamedTuple):
     checksum: bool = True
 
 
+def unpack_ops(ops: bytes, cls: type[Op] = Op) -> list[Op]:
+    """Packed ops (``OP_DTYPE``) as ``cls`` tuples (``Op`` or a subclass)."""
+    return [
+        cls(op_id, kind, file_idx, file_off, buf_off, length, seed, bool(checksum))
+        for op_id, file_off, buf_off, length, file_idx, seed, kind, checksum in (
+            np.frombuffer(ops, dtype=OP_DTYPE).tolist()
+        )
+    ]
+
+
 class Completion(NamedTuple):
     """The outcome of one op.
 
@@ -124,14 +134,7 @@ class IoEngine(abc.ABC):
         Raises:
             EngineClosedError: after ``close``.
         """
-        self.submit(
-            [
-                Op(op_id, kind, file_idx, file_off, buf_off, length, seed, bool(checksum))
-                for op_id, file_off, buf_off, length, file_idx, seed, kind, checksum in (
-                    np.frombuffer(ops, dtype=OP_DTYPE).tolist()
-                )
-            ]
-        )
+        self.submit(unpack_ops(ops))
 
     def wait_raw(self, timeout_s: float) -> bytes:
         """``wait_completions`` as packed ``COMPLETION_DTYPE`` records."""

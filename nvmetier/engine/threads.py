@@ -23,7 +23,15 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE, OP_WRITE, Completion, IoEngine, Op
+from nvmetier.engine.base import (
+    COMPLETION_DTYPE,
+    OP_DTYPE,
+    OP_WRITE,
+    Completion,
+    IoEngine,
+    Op,
+    unpack_ops,
+)
 from nvmetier.errors import EngineClosedError
 
 _STOP = None
@@ -143,12 +151,7 @@ class ThreadEngine(IoEngine):
             if isinstance(op, bytes):
                 # A packed batch: unpack here, off the caller's thread; run the
                 # first op and queue the rest for every worker.
-                batch = [
-                    _RawOp(op_id, kind, fidx, foff, boff, length, seed, bool(csum))
-                    for op_id, foff, boff, length, fidx, seed, kind, csum in (
-                        np.frombuffer(op, dtype=OP_DTYPE).tolist()
-                    )
-                ]
+                batch = unpack_ops(op, _RawOp)
                 for rest in batch[1:]:
                     self._ops.put(rest)
                 op = batch[0]
