@@ -121,6 +121,41 @@ def sharer_pids(store_dir: str) -> list[int]:
     return [pid for pid, _at in sharers(store_dir)]
 
 
+def store_held(store_dir: str) -> bool:
+    """Whether any process holds the store's ``lock`` (attached, or exclusive).
+    A probe: the lock is released at once, so it never keeps a process out.
+
+    Raises:
+        OSError: the lock file exists but cannot be opened.
+    """
+    try:
+        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False  # never opened by any process
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except OSError as exc:
+        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+    finally:
+        os.close(fd)  # drops the probe's lock, if it got one
+
+
+def holders(store_dir: str) -> str:
+    """Who holds the store, for a message: the attached processes' pids, else
+    the pid an exclusive holder wrote into the lock file (fsck --repair), else
+    ``unknown``."""
+    pids = sharer_pids(store_dir)
+    if pids:
+        return ", ".join(str(p) for p in pids)
+    try:
+        with open(os.path.join(store_dir, LOCK_NAME), "rb") as f:
+            text = f.read(64).decode(errors="replace").strip()
+    except OSError:
+        text = ""
+    return text or "unknown"
+
+
 def probe_o_direct(directory: str) -> tuple[bool, str]:
     """Whether an aligned O_DIRECT write works in ``directory``, and why not."""
     if not O_DIRECT:
@@ -343,10 +378,7 @@ class StoreFiles:
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-        holders = [str(p) for p in sharer_pids(main)] or [
-            os.pread(fd, 64, 0).decode(errors="replace").strip()
-        ]
-        who = ", ".join(p for p in holders if p) or "unknown"
+        who = holders(main)
         if self.exclusive:
             raise StoreLockedError(
                 f"store {main!r} is in use by another process (pid {who}) and sharing is "

@@ -62,7 +62,9 @@ from nvmetier.files import (
     LOCK_NAME,
     O_DIRECT,
     SUPERBLOCK_NAME,
+    holders,
     sharer_pids,
+    store_held,
 )
 
 EXIT_CLEAN = 0
@@ -200,15 +202,6 @@ def find_stores(root: str) -> list[str]:
     return stores
 
 
-def _lock_holder(store_dir: str, fd: int) -> str:
-    pids = sharer_pids(store_dir)
-    if pids:
-        return ", ".join(str(p) for p in pids)
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-    return "unknown"
-
-
 def _try_flock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -231,20 +224,8 @@ def store_lock(store_dir: str, write: bool) -> Iterator[list[int]]:
         FsckOperationalError: a repair while processes are attached (or one
             is opening the store), or a lock file that cannot be opened.
     """
-    path = os.path.join(store_dir, LOCK_NAME)
     if not write:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            yield []  # never opened by any process: nobody is attached
-            return
-        except OSError as exc:
-            raise FsckOperationalError(f"{path!r} cannot be opened: {exc.strerror}") from exc
-        try:
-            attached = not _try_flock(fd)
-        finally:
-            os.close(fd)  # a probe only: never keep a sharer out while checking
-        yield sharer_pids(store_dir) if attached else []
+        yield sharer_pids(store_dir) if store_held(store_dir) else []
         return
     fds: list[int] = []
     try:
@@ -265,7 +246,7 @@ def store_lock(store_dir: str, write: bool) -> Iterator[list[int]]:
             if not locked:
                 raise FsckOperationalError(
                     f"store {store_dir!r} is in use by another process (pid "
-                    f"{_lock_holder(store_dir, fds[-1])}); --repair refuses to change a store "
+                    f"{holders(store_dir)}); --repair refuses to change a store "
                     "while processes are attached: stop them (vLLM shuts the tier down "
                     "cleanly) and run fsck --repair again, or check it live without --repair"
                 )

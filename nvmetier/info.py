@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
-import fcntl
 import mmap
 import os
 import re
@@ -29,7 +27,14 @@ from nvmetier import format as fmt
 from nvmetier import recovery
 from nvmetier.config import format_size
 from nvmetier.errors import FormatError
-from nvmetier.files import INDEX_NAME, LOCK_NAME, SUPERBLOCK_NAME, probe_o_direct, sharer_pids
+from nvmetier.files import (
+    INDEX_NAME,
+    SUPERBLOCK_NAME,
+    holders,
+    probe_o_direct,
+    sharer_pids,
+    store_held,
+)
 from nvmetier.fsck import find_stores
 
 # (label, upper bound in seconds); the last bucket takes everything older.
@@ -76,43 +81,15 @@ class StoreInfo:
         return dataclasses.asdict(self)
 
 
-def _in_use_by(store_dir: str) -> str | None:
-    """The pids attached to the store (or holding it exclusively), or None
-    when nobody holds it."""
-    try:
-        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                # Held exclusively: a sharing 'process' store, or fsck --repair.
-                with contextlib.suppress(OSError):
-                    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-                return "unknown"
-            return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):  # shared: live sharers
-                pids = sharer_pids(store_dir)
-                return ", ".join(str(p) for p in pids) if pids else "unknown"
-            return None
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
 def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
     """Read one store's superblock and index (never raises for a bad store:
     the problem is reported in ``error``)."""
     now_ns = time.time_ns() if now_ns is None else now_ns
-    out = StoreInfo(path=store_dir, in_use_by=_in_use_by(store_dir))
-    if out.in_use_by:
-        out.sharers = [int(p) for p in out.in_use_by.split(", ") if p.isdigit()]
+    out = StoreInfo(path=store_dir)
+    with contextlib.suppress(OSError):  # an unreadable lock: not known to be in use
+        if store_held(store_dir):
+            out.sharers = sharer_pids(store_dir)
+            out.in_use_by = ", ".join(str(p) for p in out.sharers) or holders(store_dir)
     if _PER_RANK.search(os.path.basename(os.path.normpath(store_dir))):
         out.notes.append(
             "a per-rank store (data-parallel rank in its name): sharing 'node', the default, "
