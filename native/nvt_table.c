@@ -46,12 +46,10 @@ enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED };
 typedef struct {
     uint32_t slot;
     uint32_t gen;
-    uint64_t fp;
     uint64_t expected;
     uint64_t lease; /* a read's lease end, dropped at completion if still ours */
     uint32_t job;
     uint32_t pos;
-    int64_t length;
     uint8_t kind;
     uint8_t key_len;
     uint8_t in_use;
@@ -89,12 +87,11 @@ typedef struct {
     nvt_set_layout layout;
     int lock_fd;
     int64_t n_paths, slot_bytes, row_bytes, n_rows;
-    uint64_t lease_ns;
     uint32_t lease_ms;
     int me;            /* registry index, -1 before attach */
     uint32_t my_inc;
     op_info *ops;
-    uint32_t n_ops_cap, *op_free, n_op_free, ops_live;
+    uint32_t n_ops_cap, *op_free, n_op_free;
     job_info *jobs;
     uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
     uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
@@ -389,14 +386,12 @@ static int64_t op_alloc(TableObject *t) {
         return -1;
     uint32_t i = t->op_free[--t->n_op_free];
     t->ops[i].in_use = 1;
-    t->ops_live++;
     return i;
 }
 
 static void op_release(TableObject *t, uint32_t i) {
     t->ops[i].in_use = 0;
     t->op_free[t->n_op_free++] = i;
-    t->ops_live--;
 }
 
 static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
@@ -561,7 +556,6 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->slot_bytes = slot_bytes;
     self->row_bytes = row_bytes;
     self->n_rows = n_rows;
-    self->lease_ns = lease_ns;
     self->lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
                      : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
     return (PyObject *)self;
@@ -923,11 +917,9 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         o->slot = (uint32_t)slot;
         o->gen = *s.gen;
         set_unlock(self, set);
-        o->fp = fp;
         o->expected = 0;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
-        o->length = self->row_bytes;
         o->kind = NVT_OP_WRITE;
         o->key_len = (uint8_t)n;
         memcpy(o->key, k, (size_t)n);
@@ -1043,12 +1035,10 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         op_info *o = &self->ops[oi];
         o->slot = (uint32_t)slot;
         o->gen = gen;
-        o->fp = fp;
         o->expected = expected;
         o->lease = lease;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
-        o->length = self->row_bytes;
         o->kind = NVT_OP_READ;
         o->key_len = 0;
         fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, verify);
@@ -1101,7 +1091,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
     job_info *j = &t->jobs[o->job];
     uint64_t set = o->slot / t->ways;
     slot_ref s = slot_at(t, set, o->slot % t->ways);
-    int ok = c->result == o->length;
+    int ok = c->result == t->row_bytes;
     int lock_ok = set_lock(t, set) == 0;
     if (o->kind == NVT_OP_WRITE) {
         if (ok && lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
@@ -1115,8 +1105,8 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             if (lock_ok)
                 set_unlock(t, set);
             t->c.ops_written++;
-            t->c.bytes_written += (unsigned long long)o->length;
-            j->moved += (uint64_t)o->length;
+            t->c.bytes_written += (unsigned long long)t->row_bytes;
+            j->moved += (uint64_t)t->row_bytes;
             if (events && append_key(stored, o->key, o->key_len) < 0)
                 return -1;
         } else {
@@ -1164,8 +1154,8 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
         } else {
             set_unlock(t, set);
             t->c.ops_read++;
-            t->c.bytes_read += (unsigned long long)o->length;
-            j->moved += (uint64_t)o->length;
+            t->c.bytes_read += (unsigned long long)t->row_bytes;
+            j->moved += (uint64_t)t->row_bytes;
         }
     }
     op_release(t, oi);
