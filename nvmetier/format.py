@@ -53,13 +53,12 @@ EMPTY_RECORD = bytes(RECORD_BYTES)
 # --- shared slot table (native/nvt_table.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
 TABLE_SET_HEAD_BYTES = 64
-# Bytes per way of a set's field arrays: tag, state, owner (u8), owner_inc
-# (u16), last, stamp, gen (u32), fp (u64); each array 8-byte aligned.
-TABLE_SLOT_BYTES = 1 + 1 + 1 + 2 + 4 + 4 + 4 + 8
 
 
 def table_set_bytes(ways: int) -> int:
-    """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h)."""
+    """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h):
+    the 64-byte head, then arrays of tag, state, owner (u8), owner_inc (u16),
+    last, stamp, gen (u32) and fp (u64), each 8-byte aligned, padded to 64."""
 
     def a8(n: int) -> int:
         return (n + 7) // 8 * 8

@@ -136,3 +136,10 @@ def test_slot_location_stripes_over_paths() -> None:
 
 def test_key_seed_differs_per_key() -> None:
     assert fmt.key_seed(b"a") != fmt.key_seed(b"b")
+
+
+@pytest.mark.parametrize("ways", [1, 3, 16, 64, 100, 1024])
+def test_table_size_matches_the_native_layout(ways: int) -> None:
+    _table = pytest.importorskip("nvmetier._table")
+    n_slots = ways * 10
+    assert fmt.table_bytes(n_slots, ways) == fmt.align_up(_table.table_bytes(n_slots, ways))
