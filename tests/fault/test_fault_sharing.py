@@ -35,6 +35,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
+from tests.vllm.conftest import nvme_tier
 from tests.vllm.sharer import Sharer, read_journal
 
 SLOW = os.environ.get("NVMETIER_SLOW") == "1"
@@ -88,12 +89,7 @@ class Trial:
 
 
 def _tier(root: str) -> dict[str, Any]:
-    return {
-        "type": "NvmeTierManager",
-        "module_path": "nvmetier.vllm",
-        "root_dir": root,
-        "capacity_bytes": "128MiB",
-    }
+    return nvme_tier(root, capacity_bytes="128MiB")
 
 
 def _run_trial(

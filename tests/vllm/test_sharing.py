@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from nvmetier.config import parse_size
+from tests.vllm import conftest
 from tests.vllm.sharer import (
     OP_TIMEOUT_S,
     RemoteError,
@@ -34,14 +35,8 @@ MODEL = "nvmetier/shared-model"
 
 
 def nvme_tier(root: str, **kw: Any) -> dict[str, Any]:
-    tier: dict[str, Any] = {
-        "type": "NvmeTierManager",
-        "module_path": "nvmetier.vllm",
-        "root_dir": root,
-        "capacity_bytes": "16MiB",
-    }
-    tier.update(kw)
-    return tier
+    """The suite's tier dict (``conftest.nvme_tier``) with a 16 MiB store."""
+    return conftest.nvme_tier(root, **{"capacity_bytes": "16MiB", **kw})
 
 
 @pytest.fixture
