@@ -41,7 +41,9 @@
 /* A WRITING slot older than this has its owner's liveness checked. */
 #define DEAD_CHECK_AGE_MS 200u
 
-enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED };
+/* Why a key of a job failed; the first reason (other than MISSING, which any
+ * other reason replaces) names the job's error. */
+enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED, FAIL_MISSING, FAIL_BADARG };
 
 typedef struct {
     uint32_t slot;
@@ -66,13 +68,17 @@ typedef struct {
     uint64_t moved;
     uint32_t *failed;
     uint32_t n_failed, cap_failed;
+    /* Jobs of the submit/poll path only (NULL/0 for store_ops/load_ops jobs):
+     * the job's keys as submitted (for successful_keys) and its start. */
+    PyObject *keys;
+    uint64_t start_ns;
 } job_info;
 
 typedef struct {
     unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
         loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
-        lock_recoveries;
+        lock_recoveries, load_jobs_failed, store_jobs_failed;
 } counters;
 
 typedef struct {
@@ -105,6 +111,13 @@ typedef struct {
     /* Changes to the header's used/ready gauges not yet published: added with
      * one atomic each per call (publish_counts), not one per op. */
     int64_t d_used, d_ready;
+    /* The submit/poll path (bind): the engine's submit_raw and wait_raw, ops
+     * handed to it and not yet collected, finished jobs not yet polled, and
+     * KV events not yet taken. */
+    PyObject *eng_submit, *eng_wait;
+    uint32_t outstanding, max_queued_ops;
+    int verify, events_on;
+    PyObject *done, *events;
 } TableObject;
 
 /* ------------------------------------------------------------------ helpers */
@@ -408,11 +421,14 @@ static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
     j->first_errno = 0;
     j->moved = 0;
     j->n_failed = 0;
+    j->keys = NULL;
+    j->start_ns = 0;
     t->jobs_live++;
     return i;
 }
 
 static void job_release(TableObject *t, uint32_t i) {
+    Py_CLEAR(t->jobs[i].keys);
     t->jobs[i].in_use = 0;
     t->job_free[t->n_job_free++] = i;
     t->jobs_live--;
@@ -428,7 +444,7 @@ static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
         j->cap_failed = cap;
     }
     j->failed[j->n_failed++] = pos;
-    if (j->first_fail == FAIL_NONE) {
+    if (j->first_fail == FAIL_NONE || (j->first_fail == FAIL_MISSING && kind != FAIL_MISSING)) {
         j->first_fail = (uint8_t)kind;
         j->first_errno = err;
     }
@@ -488,9 +504,15 @@ static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, 
 /* ------------------------------------------------------------------ type */
 static void Table_dealloc(TableObject *self) {
     if (self->jobs) {
-        for (uint32_t i = 0; i < self->n_jobs_cap; i++)
+        for (uint32_t i = 0; i < self->n_jobs_cap; i++) {
             PyMem_Free(self->jobs[i].failed);
+            Py_XDECREF(self->jobs[i].keys);
+        }
     }
+    Py_XDECREF(self->eng_submit);
+    Py_XDECREF(self->eng_wait);
+    Py_XDECREF(self->done);
+    Py_XDECREF(self->events);
     PyMem_Free(self->jobs);
     PyMem_Free(self->job_free);
     PyMem_Free(self->ops);
@@ -522,6 +544,10 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!self)
         return NULL;
     self->me = -1;
+    self->done = PyList_New(0);
+    self->events = PyList_New(0);
+    if (!self->done || !self->events)
+        goto fail;
     if (PyObject_GetBuffer(tobj, &self->tbuf, PyBUF_WRITABLE) < 0)
         goto fail;
     self->have_tbuf = 1;
@@ -802,31 +828,34 @@ PyDoc_STRVAR(store_ops_doc,
              "slot is WRITING and its old record zeroed before its op exists. pending: ops\n"
              "plus keys waiting for another write of the same key (0: the job is done).");
 
-static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
-    long long job_id, max_ops;
-    PyObject *keys, *rows_obj;
-    int events;
-    if (!PyArg_ParseTuple(args, "LOOLp", &job_id, &keys, &rows_obj, &max_ops, &events))
-        return NULL;
-    PyObject *seq, *out;
-    Py_buffer rows;
-    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
-    if (m < 0)
-        return NULL;
-    PyObject *failed = NULL, *evicted = NULL;
-    int64_t job = -1;
-    Py_ssize_t n_ops = 0;
-    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+/* Claim a slot and build an op for every key of a store job (store_ops and
+ * submit_store). `*job` is the job (-1: allocated here at the first op or
+ * watch). Keys with a bad length or row go to `*failed` (store_ops), or fail
+ * in the job when `failed` is NULL (submit_store). Positions whose `skip`
+ * byte is set are left out (success). Returns 0, or -1 with an exception set
+ * (unwind with store_unwind). */
+static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
+                      long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io,
+                      int64_t *job_io, PyObject **failed, PyObject **evicted) {
+    Py_ssize_t n_ops = *n_ops_io;
+    int64_t job = *job_io;
+    int rc = 0;
     uint32_t now = stamp_of(now_ms());
     for (Py_ssize_t i = 0; i < m; i++) {
+        if (skip && skip[i])
+            continue;
         const char *k;
         Py_ssize_t n;
         if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
             goto error;
-        int64_t row = row_at(&rows, i);
+        int64_t row = row_at(rows, i);
         if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
-            if (append_pos(&failed, i) < 0)
+            if (failed ? append_pos(failed, i) < 0
+                       : job_fail(&self->jobs[job], (uint32_t)i, FAIL_BADARG, 0) < 0) {
+                if (!failed)
+                    PyErr_NoMemory();
                 goto error;
+            }
             continue;
         }
         if (n_ops >= max_ops) {
@@ -881,7 +910,7 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
             self->c.evictions++;
             const unsigned char *r = record(self, slot);
             if (events && r[5] <= REC_KEY_MAX && record_has_key(self, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
-                append_key(&evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
+                append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
                 set_unlock(self, set);
                 goto error;
             }
@@ -926,26 +955,21 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_WRITE, fp, 1);
         self->jobs[job].remaining++;
     }
-    PyBuffer_Release(&rows);
-    Py_DECREF(seq);
-    publish_counts(self);
-    if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
-        Py_XDECREF(failed);
-        Py_XDECREF(evicted);
-        return NULL;
-    }
-    unsigned int pending = job >= 0 ? self->jobs[job].remaining : 0;
-    PyObject *res = Py_BuildValue("(NOOI)", out, failed ? failed : Py_None, evicted ? evicted : Py_None,
-                                  pending);
-    Py_XDECREF(failed);
-    Py_XDECREF(evicted);
-    return res;
+    goto done;
 error:
-    /* Only reached on a bad key object or out of memory: ops already claimed
-     * stay claimed until their WRITING slots are released below. */
-    for (Py_ssize_t i = 0; out && i < n_ops; i++) {
-        nvt_op *op = &((nvt_op *)PyBytes_AS_STRING(out))[i];
-        uint32_t oi = (uint32_t)(uintptr_t)op->op_id;
+    rc = -1;
+done:
+    publish_counts(self);
+    *n_ops_io = n_ops;
+    *job_io = job;
+    return rc;
+}
+
+/* Undo a store_loop that failed: ops already claimed stay claimed until
+ * their WRITING slots are released here; the job and its watches go. */
+static void store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
+    for (Py_ssize_t i = 0; i < n_ops; i++) {
+        uint32_t oi = (uint32_t)(uintptr_t)ops[i].op_id;
         op_info *o = &self->ops[oi];
         uint64_t set = o->slot / self->ways;
         if (set_lock(self, set) == 0) {
@@ -964,13 +988,45 @@ error:
         self->n_watches = keep;
         job_release(self, (uint32_t)job);
     }
+    publish_counts(self);
+}
+
+static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
+    long long job_id, max_ops;
+    PyObject *keys, *rows_obj;
+    int events;
+    if (!PyArg_ParseTuple(args, "LOOLp", &job_id, &keys, &rows_obj, &max_ops, &events))
+        return NULL;
+    PyObject *seq, *out;
+    Py_buffer rows;
+    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
+        return NULL;
+    PyObject *failed = NULL, *evicted = NULL;
+    int64_t job = -1;
+    Py_ssize_t n_ops = 0;
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    int rc = store_loop(self, job_id, seq, m, &rows, max_ops, events, NULL, ops, &n_ops, &job, &failed, &evicted);
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
-    publish_counts(self);
-    Py_XDECREF(out);
+    if (rc < 0) {
+        store_unwind(self, ops, n_ops, job);
+        Py_DECREF(out);
+        Py_XDECREF(failed);
+        Py_XDECREF(evicted);
+        return NULL;
+    }
+    if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
+        Py_XDECREF(failed);
+        Py_XDECREF(evicted);
+        return NULL;
+    }
+    unsigned int pending = job >= 0 ? self->jobs[job].remaining : 0;
+    PyObject *res = Py_BuildValue("(NOOI)", out, failed ? failed : Py_None, evicted ? evicted : Py_None,
+                                  pending);
     Py_XDECREF(failed);
     Py_XDECREF(evicted);
-    return NULL;
+    return res;
 }
 
 PyDoc_STRVAR(load_ops_doc,
@@ -978,28 +1034,23 @@ PyDoc_STRVAR(load_ops_doc,
              "Ops (packed nvt_op) reading every READY key into its row; each slot is leased\n"
              "and touched. missing: positions of keys not READY (or a bad row), or None.");
 
-static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
-    long long job_id;
-    PyObject *keys, *rows_obj;
-    int verify;
-    if (!PyArg_ParseTuple(args, "LOOp", &job_id, &keys, &rows_obj, &verify))
-        return NULL;
-    PyObject *seq, *out;
-    Py_buffer rows;
-    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
-    if (m < 0)
-        return NULL;
-    PyObject *missing = NULL;
-    int64_t job = -1;
-    Py_ssize_t n_ops = 0;
-    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+/* Lease every READY key of a load job and build its read op (load_ops and
+ * submit_load). Keys not READY (or with a bad row) go to `*missing`
+ * (load_ops), or fail in the job as MISSING when `missing` is NULL
+ * (submit_load). Returns 0, or -1 with an exception set (unwind with
+ * load_unwind). */
+static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
+                     int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
+    Py_ssize_t n_ops = *n_ops_io;
+    int64_t job = *job_io;
+    int rc = 0;
     uint32_t until = stamp_of(now_ms() + self->lease_ms);
     for (Py_ssize_t i = 0; i < m; i++) {
         const char *k;
         Py_ssize_t n;
         if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
             goto error;
-        int64_t row = row_at(&rows, i);
+        int64_t row = row_at(rows, i);
         uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
         int w = -1;
         uint32_t gen = 0, lease = 0;
@@ -1018,8 +1069,12 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         }
         if (w < 0) {
             self->c.load_keys_missing++;
-            if (append_pos(&missing, i) < 0)
+            if (missing ? append_pos(missing, i) < 0
+                        : job_fail(&self->jobs[job], (uint32_t)i, FAIL_MISSING, 0) < 0) {
+                if (!missing)
+                    PyErr_NoMemory();
                 goto error;
+            }
             continue;
         }
         if (job < 0 && (job = job_alloc(self, job_id, 1)) < 0) {
@@ -1044,8 +1099,47 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, verify);
         self->jobs[job].remaining++;
     }
+    goto done;
+error:
+    rc = -1;
+done:
+    *n_ops_io = n_ops;
+    *job_io = job;
+    return rc;
+}
+
+/* Undo a load_loop that failed (its leases run out on their own). */
+static void load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
+    for (Py_ssize_t i = 0; i < n_ops; i++)
+        op_release(self, (uint32_t)(uintptr_t)ops[i].op_id);
+    if (job >= 0)
+        job_release(self, (uint32_t)job);
+}
+
+static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
+    long long job_id;
+    PyObject *keys, *rows_obj;
+    int verify;
+    if (!PyArg_ParseTuple(args, "LOOp", &job_id, &keys, &rows_obj, &verify))
+        return NULL;
+    PyObject *seq, *out;
+    Py_buffer rows;
+    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
+        return NULL;
+    PyObject *missing = NULL;
+    int64_t job = -1;
+    Py_ssize_t n_ops = 0;
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    int rc = load_loop(self, job_id, seq, m, &rows, verify, ops, &n_ops, &job, &missing);
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
+    if (rc < 0) {
+        load_unwind(self, ops, n_ops, job);
+        Py_DECREF(out);
+        Py_XDECREF(missing);
+        return NULL;
+    }
     if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0) {
         Py_XDECREF(missing);
         return NULL;
@@ -1053,16 +1147,6 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
     PyObject *res = Py_BuildValue("(NO)", out, missing ? missing : Py_None);
     Py_XDECREF(missing);
     return res;
-error:
-    for (Py_ssize_t i = 0; out && i < n_ops; i++)
-        op_release(self, (uint32_t)(uintptr_t)((nvt_op *)PyBytes_AS_STRING(out))[i].op_id);
-    if (job >= 0)
-        job_release(self, (uint32_t)job);
-    PyBuffer_Release(&rows);
-    Py_DECREF(seq);
-    Py_XDECREF(out);
-    Py_XDECREF(missing);
-    return NULL;
 }
 
 static PyObject *fail_text(job_info *j) {
@@ -1075,7 +1159,9 @@ static PyObject *fail_text(job_info *j) {
         return PyUnicode_FromString("checksum mismatch");
     case FAIL_RACED:
         return PyUnicode_FromString("slot reused by another store while loading");
-    default:
+    case FAIL_BADARG:
+        return PyUnicode_FromString("bad key length or row");
+    default: /* none, or only keys that were not there: a miss, not an error */
         Py_RETURN_NONE;
     }
 }
@@ -1171,11 +1257,69 @@ PyDoc_STRVAR(complete_doc,
              "failed_positions or None, first_error or None) per job whose last op this was.\n"
              "stored/removed: keys for KV events (events), or None.");
 
-/* Append job ji to `finished` (and free it) when its last op or watch is done. */
+/* A job of the submit/poll path is done: its entry joins `done` for the next
+ * poll(), and the job is freed. The entry: (job_id, success, successful_keys
+ * or None, transfer_time_s, moved_bytes, error or None, is_load); error is
+ * None when every failed key was only missing (a miss, not a fault). */
+static int finish_submitted(TableObject *self, uint32_t ji) {
+    job_info *j = &self->jobs[ji];
+    PyObject *ok = Py_None;
+    Py_INCREF(ok);
+    if (j->n_failed) {
+        if (j->is_load)
+            self->c.load_jobs_failed++;
+        else
+            self->c.store_jobs_failed++;
+    }
+    if (j->n_failed && j->keys) {
+        Py_ssize_t m = PySequence_Fast_GET_SIZE(j->keys);
+        char *bad = PyMem_Calloc((size_t)(m ? m : 1), 1);
+        Py_DECREF(ok);
+        ok = bad ? PyList_New(0) : NULL;
+        if (!ok) {
+            PyMem_Free(bad);
+            if (!PyErr_Occurred())
+                PyErr_NoMemory();
+            return -1;
+        }
+        for (uint32_t f = 0; f < j->n_failed; f++)
+            if ((Py_ssize_t)j->failed[f] < m)
+                bad[j->failed[f]] = 1;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            if (!bad[i] && PyList_Append(ok, PySequence_Fast_GET_ITEM(j->keys, i)) < 0) {
+                PyMem_Free(bad);
+                Py_DECREF(ok);
+                return -1;
+            }
+        }
+        PyMem_Free(bad);
+    }
+    PyObject *text = fail_text(j);
+    if (!text) {
+        Py_DECREF(ok);
+        return -1;
+    }
+    double secs = (double)(now_mono_ns() - j->start_ns) / 1e9;
+    PyObject *item = Py_BuildValue("(LONdKNO)", (long long)j->job_id, j->n_failed ? Py_False : Py_True, ok,
+                                   j->start_ns ? secs : 0.0, (unsigned long long)j->moved, text,
+                                   j->is_load ? Py_True : Py_False);
+    job_release(self, ji);
+    if (!item || PyList_Append(self->done, item) < 0) {
+        Py_XDECREF(item);
+        return -1;
+    }
+    Py_DECREF(item);
+    return 0;
+}
+
+/* Append job ji to `finished` (and free it) when its last op or watch is done
+ * (a submit/poll job, or any job when `finished` is NULL: to `done`). */
 static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
     job_info *j = &self->jobs[ji];
     if (j->remaining)
         return 0;
+    if (j->keys || !finished)
+        return finish_submitted(self, ji);
     PyObject *failed = Py_None, *text;
     Py_INCREF(failed);
     if (j->n_failed) {
@@ -1239,26 +1383,34 @@ static int check_watches(TableObject *self, PyObject *finished) {
     return 0;
 }
 
+/* Apply `n` completions, then resolve watches; finished jobs go to
+ * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
+static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int verify, int events,
+                       PyObject *finished, PyObject **stored, PyObject **removed) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uintptr_t raw = (uintptr_t)cs[i].op_id;
+        uint32_t oi = (uint32_t)raw;
+        uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
+        if (apply_one(self, &cs[i], verify, events, stored, removed) < 0)
+            return -1;
+        if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
+            return -1;
+    }
+    if (self->n_watches && check_watches(self, finished) < 0)
+        return -1;
+    return 0;
+}
+
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
     Py_buffer comps;
     int verify, events;
     if (!PyArg_ParseTuple(args, "y*pp", &comps, &verify, &events))
         return NULL;
     Py_ssize_t n = comps.len / (Py_ssize_t)sizeof(nvt_completion);
-    const nvt_completion *cs = comps.buf;
     PyObject *finished = PyList_New(0), *stored = NULL, *removed = NULL;
     if (!finished)
         goto error;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t raw = (uintptr_t)cs[i].op_id;
-        uint32_t oi = (uint32_t)raw;
-        uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
-        if (apply_one(self, &cs[i], verify, events, &stored, &removed) < 0)
-            goto error;
-        if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
-            goto error;
-    }
-    if (self->n_watches && check_watches(self, finished) < 0)
+    if (apply_batch(self, comps.buf, n, verify, events, finished, &stored, &removed) < 0)
         goto error;
     PyBuffer_Release(&comps);
     publish_counts(self);
@@ -1273,6 +1425,245 @@ error:
     Py_XDECREF(stored);
     Py_XDECREF(removed);
     return NULL;
+}
+
+/* ------------------------------------------------------ submit/poll path */
+/* The calls vLLM makes once per job (submit_store, submit_load) and once per
+ * poll (poll) each cross into C once: the ops go to the bound engine's
+ * submit_raw, its completions come back through wait_raw, and a finished job
+ * comes out as one tuple, so vLLM's threads pay per job and per poll, not per
+ * Python statement. store_ops/load_ops/complete stay the primitives that the
+ * table's model test drives one step at a time. */
+static PyObject *py_zero_s, *py_empty_tuple;
+
+PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, events)\n\n"
+                       "The engine the submit/poll path uses (None, None: unbind), how many ops may\n"
+                       "be outstanding before stores are dropped, checksum verification of loads,\n"
+                       "and whether KV events are kept for take_events().");
+
+static PyObject *Table_bind(TableObject *self, PyObject *args) {
+    PyObject *submit, *wait;
+    unsigned int max_q;
+    int verify, events;
+    if (!PyArg_ParseTuple(args, "OOIpp", &submit, &wait, &max_q, &verify, &events))
+        return NULL;
+    Py_XSETREF(self->eng_submit, submit == Py_None ? NULL : Py_NewRef(submit));
+    Py_XSETREF(self->eng_wait, wait == Py_None ? NULL : Py_NewRef(wait));
+    self->max_queued_ops = max_q;
+    self->verify = verify;
+    self->events_on = events;
+    Py_RETURN_NONE;
+}
+
+static int push_event(TableObject *self, int removed, PyObject *keys) {
+    PyObject *ev = Py_BuildValue("(OO)", removed ? Py_True : Py_False, keys);
+    int rc = ev ? PyList_Append(self->events, ev) : -1;
+    Py_XDECREF(ev);
+    return rc;
+}
+
+/* Apply what the engine completed, waiting up to `timeout` (a float) for it,
+ * and resolve watches. */
+static int collect(TableObject *self, PyObject *timeout) {
+    if (self->outstanding && self->eng_wait) {
+        PyObject *comps = PyObject_CallOneArg(self->eng_wait, timeout);
+        if (!comps)
+            return -1;
+        Py_buffer b;
+        if (PyObject_GetBuffer(comps, &b, PyBUF_SIMPLE) < 0) {
+            Py_DECREF(comps);
+            return -1;
+        }
+        Py_ssize_t n = b.len / (Py_ssize_t)sizeof(nvt_completion);
+        self->outstanding = (uint64_t)n >= self->outstanding ? 0 : self->outstanding - (uint32_t)n;
+        PyObject *stored = NULL, *removed = NULL;
+        int rc = n ? apply_batch(self, b.buf, n, self->verify, self->events_on, NULL, &stored, &removed) : 0;
+        PyBuffer_Release(&b);
+        Py_DECREF(comps);
+        if (rc == 0 && stored)
+            rc = push_event(self, 0, stored);
+        if (rc == 0 && removed)
+            rc = push_event(self, 1, removed);
+        Py_XDECREF(stored);
+        Py_XDECREF(removed);
+        publish_counts(self);
+        if (rc < 0)
+            return -1;
+        if (n)
+            return 0; /* apply_batch resolved the watches */
+    }
+    if (self->n_watches && check_watches(self, NULL) < 0)
+        return -1;
+    return 0;
+}
+
+/* submit_store / submit_load: see their docs. */
+static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
+    long long job_id;
+    PyObject *keys, *rows_obj, *skip_obj = Py_None;
+    if (!PyArg_ParseTuple(args, is_load ? "LOO" : "LOO|O", &job_id, &keys, &rows_obj, &skip_obj))
+        return NULL;
+    if (!self->eng_submit) {
+        PyErr_SetString(PyExc_RuntimeError, "no engine bound to the table (bind() first)");
+        return NULL;
+    }
+    PyObject *seq, *out;
+    Py_buffer rows;
+    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
+        return NULL;
+    const char *skip = NULL;
+    if (skip_obj != Py_None) {
+        if (!PyBytes_Check(skip_obj) || PyBytes_GET_SIZE(skip_obj) != m) {
+            PyErr_Format(PyExc_ValueError, "skip must be None or %zd bytes", m);
+            goto fail_args;
+        }
+        skip = PyBytes_AS_STRING(skip_obj);
+    }
+    int64_t job = job_alloc(self, job_id, is_load);
+    if (job < 0) {
+        PyErr_NoMemory();
+        goto fail_args;
+    }
+    self->jobs[job].keys = Py_NewRef(seq);
+    self->jobs[job].start_ns = now_mono_ns();
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    Py_ssize_t n_ops = 0;
+    PyObject *evicted = NULL;
+    int rc;
+    if (is_load) {
+        rc = load_loop(self, job_id, seq, m, &rows, self->verify, ops, &n_ops, &job, NULL);
+    } else {
+        long long room = (long long)self->max_queued_ops - (long long)self->outstanding;
+        rc = store_loop(self, job_id, seq, m, &rows, room > 0 ? room : 0, self->events_on, skip, ops, &n_ops,
+                        &job, NULL, &evicted);
+    }
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    if (rc == 0 && evicted)
+        rc = push_event(self, 1, evicted);
+    Py_XDECREF(evicted);
+    if (rc < 0) {
+        if (is_load)
+            load_unwind(self, ops, n_ops, job);
+        else
+            store_unwind(self, ops, n_ops, job);
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *err = Py_None;
+    Py_INCREF(err);
+    if (n_ops) {
+        if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0)
+            return NULL; /* out of memory: its slots stay WRITING until reclaimed */
+        PyObject *r = PyObject_CallOneArg(self->eng_submit, out);
+        if (r) {
+            Py_DECREF(r);
+            self->outstanding += (uint32_t)n_ops;
+        } else {
+            /* The engine refused (closed): the job fails, never the caller. */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            Py_DECREF(err);
+            err = value ? PyObject_Str(value) : PyUnicode_FromString("engine refused the ops");
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (!err) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            const nvt_op *sent = (const nvt_op *)PyBytes_AS_STRING(out);
+            for (Py_ssize_t i = 0; i < n_ops; i++) {
+                nvt_completion c = {sent[i].op_id, -ECANCELED, 0};
+                if (apply_one(self, &c, 0, 0, NULL, NULL) < 0) {
+                    Py_DECREF(out);
+                    Py_DECREF(err);
+                    return NULL;
+                }
+            }
+            publish_counts(self);
+        }
+    }
+    Py_DECREF(out);
+    if (maybe_finish(self, (uint32_t)job, NULL) < 0) {
+        Py_DECREF(err);
+        return NULL;
+    }
+    return err;
+fail_args:
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+PyDoc_STRVAR(submit_store_doc,
+             "submit_store(job_id, keys, rows, skip=None) -> None or str\n\n"
+             "store_ops, then the ops to the bound engine, as one job that poll() reports.\n"
+             "Keys with a bad length or row fail the job; keys already stored, being stored\n"
+             "(the job then waits for that write), over max_queued_ops, in an all-busy set,\n"
+             "or whose skip byte is set are left out and succeed. Returns None, or the\n"
+             "engine's error when it refused the ops (they then fail).");
+
+static PyObject *Table_submit_store(TableObject *self, PyObject *args) { return submit_job(self, args, 0); }
+
+PyDoc_STRVAR(submit_load_doc,
+             "submit_load(job_id, keys, rows) -> None or str\n\n"
+             "load_ops, then the ops to the bound engine, as one job that poll() reports.\n"
+             "A key not READY fails at once (as missing: the job's error stays None).");
+
+static PyObject *Table_submit_load(TableObject *self, PyObject *args) { return submit_job(self, args, 1); }
+
+PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
+                       "Apply the engine's completions (never waits) and return the jobs that\n"
+                       "finished since the last poll: (job_id, success, successful_keys or None,\n"
+                       "transfer_time_s, moved_bytes, error or None, is_load).");
+
+static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    if ((self->outstanding || self->n_watches) && collect(self, py_zero_s) < 0)
+        return NULL;
+    if (!PyList_GET_SIZE(self->done))
+        return Py_NewRef(py_empty_tuple);
+    PyObject *fresh = PyList_New(0);
+    if (!fresh)
+        return NULL;
+    PyObject *out = self->done;
+    self->done = fresh;
+    return out;
+}
+
+PyDoc_STRVAR(collect_doc, "collect(timeout_s)\n\n"
+                          "Apply the engine's completions, waiting up to timeout_s for the first\n"
+                          "(the engine's wait_raw releases the GIL); finished jobs wait for poll().");
+
+static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
+    if (!PyFloat_Check(timeout)) {
+        PyErr_SetString(PyExc_TypeError, "timeout_s must be a float");
+        return NULL;
+    }
+    if (collect(self, timeout) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
+                              "KV events of the submit/poll path since the last call (bind(events=True)).");
+
+static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *fresh = PyList_New(0);
+    if (!fresh)
+        return NULL;
+    PyObject *out = self->events;
+    self->events = fresh;
+    return out;
+}
+
+PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"
+                           "Ops handed to the engine and not yet collected; jobs not yet finished.");
+
+static PyObject *Table_inflight(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_BuildValue("(II)", self->outstanding, self->jobs_live);
 }
 
 PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
@@ -1388,14 +1779,15 @@ PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative coun
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     counters *c = &self->c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
         "stores_dropped_queue_full", c->stores_dropped_queue_full, "load_keys_missing",
         c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
         c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
-        "lock_recoveries", c->lock_recoveries);
+        "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
+        "store_jobs_failed", c->store_jobs_failed);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
@@ -1426,6 +1818,13 @@ static PyMethodDef Table_methods[] = {
     {"load", (PyCFunction)Table_load, METH_O, load_doc},
     {"counters", (PyCFunction)Table_counters, METH_NOARGS, counters_doc},
     {"usage", (PyCFunction)Table_usage, METH_NOARGS, usage_doc},
+    {"bind", (PyCFunction)Table_bind, METH_VARARGS, bind_doc},
+    {"submit_store", (PyCFunction)Table_submit_store, METH_VARARGS, submit_store_doc},
+    {"submit_load", (PyCFunction)Table_submit_load, METH_VARARGS, submit_load_doc},
+    {"poll", (PyCFunction)Table_poll, METH_NOARGS, poll_doc},
+    {"collect", (PyCFunction)Table_collect, METH_O, collect_doc},
+    {"take_events", (PyCFunction)Table_take_events, METH_NOARGS, take_events_doc},
+    {"inflight", (PyCFunction)Table_inflight, METH_NOARGS, inflight_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1569,6 +1968,10 @@ static struct PyModuleDef table_module = {
 
 PyMODINIT_FUNC PyInit__table(void) {
     if (PyType_Ready(&TableType) < 0)
+        return NULL;
+    if (!py_zero_s && !(py_zero_s = PyFloat_FromDouble(0.0)))
+        return NULL;
+    if (!py_empty_tuple && !(py_empty_tuple = PyTuple_New(0)))
         return NULL;
     PyObject *m = PyModule_Create(&table_module);
     if (!m)

@@ -8,8 +8,10 @@ shared table under its set's lock, so they see each other's chunks at once.
 
 Threads: one at a time. Every method is called by the *scheduler thread* or
 vLLM's tier-poll thread, under vLLM's manager lock, so the store needs no lock
-of its own. Per job, the native table turns the keys into an array of ops in
-one call and applies an array of completions in one call; the engine's threads
+of its own. A job is one call into the native table (``submit_store``/
+``submit_load``: keys to ops, ops to the engine) and a poll is one more
+(``poll``: the engine's completions applied, finished jobs out), so vLLM's
+threads pay per job and per poll rather than per chunk; the engine's threads
 (Python workers, or the native io_uring thread) move bytes and compute
 checksums. Only ``wait_idle`` and ``close`` block (they wait for the engine).
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import errno
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier.config import TierConfig
-from nvmetier.engine import COMPLETION_DTYPE, OP_DTYPE, IoEngine, make_engine, resolve_engine_name
+from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.files import StoreFiles
 
 logger = logging.getLogger(__name__)
@@ -92,14 +93,22 @@ class JobOutcome:
     transfer_bytes: int
 
 
-@dataclasses.dataclass(slots=True)
-class _Job:
-    job_id: int
-    is_load: bool
-    keys: Sequence[bytes]
-    start: float
-    failed: set[int] = dataclasses.field(default_factory=set)  # key positions
-    first_error: str = ""
+# A finished job as the native table's poll() gives it: (job_id, success,
+# successful_keys or None, transfer_time_s, moved_bytes, error or None, is_load).
+RawOutcome = tuple[int, bool, "list[bytes] | None", float, int, "str | None", bool]
+
+
+def log_failed_job(raw: RawOutcome) -> None:
+    """One warning for a job that failed for a reason other than missing
+    keys (a miss is not a fault). Called for entries whose error is set."""
+    job_id, _ok, ok_keys, _t, _moved, error, is_load = raw
+    logger.warning(
+        "nvmetier: %s job %d failed (%d keys succeeded): %s",
+        "load" if is_load else "store",
+        job_id,
+        len(ok_keys or ()),
+        error,
+    )
 
 
 def _rows_array(rows: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -186,9 +195,12 @@ class BlockStore:
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
-            # Polled every ~1 ms by vLLM's tier-poll thread: skip a Python frame.
-            self._wait_raw: Callable[[float], bytes] = getattr(
-                self.engine, "native_wait_raw", self.engine.wait_raw
+            self._table.bind(
+                self.engine.submit_raw,
+                getattr(self.engine, "native_wait_raw", self.engine.wait_raw),
+                max(0, config.max_queued_bytes // row_bytes),
+                config.verify_checksums,
+                config.enable_kv_events,
             )
         except BaseException:
             engine_built = getattr(self, "engine", None)
@@ -213,14 +225,9 @@ class BlockStore:
             self.files.o_direct,
             self.open_time_s,
         )
-        # Scheduler-thread state.
-        self._jobs: dict[int, _Job] = {}
-        self._finished: list[JobOutcome] = []
+        # Scheduler-thread state (jobs and completions live in the table).
         self._lookup_counts: dict[bytes, int] = {}
-        self._outstanding = 0  # ops submitted to the engine, not yet collected
-        self._waiting = False  # some store job waits for another write of its key
         self._closed = False
-        self._verify = config.verify_checksums
         self._events_on = config.enable_kv_events
 
     # ------------------------------------------------------------- scheduler
@@ -276,44 +283,30 @@ class BlockStore:
         ``admit_after_lookups`` times) are dropped, counted, and do not fail
         the job.
         """
-        key_list = _key_list(keys)
-        row_arr = _rows_array(rows)
-        job = _Job(job_id, False, key_list, time.monotonic())
+        if self._closed:
+            raise RuntimeError("submit on a closed BlockStore")
+        skip = None
         admit_n = self.config.admit_after_lookups
-        todo_keys: Sequence[bytes] = key_list
-        todo_rows = row_arr
-        positions: list[int] | None = None
         if admit_n:
+            key_list = _key_list(keys)
             counts = self._lookup_counts
-            positions = [i for i, k in enumerate(key_list) if counts.get(k, 0) >= admit_n]
-            self._stats["stores_not_admitted"] += len(key_list) - len(positions)
-            todo_keys = [key_list[i] for i in positions]
-            todo_rows = row_arr[positions] if positions else row_arr[:0]
-        room = self.config.max_queued_bytes - self._outstanding * self.row_bytes
-        max_ops = max(0, room // self.row_bytes)
-        ops, failed, evicted, pending = self._table.store_ops(
-            job_id, todo_keys, todo_rows, max_ops, self._events_on
-        )
-        if failed:
-            # Positions are in what store_ops saw: map them back to the job's keys.
-            job.failed.update(failed if positions is None else (positions[i] for i in failed))
-            job.first_error = "bad key length or row"
-        if evicted:
-            self._events.append((True, evicted))
-        self._start(job, ops, pending)
+            skip = bytes(counts.get(k, 0) < admit_n for k in key_list)
+            self._stats["stores_not_admitted"] += sum(skip)
+            keys = key_list
+        error = self._table.submit_store(job_id, keys, _rows_array(rows), skip)
+        if error is not None:
+            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 
     def submit_load(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
     ) -> None:
         """Read ``keys`` into ``rows``. Never blocks. A key that is not READY
         fails at once (reported in ``successful_keys`` of the outcome)."""
-        key_list = _key_list(keys)
-        job = _Job(job_id, True, key_list, time.monotonic())
-        ops, missing = self._table.load_ops(job_id, key_list, _rows_array(rows), self._verify)
-        if missing:
-            job.failed.update(missing)
-            job.first_error = "key not present"
-        self._start(job, ops)
+        if self._closed:
+            raise RuntimeError("submit on a closed BlockStore")
+        error = self._table.submit_load(job_id, keys, _rows_array(rows))
+        if error is not None:
+            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 
     def invalidate(self, key: bytes) -> bool:
         """Remove ``key`` (its record first). False when absent, being
@@ -324,94 +317,31 @@ class BlockStore:
             self._events.append((True, [key]))
         return True
 
+    def poll_raw(self) -> Callable[[], Sequence[RawOutcome]]:
+        """The table's ``poll`` itself: finished jobs as ``RawOutcome``
+        tuples, without a Python frame (vLLM's ``get_finished_jobs``). The
+        caller logs entries whose error is set (``log_failed_job``)."""
+        return self._table.poll  # type: ignore[no-any-return]
+
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
-        if self._jobs:
-            self._take(0)
-        if not self._finished:
-            return []
-        out, self._finished = self._finished, []
+        out = []
+        for raw in self._table.poll() if self._table is not None else ():
+            job_id, success, ok_keys, secs, moved, error, is_load = raw
+            if error is not None:
+                log_failed_job(raw)
+            out.append(JobOutcome(job_id, is_load, success, ok_keys, secs, moved))
         return out
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
         """``(removed, keys)`` pairs since the last call (if events enabled)."""
         out, self._events = self._events, []
+        if self._table is not None:
+            out.extend(self._table.take_events())
         return out
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs)
-
-    # ---------------------------------------------------------------- ops
-    def _start(self, job: _Job, ops: bytes, pending: int | None = None) -> None:
-        """Hand a job's packed ops to the engine. ``pending`` counts its ops
-        plus its keys waiting for another write of the same key (stores)."""
-        n = len(ops) // OP_DTYPE.itemsize
-        if not (n if pending is None else pending):
-            self._finish(job, 0)
-            return
-        if self._closed:
-            raise RuntimeError("submit on a closed BlockStore")
-        self._jobs[job.job_id] = job
-        if pending is not None and pending > n:
-            self._waiting = True  # keys waiting for another process's write
-        if not n:
-            return  # only waits for other writes: poll() resolves it
-        self._outstanding += n
-        try:
-            self.engine.submit_raw(ops)
-        except Exception as exc:  # engine closed: fail the job, never the caller
-            logger.warning("nvmetier: job %d could not be submitted: %s", job.job_id, exc)
-            cancelled = np.zeros(n, dtype=COMPLETION_DTYPE)
-            cancelled["op_id"] = np.frombuffer(ops, dtype=OP_DTYPE)["op_id"]
-            cancelled["result"] = -errno.ECANCELED
-            self._collect(cancelled.tobytes())
-
-    def _take(self, timeout_s: float) -> None:
-        """Apply what the engine completed (waiting up to ``timeout_s`` for it)
-        and resolve stores waiting for another process's write of their key."""
-        comps = self._wait_raw(timeout_s) if self._outstanding else b""
-        if comps or self._waiting:
-            self._collect(comps)
-
-    def _collect(self, comps: bytes) -> None:
-        """Apply engine completions (scheduler thread), in one native call."""
-        self._outstanding -= len(comps) // COMPLETION_DTYPE.itemsize
-        finished, stored, removed = self._table.complete(comps, self._verify, self._events_on)
-        if self._waiting:
-            self._waiting = bool(self._table.usage()[2])
-        if stored:
-            self._events.append((False, stored))
-        if removed:
-            self._events.append((True, removed))
-        jobs = self._jobs
-        for job_id, _is_load, moved, failed, error in finished:
-            job = jobs.pop(job_id)
-            if failed:
-                job.failed.update(failed)
-                if error and (not job.first_error or job.first_error == "key not present"):
-                    job.first_error = error
-            self._finish(job, moved)
-
-    def _finish(self, job: _Job, moved_bytes: int) -> None:
-        elapsed = time.monotonic() - job.start
-        success = not job.failed
-        successful: list[bytes] | None = None
-        if not success:
-            failed = job.failed
-            successful = [k for i, k in enumerate(job.keys) if i not in failed]
-            self._stats["load_jobs_failed" if job.is_load else "store_jobs_failed"] += 1
-            if job.first_error != "key not present":
-                logger.warning(
-                    "nvmetier: %s job %d failed for %d of %d keys: %s",
-                    "load" if job.is_load else "store",
-                    job.job_id,
-                    len(job.failed),
-                    len(job.keys),
-                    job.first_error,
-                )
-        self._finished.append(
-            JobOutcome(job.job_id, job.is_load, success, successful, elapsed, moved_bytes)
-        )
+        return self._table is not None and bool(self._table.inflight()[1])
 
     # ----------------------------------------------------------- blocking
     def wait_idle(self, timeout_s: float | None = None) -> bool:
@@ -421,17 +351,21 @@ class BlockStore:
         Returns False if ops are still outstanding after ``timeout_s``.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._jobs:
-            wait_s = 0.1 if self._outstanding else 0.001
+        table = self._table
+        while table is not None:
+            outstanding, jobs = table.inflight()
+            if not jobs:
+                break
+            wait_s = 0.1 if outstanding else 0.001
             if deadline is not None:
                 wait_s = min(wait_s, deadline - time.monotonic())
                 if wait_s <= 0:
                     return False
-            if self._outstanding:
-                self._take(wait_s)
+            if outstanding:
+                table.collect(float(wait_s))
             else:  # only stores waiting for other processes' writes of their keys
                 time.sleep(wait_s)
-                self._take(0)
+                table.collect(0.0)
         return True
 
     def close(self, persist: bool | None = None) -> None:
@@ -447,6 +381,7 @@ class BlockStore:
         self.wait_idle()
         self.poll()
         self.engine.close()
+        self._table.bind(None, None, 0, False, False)  # drop its references to the engine
         self._table = None  # drop our reference: files.close releases the mappings
         last = self.files.close(clean=True)
         # Drop our export of the primary region so its owner can unmap it.
@@ -473,16 +408,19 @@ class BlockStore:
         if table is not None:
             out.update(table.counters())
             used, ready, _ops, _jobs = table.usage()
-        outstanding_bytes = self._outstanding * self.row_bytes
+        outstanding = jobs = 0
+        if table is not None:
+            outstanding, jobs = table.inflight()
+        outstanding_bytes = outstanding * self.row_bytes
         out["bytes_in_flight"] = outstanding_bytes
         out["bytes_queued"] = max(0, outstanding_bytes - self.config.max_inflight_bytes)
-        out["ops_outstanding"] = self._outstanding
+        out["ops_outstanding"] = outstanding
         out["slots_total"] = self.sb.n_slots
         out["slots_used"] = used
         out["slots_ready"] = ready
         out["capacity_bytes"] = self.sb.n_slots * self.sb.slot_bytes
         out["bytes_used"] = used * self.sb.slot_bytes
-        out["jobs_in_flight"] = len(self._jobs)
+        out["jobs_in_flight"] = jobs
         out["sharers"] = self.sharers()
         return out
 

@@ -47,7 +47,7 @@ from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
-from nvmetier.store import BlockStore
+from nvmetier.store import BlockStore, log_failed_job
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -164,8 +164,12 @@ class NvmeTierManager(SecondaryTierManager):
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
-    # Completions are applied under the manager lock, whichever thread holds it.
-    tolerates_off_thread_polling: ClassVar[bool] = True
+    # No tier-poll thread: vLLM's thread exists for tiers that answer a remote
+    # counterpart between steps (serve_external_requests). Ours has none, and
+    # the scheduler acts on a finished job only at a step anyway (its lookups
+    # and on_schedule_end poll every step), so a 1 kHz poll thread would only
+    # add wake-ups and vLLM-thread CPU per chunk (docs/bench.md).
+    tolerates_off_thread_polling: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -225,6 +229,7 @@ class NvmeTierManager(SecondaryTierManager):
         # lookup runs once per chunk on the scheduler thread: call the native
         # table directly unless the store counts lookups (admit_after_lookups).
         self._lookup = store.lookup if store.counts_lookups else store.table_lookup()
+        self._poll = store.poll_raw()
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -306,19 +311,16 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        done = self._store.poll()
+        done = self._poll()  # one native call: completions applied, finished jobs out
         if not done:
             return ()
-        return [
-            JobResult(
-                job_id=o.job_id,
-                success=o.success,
-                successful_keys=o.successful_keys if o.successful_keys else None,
-                transfer_time=o.transfer_time_s,
-                transfer_bytes=o.transfer_bytes,
-            )
-            for o in done
-        ]
+        out = []
+        for raw in done:
+            job_id, success, ok_keys, secs, moved, error, _is_load = raw
+            if error is not None:
+                log_failed_job(raw)
+            out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
+        return out
 
     @override
     def has_pending_work(self) -> bool:
