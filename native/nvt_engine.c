@@ -358,9 +358,11 @@ static void io_run(nvt_engine *e) {
             e->pend_len--;
         }
         stop = e->closing;
-        /* With ops still pending we are limited by what is in flight, and a
-         * completion will wake us; only an empty queue needs the eventfd. */
-        e->sleeping = !stop && e->pend_len == 0;
+        /* While ops are in flight (or still pending) a completion wakes us
+         * soon and we take new ops then, so a submitter need not pay for a
+         * wake-up (an eventfd write that costs vLLM's thread several us).
+         * Only an idle engine, with nothing in flight, needs the eventfd. */
+        e->sleeping = !stop && e->pend_len == 0 && e->n_free == qd;
         pthread_mutex_unlock(&e->lock);
 
         uint64_t hashed = 0;

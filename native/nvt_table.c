@@ -23,6 +23,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -154,6 +155,26 @@ static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
         (uint32_t *)(b + L->gen) + w,     (uint64_t *)(b + L->fp) + w,
     };
     return r;
+}
+
+/* Start loading the cache lines of `set` that a claim or lookup reads first:
+ * its head (the mutex), tags and states, and when `scan` the recency and
+ * lease stamps a full set's eviction reads. A job's keys land in random sets
+ * and a poll's completions in random slots, so the data path walks them
+ * twice: a first pass that only computes where each goes and prefetches, so
+ * that the misses of a whole job overlap instead of following each other. */
+static inline void prefetch_set(TableObject *t, uint64_t set, int scan) {
+    const char *b = (const char *)set_head(t->base, t->set_bytes, set);
+    const nvt_set_layout *L = &t->layout;
+    __builtin_prefetch(b, 1);
+    __builtin_prefetch(b + L->tag, 1);
+    __builtin_prefetch(b + L->state, 1);
+    if (scan) {
+        for (uint32_t off = 0; off < 4 * t->ways; off += 64) {
+            __builtin_prefetch(b + L->last + off, 1);
+            __builtin_prefetch(b + L->stamp + off, 1);
+        }
+    }
 }
 
 static inline uint8_t *set_tags(TableObject *t, uint64_t set) {
@@ -841,13 +862,26 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
     int64_t job = *job_io;
     int rc = 0;
     uint32_t now = stamp_of(now_ms());
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (skip && skip[i])
-            continue;
+    uint64_t fps_local[64], *fps = m <= 64 ? fps_local : PyMem_Malloc((size_t)m * sizeof(uint64_t));
+    if (!fps) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* first pass: fingerprints, and prefetch their sets */
         const char *k;
         Py_ssize_t n;
         if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
             goto error;
+        fps[i] = nvt_xxh3(k, (size_t)n, 0);
+        if (!(skip && skip[i]))
+            prefetch_set(self, fps[i] % self->n_sets, 1);
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (skip && skip[i])
+            continue;
+        const char *k = NULL;
+        Py_ssize_t n = 0;
+        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked in the first pass */
         int64_t row = row_at(rows, i);
         if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
             if (failed ? append_pos(failed, i) < 0
@@ -862,7 +896,7 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
             self->c.stores_dropped_queue_full++;
             continue;
         }
-        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+        uint64_t fp = fps[i], set = fp % self->n_sets;
         if (set_lock(self, set) != 0) {
             self->c.stores_dropped_set_busy++;
             continue;
@@ -959,6 +993,8 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
 error:
     rc = -1;
 done:
+    if (fps != fps_local)
+        PyMem_Free(fps);
     publish_counts(self);
     *n_ops_io = n_ops;
     *job_io = job;
