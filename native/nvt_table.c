@@ -177,6 +177,9 @@ static inline void prefetch_set(TableObject *t, uint64_t set, int scan) {
     }
 }
 
+/* How many keys ahead of the one being applied a job prefetches. */
+#define PREFETCH_AHEAD 8
+
 static inline uint8_t *set_tags(TableObject *t, uint64_t set) {
     return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
 }
@@ -357,6 +360,36 @@ static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
     return 0;
 }
 
+/* Fingerprints of a job's keys (into `local` when they fit, else a new
+ * array: free it with free_fps), with the sets of the first keys prefetched.
+ * NULL with an exception set on a bad key or out of memory. */
+static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
+                         int scan) {
+    uint64_t *fps = m <= n_local ? local : PyMem_Malloc((size_t)m * sizeof(uint64_t));
+    if (!fps) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const char *k;
+        Py_ssize_t n;
+        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
+            if (fps != local)
+                PyMem_Free(fps);
+            return NULL;
+        }
+        fps[i] = nvt_xxh3(k, (size_t)n, 0);
+        if (i < PREFETCH_AHEAD)
+            prefetch_set(t, fps[i] % t->n_sets, scan);
+    }
+    return fps;
+}
+
+static inline void free_fps(uint64_t *fps, uint64_t *local) {
+    if (fps && fps != local)
+        PyMem_Free(fps);
+}
+
 /* Way of `fp`/key in `set` in one of the states of `mask`, or -1: the tags
  * filter, the fingerprint and (READY) the record's key confirm. */
 static int find_way(TableObject *t, uint64_t set, uint64_t fp, const char *key, Py_ssize_t n,
@@ -472,15 +505,49 @@ static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
     return 0;
 }
 
-/* Rows: a buffer of int32 or int64 (vLLM's chunk_ids are an int32 array). */
+/* Rows: a C-contiguous buffer of int32 or int64 (vLLM's chunk_ids, read in
+ * place), or else any sequence of ints (copied into an int64 array that the
+ * view then owns, so PyBuffer_Release frees it like any view). */
 static int rows_arg(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return -1;
-    if ((view->itemsize != 4 && view->itemsize != 8) || view->len / view->itemsize != n) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view->format ? view->format : "";
+        char c = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
+        if ((view->itemsize == 4 || view->itemsize == 8) && view->len / view->itemsize == n && c &&
+            strchr("iqlIQL", c))
+            return 0;
         PyBuffer_Release(view);
-        PyErr_Format(PyExc_ValueError, "rows must be %zd int32 or int64 values", n);
+    }
+    PyErr_Clear();
+    PyObject *seq = PySequence_Fast(obj, "rows must be a sequence of ints");
+    if (!seq)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "rows must be %zd ints, one per key", n);
         return -1;
     }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 8);
+    if (!packed) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            Py_DECREF(packed);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(seq);
+    int rc = PyObject_GetBuffer(packed, view, PyBUF_SIMPLE);
+    Py_DECREF(packed); /* the view holds it */
+    if (rc < 0)
+        return -1;
+    view->itemsize = 8;
+    view->len = n * 8;
     return 0;
 }
 
@@ -862,21 +929,12 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
     int64_t job = *job_io;
     int rc = 0;
     uint32_t now = stamp_of(now_ms());
-    uint64_t fps_local[64], *fps = m <= 64 ? fps_local : PyMem_Malloc((size_t)m * sizeof(uint64_t));
-    if (!fps) {
-        PyErr_NoMemory();
+    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
+    if (!fps)
         goto error;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) { /* first pass: fingerprints, and prefetch their sets */
-        const char *k;
-        Py_ssize_t n;
-        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
-            goto error;
-        fps[i] = nvt_xxh3(k, (size_t)n, 0);
-        if (!(skip && skip[i]))
-            prefetch_set(self, fps[i] % self->n_sets, 1);
-    }
     for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + PREFETCH_AHEAD < m)
+            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 1);
         if (skip && skip[i])
             continue;
         const char *k = NULL;
@@ -993,8 +1051,7 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
 error:
     rc = -1;
 done:
-    if (fps != fps_local)
-        PyMem_Free(fps);
+    free_fps(fps, fps_local);
     publish_counts(self);
     *n_ops_io = n_ops;
     *job_io = job;
@@ -1081,13 +1138,17 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
     int64_t job = *job_io;
     int rc = 0;
     uint32_t until = stamp_of(now_ms() + self->lease_ms);
+    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
+    if (!fps)
+        goto error;
     for (Py_ssize_t i = 0; i < m; i++) {
-        const char *k;
-        Py_ssize_t n;
-        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0)
-            goto error;
+        if (i + PREFETCH_AHEAD < m)
+            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 0);
+        const char *k = NULL;
+        Py_ssize_t n = 0;
+        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         int64_t row = row_at(rows, i);
-        uint64_t fp = nvt_xxh3(k, (size_t)n, 0), set = fp % self->n_sets;
+        uint64_t fp = fps[i], set = fp % self->n_sets;
         int w = -1;
         uint32_t gen = 0, lease = 0;
         uint64_t expected = 0;
@@ -1139,6 +1200,7 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
 error:
     rc = -1;
 done:
+    free_fps(fps, fps_local);
     *n_ops_io = n_ops;
     *job_io = job;
     return rc;
@@ -1423,6 +1485,21 @@ static int check_watches(TableObject *self, PyObject *finished) {
  * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
 static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int verify, int events,
                        PyObject *finished, PyObject **stored, PyObject **removed) {
+    /* Prefetch (prefetch_set's comment): each op's slab entry, then once
+     * those arrive, its set's head and state line and its record. */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uintptr_t raw = (uintptr_t)cs[i].op_id;
+        if (raw < self->n_ops_cap)
+            __builtin_prefetch(&self->ops[raw], 0);
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uintptr_t raw = (uintptr_t)cs[i].op_id;
+        if (raw < self->n_ops_cap && self->ops[raw].in_use) {
+            uint32_t slot = self->ops[raw].slot;
+            prefetch_set(self, slot / self->ways, 0);
+            __builtin_prefetch(record(self, slot), 1);
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         uintptr_t raw = (uintptr_t)cs[i].op_id;
         uint32_t oi = (uint32_t)raw;

@@ -111,14 +111,6 @@ def log_failed_job(raw: RawOutcome) -> None:
     )
 
 
-def _rows_array(rows: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Rows as an int32/int64 array the table reads directly (vLLM's chunk_ids
-    already are one: no copy)."""
-    if isinstance(rows, np.ndarray) and rows.dtype in (np.int32, np.int64):
-        return np.ascontiguousarray(rows)
-    return np.asarray(rows, dtype=np.int64)
-
-
 def _key_list(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
@@ -241,6 +233,17 @@ class BlockStore:
         frame, for callers that checked ``counts_lookups`` is False."""
         return self._table.lookup  # type: ignore[no-any-return]
 
+    def table_calls(
+        self,
+    ) -> tuple[Callable[..., str | None], Callable[..., str | None], Callable[[], None]]:
+        """The table's ``submit_store``, ``submit_load`` and ``release_leases``
+        themselves, for vLLM's adapter to call without a Python frame per job
+        or step. Each submit returns None, or the engine's error when it
+        refused the ops (the job then fails; log it). ``submit_store`` skips
+        admission: only for callers that checked ``counts_lookups`` is False."""
+        t = self._table
+        return t.submit_store, t.submit_load, t.release_leases
+
     def lookup(self, key: bytes) -> bool:
         """Whether ``key`` is READY in the shared table. A hit is leased: no
         sharer evicts it for ``LEASE_S`` (the HIT -> load window). Never blocks."""
@@ -293,7 +296,8 @@ class BlockStore:
             skip = bytes(counts.get(k, 0) < admit_n for k in key_list)
             self._stats["stores_not_admitted"] += sum(skip)
             keys = key_list
-        error = self._table.submit_store(job_id, keys, _rows_array(rows), skip)
+        # Rows: vLLM's chunk_ids array is read in place; other sequences copied.
+        error = self._table.submit_store(job_id, keys, rows, skip)
         if error is not None:
             logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 
@@ -304,7 +308,7 @@ class BlockStore:
         fails at once (reported in ``successful_keys`` of the outcome)."""
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")
-        error = self._table.submit_load(job_id, keys, _rows_array(rows))
+        error = self._table.submit_load(job_id, keys, rows)
         if error is not None:
             logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 

@@ -230,6 +230,10 @@ class NvmeTierManager(SecondaryTierManager):
         # table directly unless the store counts lookups (admit_after_lookups).
         self._lookup = store.lookup if store.counts_lookups else store.table_lookup()
         self._poll = store.poll_raw()
+        # Per job and per step: the native calls themselves, no store frame
+        # (vLLM's chunk_ids array goes to the table as it is).
+        submit_store, self._submit_load, self._release = store.table_calls()
+        self._submit_store = store.submit_store if store.counts_lookups else submit_store
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -296,18 +300,24 @@ class NvmeTierManager(SecondaryTierManager):
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Promotions of this step were submitted before this hook runs; a HIT
         # that was not promoted (primary full) stops protecting its slot.
-        self.store.release_holds()
+        self._release()
 
     # ------------------------------------------------------------ transfers
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
         if not self._seed_checked:
             self._check_seed()
-        self.store.submit_store(job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids)
+        job_id = job_metadata.job_id
+        error = self._submit_store(job_id, job_metadata.keys, job_metadata.chunk_ids)
+        if error is not None:  # the engine refused the ops: the job fails, not vLLM
+            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self.store.submit_load(job_metadata.job_id, job_metadata.keys, job_metadata.chunk_ids)
+        job_id = job_metadata.job_id
+        error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
+        if error is not None:
+            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:

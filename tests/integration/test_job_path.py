@@ -1,0 +1,205 @@
+"""The native job path: one call into the table per job (submit_store /
+submit_load hand the ops to the engine) and one per poll (completions applied,
+finished jobs out as tuples). Real files, real engines; the wrappers only
+refuse or count calls."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from nvmetier.config import TierConfig
+from nvmetier.engine import IoEngine
+from nvmetier.errors import EngineClosedError
+from nvmetier.store import BlockStore
+
+from .helpers import IDENTITY, ROW, fill_rows, key, load_keys, payload, run, store_keys
+
+
+class _Wrapper(IoEngine):
+    """Passes everything to the real engine; can refuse submits, counts waits."""
+
+    def __init__(self, inner: IoEngine) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.refuse = False
+        self.waits = 0
+
+    def submit(self, ops: Any) -> None:
+        self.inner.submit(ops)
+
+    def wait_completions(self, timeout_s: float) -> Any:
+        return self.inner.wait_completions(timeout_s)
+
+    def submit_raw(self, ops: bytes) -> None:
+        if self.refuse:
+            raise EngineClosedError("the I/O engine is closed (test)")
+        self.inner.submit_raw(ops)
+
+    def wait_raw(self, timeout_s: float) -> bytes:
+        self.waits += 1
+        return self.inner.wait_raw(timeout_s)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def describe(self) -> dict[str, object]:
+        return self.inner.describe()
+
+
+def _store(root: str, buffer: memoryview, engine: str, **overrides: Any) -> BlockStore:
+    raw: dict[str, Any] = {"root_dir": root, "capacity_bytes": "16MiB", "ways": 8}
+    raw.update(overrides)
+    return BlockStore(
+        TierConfig.from_dict(raw),
+        store_name="store",
+        identity=IDENTITY,
+        buffer=buffer,
+        row_bytes=ROW,
+        engine=engine,
+        engine_wrapper=_Wrapper,
+    )
+
+
+@pytest.fixture(params=["threads", "uring"])
+def engine(request) -> str:
+    if request.param == "uring":
+        from nvmetier.engine import uring
+
+        ok, why = uring.probe()
+        if not ok:
+            pytest.skip(f"io_uring unavailable: {why}")
+    return str(request.param)
+
+
+def test_a_store_job_reports_time_bytes_and_its_keys_become_hits(tmp_path, buffer, engine) -> None:
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        keys = [key(i) for i in range(8)]
+        (outcome,) = store_keys(store, buffer, keys, job_id=41)
+        assert (outcome.job_id, outcome.is_load, outcome.success) == (41, False, True)
+        assert outcome.successful_keys is None
+        assert outcome.transfer_bytes == 8 * ROW
+        assert outcome.transfer_time_s > 0
+        assert all(store.contains(k) for k in keys)
+        assert store.stats()["ops_outstanding"] == 0
+        assert not store.has_pending_work()
+    finally:
+        store.close()
+
+
+def test_an_empty_poll_does_not_call_the_engine(tmp_path, buffer, engine) -> None:
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        store_keys(store, buffer, [key(1)])
+        wrapper = store.engine
+        assert isinstance(wrapper, _Wrapper)
+        before = wrapper.waits
+        for _ in range(100):
+            assert store.poll() == []
+            assert not store.poll_raw()()
+        assert wrapper.waits == before
+    finally:
+        store.close()
+
+
+def test_a_refused_submit_fails_the_job_and_frees_its_slots(
+    tmp_path, buffer, engine, caplog
+) -> None:
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        wrapper = store.engine
+        assert isinstance(wrapper, _Wrapper)
+        keys = [key(i) for i in range(4)]
+        fill_rows(buffer, keys, range(4))
+        wrapper.refuse = True
+        with caplog.at_level(logging.WARNING, logger="nvmetier.store"):
+            store.submit_store(7, keys, list(range(4)))
+            (outcome,) = store.poll()
+        assert (outcome.job_id, outcome.success, outcome.successful_keys) == (7, False, [])
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "could not be submitted" in messages and "closed (test)" in messages
+        assert "canceled" in messages.lower()
+        # Nothing stays WRITING: the same keys store fine once the engine takes ops.
+        stats = store.stats()
+        assert (stats["slots_used"], stats["ops_outstanding"], stats["jobs_in_flight"]) == (0, 0, 0)
+        assert stats["store_jobs_failed"] == 1
+        wrapper.refuse = False
+        (again,) = store_keys(store, buffer, keys, job_id=8)
+        assert again.success
+        outcome, good = load_keys(store, buffer, keys, job_id=9)
+        assert outcome.success and good == keys
+    finally:
+        store.close()
+
+
+def test_missing_keys_fail_a_load_quietly_with_exact_successful_keys(
+    tmp_path, buffer, engine, caplog
+) -> None:
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        present = [key(i) for i in range(0, 8, 2)]
+        store_keys(store, buffer, present)
+        asked = [key(i) for i in range(8)]
+        with caplog.at_level(logging.WARNING, logger="nvmetier.store"):
+            store.submit_load(3, asked, list(range(8)))
+            (outcome,) = run(store)
+        assert outcome.is_load and not outcome.success
+        assert outcome.successful_keys == present  # in the job's order
+        assert outcome.transfer_bytes == len(present) * ROW
+        for i, k in enumerate(asked):
+            if k in present:
+                assert bytes(buffer[i * ROW : (i + 1) * ROW]) == payload(k)
+        assert not caplog.records  # a miss is not a fault
+        assert store.stats()["load_jobs_failed"] == 1
+    finally:
+        store.close()
+
+
+def test_a_bad_row_fails_only_its_key_and_is_logged(tmp_path, buffer, engine, caplog) -> None:
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        keys = [key(i) for i in range(3)]
+        fill_rows(buffer, keys[:2], [0, 1])
+        with caplog.at_level(logging.WARNING, logger="nvmetier.store"):
+            store.submit_store(5, keys, [0, 1, 1 << 30])
+            (outcome,) = run(store)
+        assert not outcome.success and outcome.successful_keys == keys[:2]
+        assert "bad key length or row" in " ".join(r.getMessage() for r in caplog.records)
+        assert store.contains(keys[0]) and store.contains(keys[1]) and not store.contains(keys[2])
+    finally:
+        store.close()
+
+
+def test_kv_events_of_the_job_path(tmp_path, buffer, engine) -> None:
+    store = _store(str(tmp_path), buffer, engine, enable_kv_events=True)
+    try:
+        keys = [key(i) for i in range(5)]
+        store_keys(store, buffer, keys)
+        events = store.take_events()  # one entry per poll that applied completions
+        assert {removed for removed, _ in events} == {False}
+        assert sorted(k for _, ks in events for k in ks) == sorted(keys)
+        assert store.take_events() == []
+        assert store.invalidate(keys[0])
+        assert store.take_events() == [(True, [keys[0]])]
+    finally:
+        store.close()
+
+
+def test_admission_skips_keys_not_looked_up_enough_and_they_still_succeed(
+    tmp_path, buffer, engine
+) -> None:
+    store = _store(str(tmp_path), buffer, engine, admit_after_lookups=2)
+    try:
+        keys = [key(i) for i in range(4)]
+        for k in keys[:2]:
+            assert not store.lookup(k)
+            assert not store.lookup(k)
+        (outcome,) = store_keys(store, buffer, keys)
+        assert outcome.success and outcome.successful_keys is None
+        assert [store.contains(k) for k in keys] == [True, True, False, False]
+        assert store.stats()["stores_not_admitted"] == 2
+    finally:
+        store.close()
