@@ -1032,8 +1032,12 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
         *s.fp = fp;
         *s.tag = tag_of(fp);
         __atomic_store_n(s.state, NVT_WRITING, __ATOMIC_RELEASE);
-        /* The old record stops being visible before the data changes. */
-        zero_record(self, slot);
+        /* The old record stops being visible before the data changes. An
+         * EMPTY slot has none: every way to EMPTY zeroes the record first
+         * (clear_slot_locked; the rebuild zeroes every record it does not
+         * load), so a fresh claim leaves the index page alone. */
+        if (old != NVT_EMPTY)
+            zero_record(self, slot);
         op_info *o = &self->ops[oi];
         o->slot = (uint32_t)slot;
         o->gen = *s.gen;

@@ -37,6 +37,11 @@
  * is on it (an end-of-step release of lookup leases then leaves it alone; the
  * load's completion drops it).
  *
+ * Records: an EMPTY or WRITING slot's index record is all zero (a WRITING
+ * slot gets its record when its write completed, then turns READY). Every
+ * way to EMPTY zeroes the record first, and the rebuild zeroes each record it
+ * does not load, so claiming an EMPTY slot need not touch the index.
+ *
  * Locks: every read-modify-write of a set's slots holds the set's mutex. The
  * mutexes are robust: a sharer that dies holding one leaves EOWNERDEAD to the
  * next locker, which repairs the set (reclaims the dead sharer's WRITING
