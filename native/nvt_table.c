@@ -1737,17 +1737,22 @@ PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
                        "finished since the last poll: (job_id, success, successful_keys or None,\n"
                        "transfer_time_s, moved_bytes, error or None, is_load).");
 
+/* Hand over the list in *slot, leaving a new empty one there. */
+static PyObject *take_list(PyObject **slot) {
+    PyObject *fresh = PyList_New(0);
+    if (!fresh)
+        return NULL;
+    PyObject *out = *slot;
+    *slot = fresh;
+    return out;
+}
+
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     if ((self->outstanding || self->n_watches) && collect(self, py_zero_s) < 0)
         return NULL;
     if (!PyList_GET_SIZE(self->done))
         return Py_NewRef(py_empty_tuple);
-    PyObject *fresh = PyList_New(0);
-    if (!fresh)
-        return NULL;
-    PyObject *out = self->done;
-    self->done = fresh;
-    return out;
+    return take_list(&self->done);
 }
 
 PyDoc_STRVAR(collect_doc, "collect(timeout_s)\n\n"
@@ -1768,12 +1773,7 @@ PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
                               "KV events of the submit/poll path since the last call (bind(events=True)).");
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *fresh = PyList_New(0);
-    if (!fresh)
-        return NULL;
-    PyObject *out = self->events;
-    self->events = fresh;
-    return out;
+    return take_list(&self->events);
 }
 
 PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"

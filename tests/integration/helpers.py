@@ -15,7 +15,15 @@ ROW = 65536
 IDENTITY = {"model_name": "itest", "chunk_bytes": ROW}
 
 
-def make_store(root: str | Sequence[str], buffer: memoryview, **overrides: Any) -> BlockStore:
+def make_store(
+    root: str | Sequence[str],
+    buffer: memoryview,
+    *,
+    engine: str | None = None,
+    engine_wrapper: Any = None,
+    **overrides: Any,
+) -> BlockStore:
+    """A store of 64 KiB rows; ``overrides`` are config keys."""
     identity = overrides.pop("identity", IDENTITY)
     raw: dict[str, Any] = {"root_dir": root, "capacity_bytes": "16MiB", "ways": 8}
     raw.update(overrides)
@@ -25,6 +33,8 @@ def make_store(root: str | Sequence[str], buffer: memoryview, **overrides: Any) 
         identity=identity,
         buffer=buffer,
         row_bytes=ROW,
+        engine=engine,
+        engine_wrapper=engine_wrapper,
     )
 
 

@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 
-from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import EngineClosedError
 from nvmetier.store import BlockStore
 
-from .helpers import IDENTITY, ROW, fill_rows, key, load_keys, payload, run, store_keys
+from .helpers import ROW, fill_rows, key, load_keys, make_store, payload, run, store_keys
 
 
 class _Wrapper(IoEngine):
@@ -50,17 +49,7 @@ class _Wrapper(IoEngine):
 
 
 def _store(root: str, buffer: memoryview, engine: str, **overrides: Any) -> BlockStore:
-    raw: dict[str, Any] = {"root_dir": root, "capacity_bytes": "16MiB", "ways": 8}
-    raw.update(overrides)
-    return BlockStore(
-        TierConfig.from_dict(raw),
-        store_name="store",
-        identity=IDENTITY,
-        buffer=buffer,
-        row_bytes=ROW,
-        engine=engine,
-        engine_wrapper=_Wrapper,
-    )
+    return make_store(root, buffer, engine=engine, engine_wrapper=_Wrapper, **overrides)
 
 
 @pytest.fixture(params=["threads", "uring"])

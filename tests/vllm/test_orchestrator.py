@@ -8,6 +8,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 from vllm.v1.kv_offload.base import LookupResult
@@ -172,3 +173,18 @@ def test_lookup_hit_is_protected_until_its_load_is_submitted(tmp_path, make_engi
     assert stats["ops_read"] == 1
     assert stats["load_keys_missing"] == 0 and stats["load_jobs_failed"] == 0
     assert stats["checksum_failures"] == 0
+
+
+def test_the_tier_is_served_at_steps_without_a_tier_poll_thread(make_engine) -> None:
+    """No remote counterpart, so no vLLM tier-poll thread: finished jobs are
+    collected by the steps themselves, and completions reach vLLM there."""
+    eng = make_engine()
+    assert eng.manager._tier_poll_thread is None
+    assert not any(t.name == "vllm_offload_tier_poll" for t in threading.enumerate())
+    keys = [key_of(i) for i in range(24)]
+    eng.store_all(keys)  # steps until the cascade to the tier finished
+    tier = eng.tiers[0]
+    assert all(tier.store.contains(k) for k in keys)
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    assert eng.verify(keys) == len(keys)
