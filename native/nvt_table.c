@@ -1770,7 +1770,8 @@ static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
 }
 
 PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
-                              "KV events of the submit/poll path since the last call (bind(events=True)).");
+                              "KV events (stores, evictions, removals) since the last call\n"
+                              "(bind(events=True)).");
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     return take_list(&self->events);
@@ -1803,7 +1804,7 @@ static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ign
 
 PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
                              "Free key's slot (record first). False when absent, being written, or\n"
-                             "leased by a lookup or load.");
+                             "leased by a lookup or load. A removal is a KV event (bind(events=True)).");
 
 static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
     uint64_t set;
@@ -1822,6 +1823,13 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
         set_unlock(self, set);
     }
     publish_counts(self);
+    if (done && self->events_on) {
+        PyObject *keys = Py_BuildValue("[O]", key);
+        int rc = keys ? push_event(self, 1, keys) : -1;
+        Py_XDECREF(keys);
+        if (rc < 0)
+            return NULL;
+    }
     return PyBool_FromLong(done);
 }
 

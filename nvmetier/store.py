@@ -174,7 +174,6 @@ class BlockStore:
         self._table = self.files.table
         self._stats: collections.Counter[str] = collections.Counter()
         self._stats["records_dropped_at_open"] += self.files.records_dropped
-        self._events: list[tuple[bool, list[bytes]]] = []
         try:
             self.open_time_s = time.monotonic() - t0
             self.engine: IoEngine = make_engine(
@@ -203,7 +202,7 @@ class BlockStore:
             self._buf.release()
             raise
         self.engine_name = engine_name
-        _used, ready, _ops, _jobs = self._table.usage()
+        _used, ready, _watches, _jobs = self._table.usage()
         logger.info(
             "nvmetier: opened store %s (%d slots of %d bytes, %d ready, %s, engine %s: %s, "
             "O_DIRECT %s) in %.3fs",
@@ -220,7 +219,6 @@ class BlockStore:
         # Scheduler-thread state (jobs and completions live in the table).
         self._lookup_counts: dict[bytes, int] = {}
         self._closed = False
-        self._events_on = config.enable_kv_events
 
     # ------------------------------------------------------------- scheduler
     @property
@@ -315,11 +313,7 @@ class BlockStore:
     def invalidate(self, key: bytes) -> bool:
         """Remove ``key`` (its record first). False when absent, being
         written, or leased by a lookup or load (of any sharer)."""
-        if not self._table.invalidate(key):
-            return False
-        if self._events_on:
-            self._events.append((True, [key]))
-        return True
+        return bool(self._table.invalidate(key))
 
     def poll_raw(self) -> Callable[[], Sequence[RawOutcome]]:
         """The table's ``poll`` itself: finished jobs as ``RawOutcome``
@@ -339,10 +333,7 @@ class BlockStore:
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
         """``(removed, keys)`` pairs since the last call (if events enabled)."""
-        out, self._events = self._events, []
-        if self._table is not None:
-            out.extend(self._table.take_events())
-        return out
+        return [] if self._table is None else self._table.take_events()  # type: ignore[no-any-return]
 
     def has_pending_work(self) -> bool:
         return self._table is not None and bool(self._table.inflight()[1])
@@ -411,7 +402,7 @@ class BlockStore:
         used = ready = 0
         if table is not None:
             out.update(table.counters())
-            used, ready, _ops, _jobs = table.usage()
+            used, ready, _watches, _jobs = table.usage()
         outstanding = jobs = 0
         if table is not None:
             outstanding, jobs = table.inflight()
