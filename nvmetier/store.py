@@ -98,6 +98,12 @@ class JobOutcome:
 RawOutcome = tuple[int, bool, "list[bytes] | None", float, int, "str | None", bool]
 
 
+def log_refused_job(job_id: int, error: str) -> None:
+    """One warning for a job whose ops the engine refused (closed): the
+    table failed the job, which ``poll`` reports; vLLM sees no exception."""
+    logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
+
+
 def log_failed_job(raw: RawOutcome) -> None:
     """One warning for a job that failed for a reason other than missing
     keys (a miss is not a fault). Called for entries whose error is set."""
@@ -297,7 +303,7 @@ class BlockStore:
         # Rows: vLLM's chunk_ids array is read in place; other sequences copied.
         error = self._table.submit_store(job_id, keys, rows, skip)
         if error is not None:
-            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
+            log_refused_job(job_id, error)
 
     def submit_load(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
@@ -308,7 +314,7 @@ class BlockStore:
             raise RuntimeError("submit on a closed BlockStore")
         error = self._table.submit_load(job_id, keys, rows)
         if error is not None:
-            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
+            log_refused_job(job_id, error)
 
     def invalidate(self, key: bytes) -> bool:
         """Remove ``key`` (its record first). False when absent, being

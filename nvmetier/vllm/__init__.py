@@ -47,7 +47,7 @@ from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
-from nvmetier.store import BlockStore, log_failed_job
+from nvmetier.store import BlockStore, log_failed_job, log_refused_job
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -310,14 +310,14 @@ class NvmeTierManager(SecondaryTierManager):
         job_id = job_metadata.job_id
         error = self._submit_store(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:  # the engine refused the ops: the job fails, not vLLM
-            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
+            log_refused_job(job_id, error)
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
         error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:
-            logger.warning("nvmetier: job %d could not be submitted: %s", job_id, error)
+            log_refused_job(job_id, error)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
