@@ -772,30 +772,33 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     Py_RETURN_FALSE;
 }
 
-PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
-
-static PyObject *Table_contains(TableObject *self, PyObject *key) {
+/* The slot holding key READY, -1 when none, or -2 with an exception set. */
+static int64_t ready_slot(TableObject *self, PyObject *key) {
     uint64_t set;
     int w, r = locate(self, key, 1u << NVT_READY, &set, &w);
     if (r < 0)
-        return NULL;
+        return -2;
     if (r == 0)
         set_unlock(self, set);
-    return PyBool_FromLong(w >= 0);
+    return w < 0 ? -1 : (int64_t)(set * self->ways + (uint64_t)w);
+}
+
+PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
+
+static PyObject *Table_contains(TableObject *self, PyObject *key) {
+    int64_t slot = ready_slot(self, key);
+    return slot == -2 ? NULL : PyBool_FromLong(slot >= 0);
 }
 
 PyDoc_STRVAR(slot_of_doc, "slot_of(key) -> int | None\n\nThe slot holding key READY, or None.");
 
 static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
-    uint64_t set;
-    int w, r = locate(self, key, 1u << NVT_READY, &set, &w);
-    if (r < 0)
+    int64_t slot = ready_slot(self, key);
+    if (slot == -2)
         return NULL;
-    if (r == 0)
-        set_unlock(self, set);
-    if (w < 0)
+    if (slot < 0)
         Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(set * self->ways + (uint64_t)w);
+    return PyLong_FromLongLong(slot);
 }
 
 PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
