@@ -586,7 +586,7 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch) {
     /* A poll that finds nothing skips the mutex the I/O thread keeps taking:
      * done.len is read racily as a hint; a completion it misses is found by
-     * the next poll (the store polls at every step and every ~1 ms). */
+     * the next poll (the store is polled at every engine step). */
     if (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE))
         return;
     pthread_mutex_lock(&e->lock);

@@ -7,7 +7,7 @@
  * table and the index records belong to the store (mapped by files.py).
  *
  * Threads: every method is called with the GIL held by the store's caller
- * (vLLM's scheduler thread or its tier-poll thread, one at a time). Methods
+ * (vLLM's scheduler thread, under its manager lock). Methods
  * take set mutexes for a few hundred nanoseconds each and never wait for I/O;
  * a set mutex held by another process is waited for (its holder also holds
  * it for nanoseconds; a holder that dies is recovered through EOWNERDEAD).

@@ -6,11 +6,11 @@ and the jobs it submitted. Other processes may be attached to the same store
 at the same time (``sharing: node``): every slot decision is made in the
 shared table under its set's lock, so they see each other's chunks at once.
 
-Threads: one at a time. Every method is called by the *scheduler thread* or
-vLLM's tier-poll thread, under vLLM's manager lock, so the store needs no lock
-of its own. A job is one call into the native table (``submit_store``/
-``submit_load``: keys to ops, ops to the engine) and a poll is one more
-(``poll``: the engine's completions applied, finished jobs out), so vLLM's
+Threads: one at a time. Every method is called by the *scheduler thread*,
+under vLLM's manager lock, so the store needs no lock of its own. A job is
+one call into the native table (``submit_store``/``submit_load``: keys to
+ops, ops to the engine) and a poll is one more (``poll``: the engine's
+completions applied, finished jobs out), so vLLM's
 threads pay per job and per poll rather than per chunk; the engine's threads
 (Python workers, or the native io_uring thread) move bytes and compute
 checksums. Only ``wait_idle`` and ``close`` block (they wait for the engine).

@@ -172,7 +172,7 @@ class UringEngine(IoEngine):
 
     @property
     def native_wait_raw(self) -> object:
-        """``wait_raw`` without the Python frame (the store polls every ~1 ms)."""
+        """``wait_raw`` without the Python frame (the store polls at every engine step)."""
         return self._native.wait_raw
 
     def submit_raw(self, ops: bytes) -> None:

@@ -9,7 +9,7 @@ in ``secondary_tiers`` of ``TieringOffloadingSpec`` (or ``{"type": "nvme", ...}`
 once the plugin registered the short name).
 
 Threads: every tier method runs under the orchestrator's lock on the
-scheduler thread (or its tier-poll thread) and never blocks on disk, except
+scheduler thread (the tier asks for no tier-poll thread) and never blocks on disk, except
 ``drain_jobs`` (waits for in-flight I/O, by contract) and ``shutdown``.
 """
 
