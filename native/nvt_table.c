@@ -1674,18 +1674,34 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
     PyObject *err = Py_None;
     Py_INCREF(err);
     if (n_ops) {
-        if (_PyBytes_Resize(&out, n_ops * (Py_ssize_t)sizeof(nvt_op)) < 0)
-            return NULL; /* out of memory: its slots stay WRITING until reclaimed */
-        PyObject *r = PyObject_CallOneArg(self->eng_submit, out);
+        /* The engine takes exactly this job's ops: `out` itself when every key
+         * got one, else a copy of the used part (out stays, so a failed copy
+         * can still be unwound). */
+        Py_ssize_t used = n_ops * (Py_ssize_t)sizeof(nvt_op);
+        PyObject *batch = used == PyBytes_GET_SIZE(out) ? Py_NewRef(out)
+                                                        : PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), used);
+        PyObject *r = batch ? PyObject_CallOneArg(self->eng_submit, batch) : NULL;
+        Py_XDECREF(batch);
         if (r) {
             Py_DECREF(r);
             self->outstanding += (uint32_t)n_ops;
         } else {
-            /* The engine refused (closed): the job fails, never the caller. */
+            /* The engine refused (closed), or no memory for the copy: the job
+             * fails, never the caller; its slots are released at once. */
             PyObject *type, *value, *tb;
             PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t i = 0; i < n_ops; i++) {
+                nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
+                if (apply_one(self, &c, 0, 0, NULL, NULL) < 0) /* only out of memory */
+                    PyErr_Clear();
+            }
+            publish_counts(self);
             Py_DECREF(err);
-            err = value ? PyObject_Str(value) : PyUnicode_FromString("engine refused the ops");
+            err = value ? PyObject_Str(value) : NULL;
+            if (!err) {
+                PyErr_Clear();
+                err = PyUnicode_FromString("engine refused the ops");
+            }
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
@@ -1693,16 +1709,6 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
                 Py_DECREF(out);
                 return NULL;
             }
-            const nvt_op *sent = (const nvt_op *)PyBytes_AS_STRING(out);
-            for (Py_ssize_t i = 0; i < n_ops; i++) {
-                nvt_completion c = {sent[i].op_id, -ECANCELED, 0};
-                if (apply_one(self, &c, 0, 0, NULL, NULL) < 0) {
-                    Py_DECREF(out);
-                    Py_DECREF(err);
-                    return NULL;
-                }
-            }
-            publish_counts(self);
         }
     }
     Py_DECREF(out);
