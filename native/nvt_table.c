@@ -42,9 +42,24 @@
 /* A WRITING slot older than this has its owner's liveness checked. */
 #define DEAD_CHECK_AGE_MS 200u
 
-/* Why a key of a job failed; the first reason (other than MISSING, which any
- * other reason replaces) names the job's error. */
-enum { FAIL_NONE = 0, FAIL_READ_IO, FAIL_WRITE_IO, FAIL_CHECKSUM, FAIL_RACED, FAIL_MISSING, FAIL_BADARG };
+/* Why a key of a job failed; the first reason names the job's error, except
+ * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
+ * store left out for lack of resources, a full queue or an all-busy set) is
+ * replaced by any fault that follows. A job whose failures are all quiet has
+ * no error text: vLLM still sees success=False and exact successful_keys
+ * (which its backpressure acts on), but nothing is logged as a fault. */
+enum {
+    FAIL_NONE = 0,
+    FAIL_READ_IO,
+    FAIL_WRITE_IO,
+    FAIL_CHECKSUM,
+    FAIL_RACED,
+    FAIL_MISSING,
+    FAIL_BADARG,
+    FAIL_DROPPED
+};
+
+static inline int fail_quiet(int kind) { return kind == FAIL_MISSING || kind == FAIL_DROPPED; }
 
 typedef struct {
     uint32_t slot;
@@ -498,7 +513,7 @@ static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
         j->cap_failed = cap;
     }
     j->failed[j->n_failed++] = pos;
-    if (j->first_fail == FAIL_NONE || (j->first_fail == FAIL_MISSING && kind != FAIL_MISSING)) {
+    if (j->first_fail == FAIL_NONE || (fail_quiet(j->first_fail) && !fail_quiet(kind))) {
         j->first_fail = (uint8_t)kind;
         j->first_errno = err;
     }
@@ -914,10 +929,24 @@ PyDoc_STRVAR(store_ops_doc,
              "Claim a slot for every key to write (rows: int32/int64 buffer) and return the\n"
              "ops as packed nvt_op (bytes). Keys already stored or being stored by any sharer\n"
              "are skipped (success); keys beyond max_ops or whose set is all busy are dropped\n"
-             "(counted, success). failed: positions of keys that cannot be stored (bad key or\n"
-             "row), or None. evicted: keys displaced (when events), or None. Each claimed\n"
+             "(counted, and failed). failed: positions of keys that are not stored (bad key or\n"
+             "row, or dropped), or None. evicted: keys displaced (when events), or None. Each claimed\n"
              "slot is WRITING and its old record zeroed before its op exists. pending: ops\n"
              "plus keys waiting for another write of the same key (0: the job is done).");
+
+/* A key of a store job left out for lack of resources (a full queue, a set
+ * whose ways are all busy or leased, a set lock that could not be taken): it
+ * is not stored, so the job reports it failed (quiet: no error text). Goes to
+ * `*failed` (store_ops) or the job (submit_store). -1 on out of memory. */
+static int store_dropped(TableObject *self, int64_t job, Py_ssize_t i, PyObject **failed) {
+    if (failed)
+        return append_pos(failed, i);
+    if (job_fail(&self->jobs[job], (uint32_t)i, FAIL_DROPPED, 0) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
 
 /* Claim a slot and build an op for every key of a store job (store_ops and
  * submit_store). `*job` is the job (-1: allocated here at the first op or
@@ -955,11 +984,15 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
         }
         if (n_ops >= max_ops) {
             self->c.stores_dropped_queue_full++;
+            if (store_dropped(self, job, i, failed) < 0)
+                goto error;
             continue;
         }
         uint64_t fp = fps[i], set = fp % self->n_sets;
         if (set_lock(self, set) != 0) {
             self->c.stores_dropped_set_busy++;
+            if (store_dropped(self, job, i, failed) < 0)
+                goto error;
             continue;
         }
         int evict;
@@ -993,10 +1026,13 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
         }
         if (w < 0) {
             set_unlock(self, set);
-            if (w == -2)
+            if (w == -2) {
                 self->c.stores_skipped_present++;
-            else
+            } else {
                 self->c.stores_dropped_set_busy++;
+                if (store_dropped(self, job, i, failed) < 0)
+                    goto error;
+            }
             continue;
         }
         uint64_t slot = set * self->ways + (uint64_t)w;
@@ -1727,10 +1763,11 @@ fail_args:
 PyDoc_STRVAR(submit_store_doc,
              "submit_store(job_id, keys, rows, skip=None) -> None or str\n\n"
              "store_ops, then the ops to the bound engine, as one job that poll() reports.\n"
-             "Keys with a bad length or row fail the job; keys already stored, being stored\n"
-             "(the job then waits for that write), over max_queued_ops, in an all-busy set,\n"
-             "or whose skip byte is set are left out and succeed. Returns None, or the\n"
-             "engine's error when it refused the ops (they then fail).");
+             "Keys with a bad length or row fail the job, and so do keys dropped for lack of\n"
+             "resources (over max_queued_ops, or an all-busy set; no error text). Keys already\n"
+             "stored, being stored (the job then waits for that write) or whose skip byte is\n"
+             "set (admission) are left out and succeed. Returns None, or the engine's error\n"
+             "when it refused the ops (they then fail).");
 
 static PyObject *Table_submit_store(TableObject *self, PyObject *args) { return submit_job(self, args, 0); }
 

@@ -141,8 +141,15 @@ def test_queue_bound_drops_stores_instead_of_stalling(tmp_path, buffer) -> None:
     store = make_store(str(tmp_path), buffer, max_queued_bytes=4 * ROW)
     keys = [key(i) for i in range(32)]
     (outcome,) = store_keys(store, buffer, keys)
-    assert outcome.success
+    # The dropped keys are not stored, so the job is not a success: it names
+    # exactly the four that were written (vLLM's backpressure sees the drops).
+    assert not outcome.success
+    assert outcome.successful_keys == keys[:4]
+    assert outcome.transfer_bytes == 4 * ROW
+    assert all(store.contains(k) for k in keys[:4])
+    assert not any(store.contains(k) for k in keys[4:])
     stats = store.stats()
+    assert stats["store_jobs_failed"] == 1
     assert stats["stores_dropped_queue_full"] == 28
     assert stats["ops_written"] == 4
     store.close()

@@ -363,11 +363,13 @@ class TableModel(RuleBasedStateMachine):
         self.next_job += 1
         want_ops: list[tuple[int, int]] = []
         want_evicted: list[bytes] = []
+        want_failed: list[int] = []  # not stored: dropped for lack of resources
         mops: list[MOp] = []
         job: MJob | None = None
         for pos, key in enumerate(keys):
             if len(want_ops) >= max_ops:
                 h.counters["stores_dropped_queue_full"] += 1
+                want_failed.append(pos)
                 continue
             what, slot = self.claim(key)
             if what == "present":
@@ -376,6 +378,7 @@ class TableModel(RuleBasedStateMachine):
             if what == "busy":
                 event("store dropped: set busy")
                 h.counters["stores_dropped_set_busy"] += 1
+                want_failed.append(pos)
                 continue
             if job is None:
                 job = h.jobs.setdefault(job_id, MJob(is_load=False))
@@ -404,7 +407,7 @@ class TableModel(RuleBasedStateMachine):
             (int(op["buf_offset"]) // ROW_BYTES, int(op["file_offset"]) // ROW_BYTES) for op in ops
         ]
         assert got == want_ops
-        assert failed is None
+        assert (failed or []) == want_failed
         assert (evicted or []) == want_evicted
         assert pending == (job.remaining if job else 0)
         for op, mop in zip(ops, mops, strict=True):
@@ -663,9 +666,11 @@ test_table_matches_model = TableModel.TestCase
 
 
 # ------------------------------------------------------------------ examples
-def _store(table: _table.Table, keys: list[bytes], job_id: int = 1) -> tuple[np.ndarray, int]:
+def _store(
+    table: _table.Table, keys: list[bytes], job_id: int = 1, dropped: list[int] | None = None
+) -> tuple[np.ndarray, int]:
     packed, failed, _evicted, pending = table.store_ops(job_id, keys, _rows(len(keys)), 64, True)
-    assert failed is None
+    assert failed == dropped
     return _ops(packed), pending
 
 
@@ -738,8 +743,8 @@ def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
     b, _ = shared.handle()
     a_ops, _ = _store(a, [SET0_KEYS[0]], job_id=1)
     time.sleep(0.25)  # old enough to be checked, but A still holds its lock
-    ops, _ = _store(b, [SET0_KEYS[1], SET0_KEYS[2]], job_id=2)
-    assert len(ops) == 1  # one free way; the other is A's, busy
+    ops, _ = _store(b, [SET0_KEYS[1], SET0_KEYS[2]], job_id=2, dropped=[1])
+    assert len(ops) == 1  # one free way; the other is A's, busy: that key is not stored
     assert b.counters()["dead_slots_reclaimed"] == 0
     assert b.counters()["stores_dropped_set_busy"] == 1
     finished, _, _ = a.complete(_ok(a_ops), True, False)
@@ -764,7 +769,7 @@ def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Sh
     assert b.lookup(key)
     b.release_leases()  # end of B's step: drops only B's lookup lease
     ops2, _ = _store(b, [k2], job_id=3)  # the free way
-    ops3, _ = _store(b, [k3], job_id=4)  # the set is full: the loading key must stay
+    ops3, _ = _store(b, [k3], job_id=4, dropped=[0])  # the set is full: the loading key must stay
     b.complete(_ok(np.concatenate([ops2, ops3])), True, False)
     finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), True, False)
     assert len(ops3) == 0, "a slot being loaded was evicted after another lookup's lease ended"
