@@ -21,6 +21,7 @@ from nvmetier.errors import ConfigError
 # (docs/bench.md); the table's tag array keeps a 64-way lookup to one line.
 DEFAULT_WAYS = 64
 SHARING_MODES = ("node", "process")
+LOCALITIES = ("LOCAL", "REMOTE")  # vLLM's Locality values
 
 _UNITS = {
     "": 1,
@@ -110,7 +111,12 @@ class TierConfig:
         admit_after_lookups: store a chunk only once it was looked up this
             many times (0: store everything).
         persist: keep the store at shutdown (False removes it).
-        locality: ``local``/``remote`` (read by vLLM, passed through).
+        locality: ``LOCAL``/``REMOTE``, any case (read by vLLM for tier
+            filters and its backpressure watermarks).
+        default_backpressure: with no ``backpressure`` section in the tier
+            config, give the tier vLLM's ``EMABackpressureDetector`` anyway
+            (the watermarks of its locality, 3 consecutive failed stores put
+            it under pressure). False: no detector unless a section asks.
     """
 
     root_dir: tuple[str, ...]
@@ -127,6 +133,7 @@ class TierConfig:
     admit_after_lookups: int = 0
     persist: bool = True
     locality: str | None = None
+    default_backpressure: bool = True
     sharing: str = "node"
     capacity_per_path: tuple[int, ...] | None = None
 
@@ -195,7 +202,7 @@ class TierConfig:
             isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 1024
         ):
             raise ConfigError(f"ways={self.ways!r} must be an integer from 1 to 1024")
-        for key in ("verify_checksums", "enable_kv_events", "persist"):
+        for key in ("verify_checksums", "enable_kv_events", "persist", "default_backpressure"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
         if self.o_direct not in ("auto", True, False):
@@ -205,8 +212,15 @@ class TierConfig:
                 f"sharing={self.sharing!r} is not a sharing mode; use 'node' (one store shared by "
                 "every process on this machine) or 'process' (an exclusive store per process)"
             )
-        if self.locality not in (None, "local", "remote", "LOCAL", "REMOTE"):
-            raise ConfigError(f"locality={self.locality!r} must be 'local' or 'remote'")
+        if self.locality is not None and (
+            not isinstance(self.locality, str) or self.locality.upper() not in LOCALITIES
+        ):
+            # A ValueError (ConfigError is one), as vLLM's Locality() raises.
+            raise ConfigError(
+                f"locality={self.locality!r} is not a valid Locality; accepted values: "
+                + ", ".join(repr(v) for v in LOCALITIES)
+                + " (any case, e.g. 'local')"
+            )
 
 
 def _parse_roots(value: object) -> tuple[str, ...]:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -40,8 +42,16 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
-from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
-from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.backpressure import (
+    BackpressureDetector,
+    EMABackpressureDetector,
+)
+from vllm.v1.kv_offload.tiering.base import (
+    TIER_LABEL,
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
 
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig
@@ -75,11 +85,21 @@ METRICS: dict[str, tuple[str, str]] = {
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
     "stores_dropped_queue_full": (
         "counter",
-        "Chunk stores dropped because max_queued_bytes were already queued.",
+        "Chunk stores dropped because max_queued_bytes were already queued "
+        "(reported to vLLM as failed keys of their store job).",
     ),
     "stores_dropped_set_busy": (
         "counter",
-        "Chunk stores dropped because every way of the chunk's set was busy.",
+        "Chunk stores dropped because every way of the chunk's set was busy "
+        "(reported to vLLM as failed keys of their store job).",
+    ),
+    "store_jobs_failed": (
+        "counter",
+        "Store jobs reported to vLLM with success=False (a key dropped or failed).",
+    ),
+    "load_jobs_failed": (
+        "counter",
+        "Load jobs reported to vLLM with success=False (a key missing or failed).",
     ),
     "stores_not_admitted": (
         "counter",
@@ -101,6 +121,86 @@ METRICS: dict[str, tuple[str, str]] = {
 
 _warned_random_seed = False
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+
+# The tier type names under which vLLM may build this tier: the plugin's short
+# name and the class name used with module_path.
+TIER_TYPES = ("nvme", "NvmeTierManager")
+
+# vLLM's EMABackpressureDetector.default_config() adds failure_threshold only
+# for the tier types it knows as storage ("fs", "obj"). nvmetier is storage
+# too: adding our types there gives a user-written ``backpressure`` section
+# the same default failure threshold as vLLM's fs tier, and an explicit
+# ``failure_threshold`` still wins (vLLM's factory only fills missing keys).
+# The factory imports this module before it builds the detector.
+_storage_types = getattr(EMABackpressureDetector, "_STORAGE_TIER_TYPES", None)
+if isinstance(_storage_types, frozenset):
+    EMABackpressureDetector._STORAGE_TIER_TYPES = _storage_types | frozenset(TIER_TYPES)
+
+
+class FailureBackpressureDetector(EMABackpressureDetector):
+    """vLLM's EMA detector, judging failed stores only.
+
+    ``failure_threshold`` consecutive failed store jobs (write errors, or keys
+    dropped for a full queue or busy sets) put the tier under pressure, and
+    the pressure decays exactly as vLLM's does. Completed stores count as
+    healthy whatever their latency: the tier asks for no tier-poll thread, so
+    vLLM observes a store's completion only at its next scheduler step, and
+    the latency it would judge (submit to that step, per MiB) is mostly the
+    step's length. A small job (one 2 MiB chunk in a 30 ms decode step: 15
+    ms/MiB, over the 10 ms/MiB local high watermark) would read as overload
+    and drop healthy stores. A user-written ``backpressure`` section gets
+    vLLM's latency-judging detector as written.
+    """
+
+    def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
+        super().on_store_completed(0.0, num_bytes)
+
+
+def default_backpressure_detector(tier_type: str, locality: str | None) -> BackpressureDetector:
+    """The detector a tier gets when its config has no ``backpressure`` section.
+
+    vLLM builds a detector only from a ``backpressure`` section, so without
+    one, failed and dropped stores would never hold cascades back. This one
+    has vLLM's watermarks for the locality (LOCAL, or REMOTE when the tier
+    says so) and its storage ``failure_threshold`` (3 consecutive failed
+    store jobs put the tier under pressure); see
+    ``FailureBackpressureDetector`` for why latency alone does not.
+    """
+    config = EMABackpressureDetector.default_config(tier_type, locality=locality)
+    config.setdefault("failure_threshold", EMABackpressureDetector.DEFAULT_FAILURE_THRESHOLD)
+    return FailureBackpressureDetector(**config)
+
+
+# Tier labels handed out per offloading spec (vLLM's index of each tier), and
+# a fallback counter for tiers built outside a TieringOffloadingSpec.
+_claimed_labels: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+_unplaced_tiers = itertools.count(1)
+
+
+def tier_label(offloading_spec: Any, tier_type: str, tier_config: dict[str, Any]) -> str:
+    """The ``tier`` label value of this tier's metric series.
+
+    The same value vLLM's orchestrator gives the tier in its own labelled
+    series (``"<index + 1>:<type>"``, e.g. ``"1:nvme"``), so our series join
+    vLLM's per tier. The index is found by matching this tier's config among
+    the spec's ``secondary_tiers`` (each entry is claimed once, so two
+    identical configs get their two indexes in order). A tier built outside a
+    spec gets ``"<type>:<n>"``, unique in the process.
+    """
+    configs = getattr(offloading_spec, "secondary_tier_configs", None)
+    if isinstance(configs, list):
+        try:
+            claimed = _claimed_labels.setdefault(offloading_spec, set())
+        except TypeError:  # not weak-referenceable: nothing to remember
+            claimed = set()
+        ignored = ("type", "module_path", "backpressure")
+        for i, cfg in enumerate(configs):
+            if i in claimed or not isinstance(cfg, dict) or cfg.get("type") != tier_type:
+                continue
+            if {k: v for k, v in cfg.items() if k not in ignored} == tier_config:
+                claimed.add(i)
+                return f"{i + 1}:{tier_type}"
+    return f"{tier_type}:{next(_unplaced_tiers)}"
 
 
 def none_hash_seed_is_random() -> bool:
@@ -160,7 +260,12 @@ class NvmeTierManager(SecondaryTierManager):
 
     Every key of the tier config other than ``type``/``module_path``/
     ``backpressure`` arrives as a keyword argument; see ``TierConfig`` for the
-    accepted ones. An unknown key raises ``ConfigError`` naming it.
+    accepted ones. An unknown key raises ``ConfigError`` (a ``ValueError``)
+    naming it.
+
+    Without a ``backpressure`` section the tier still gets vLLM's
+    ``EMABackpressureDetector`` (``default_backpressure_detector``), unless
+    ``default_backpressure`` is false; a section the user wrote always wins.
     """
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -179,10 +284,15 @@ class NvmeTierManager(SecondaryTierManager):
         backpressure_detector: BackpressureDetector | None = None,
         **tier_config: Any,
     ) -> None:
+        config = TierConfig.from_dict(tier_config)
+        if backpressure_detector is None and config.default_backpressure:
+            backpressure_detector = default_backpressure_detector(tier_type, config.locality)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
-        self.config = TierConfig.from_dict(tier_config)
+        self.config = config
         if self.config.locality is not None:
             self.locality = Locality(self.config.locality.upper())
+        self.tier_label = tier_label(offloading_spec, tier_type, tier_config)
+        self._labels = (self.tier_label,)
         chunk_bytes = self.block_size_bytes
         if chunk_bytes % fmt.ALIGN_BYTES:
             raise ConfigError(
@@ -358,24 +468,29 @@ class NvmeTierManager(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
+        # Every series carries vLLM's tier label, so two nvmetier tiers of one
+        # engine report apart (their values are the tier_label of each).
         defs: dict[str, OffloadingMetricMetadata] = {}
         for name, (kind, doc) in METRICS.items():
             meta_cls = OffloadingCounterMetadata if kind == "counter" else OffloadingGaugeMetadata
-            defs[METRIC_PREFIX + name] = meta_cls(documentation=doc)
+            defs[METRIC_PREFIX + name] = meta_cls(
+                documentation=doc + " Labelled by tier.", labelnames=(TIER_LABEL,)
+            )
         return defs
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
         now = self.store.stats()
         stats = OffloadingConnectorStats()
+        labels = self._labels
         for name, (kind, _doc) in METRICS.items():
             value = now.get(name, 0)
             if kind == "gauge":
-                stats.set_gauge(METRIC_PREFIX + name, value)
+                stats.set_gauge(METRIC_PREFIX + name, value, labels)
                 continue
             delta = value - self._reported.get(name, 0)
             if delta:
-                stats.increase_counter(METRIC_PREFIX + name, delta)
+                stats.increase_counter(METRIC_PREFIX + name, delta, labels)
                 self._reported[name] = value
         return stats
 

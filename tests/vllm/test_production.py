@@ -63,18 +63,23 @@ def test_metrics_count_a_known_workload(make_engine) -> None:
     eng.reset_primary()
     eng.promote([*keys[:4], key_of(999)])
     eng.wait_idle()
-    stats = eng.tiers[0].get_stats()
+    tier = eng.tiers[0]
+    stats = tier.get_stats()
     values = stats.reduce()
-    assert values[METRIC_PREFIX + "ops_written"] == 10
-    assert values[METRIC_PREFIX + "bytes_written"] == 10 * 65536
-    assert values[METRIC_PREFIX + "ops_read"] == 4
-    assert values[METRIC_PREFIX + "hits"] == 4
-    assert values[METRIC_PREFIX + "misses"] >= 1
-    assert values[METRIC_PREFIX + "slots_used"] == 10
-    assert values[METRIC_PREFIX + "bytes_in_flight"] == 0
+
+    def series(name: str) -> str:
+        return f"{METRIC_PREFIX}{name}:{(tier.tier_label,)}"
+
+    assert values[series("ops_written")] == 10
+    assert values[series("bytes_written")] == 10 * 65536
+    assert values[series("ops_read")] == 4
+    assert values[series("hits")] == 4
+    assert values[series("misses")] >= 1
+    assert values[series("slots_used")] == 10
+    assert values[series("bytes_in_flight")] == 0
     # Counters are deltas: a second report without work adds nothing.
-    again = eng.tiers[0].get_stats().reduce()
-    assert again.get(METRIC_PREFIX + "ops_written", 0) == 0
+    again = tier.get_stats().reduce()
+    assert again.get(series("ops_written"), 0) == 0
 
 
 def test_plugin_registers_the_short_type_name(tmp_path, make_engine) -> None:
