@@ -27,13 +27,17 @@ Sharing protocol (``sharing: node``), with two files in the main store dir:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import secrets
 import shutil
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +56,7 @@ DATA_NAME = "data"
 LOCK_NAME = "lock"
 INIT_LOCK_NAME = "lock.init"
 TABLE_NAME = "table"
+REMOVING_TAG = ".removing-"  # a store directory renamed aside to be deleted
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -67,6 +72,73 @@ def _lock_file(directory: str, name: str, how: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+# struct flock of Linux on 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def mark_init_busy(fd: int) -> None:
+    """Hold an OFD write lock on byte 0 of ``lock.init`` (fd holding it
+    exclusively): a flag that probes read with ``F_OFD_GETLK`` without taking
+    any lock, so an operator command never stands in an opener's way. It
+    goes with the fd, like the flock."""
+    with contextlib.suppress(OSError, AttributeError):  # a probe then sees "not busy"
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+
+
+def _busy(path: str) -> bool:
+    """Whether a process holds ``lock.init`` at ``path`` now (opening,
+    closing, removing or repairing the store). Takes no lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _lock_init_fd(directory: str, how: int = fcntl.LOCK_EX) -> int:
+    """``lock.init`` of the store in ``directory``, flocked exclusively
+    (``how`` may add ``LOCK_NB``) and marked busy; returns the fd."""
+    fd = _lock_file(directory, INIT_LOCK_NAME, how)
+    mark_init_busy(fd)
+    return fd
+
+
+def _is_linked(fd: int, path: str) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not unlinked or replaced)."""
+    try:
+        st, at = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino)
+
+
+def _lock_init(dirs: Sequence[str]) -> int:
+    """Take ``lock.init`` of the store whose main directory is ``dirs[0]``
+    exclusively (blocking); returns its fd.
+
+    A store is removed under this lock (``StoreFiles.close(remove=True)``,
+    ``reclaim_private_stores``), so a process that waited on it may get the
+    lock of a file that is gone by then: it starts again, recreating the
+    directories, and so never attaches to unlinked files.
+    """
+    while True:
+        for d in dirs:
+            _ensure_dir(d, "store directory")
+        try:
+            fd = _lock_init_fd(dirs[0])
+        except FileNotFoundError:
+            continue  # the directory was removed between makedirs and open
+        if _is_linked(fd, os.path.join(dirs[0], INIT_LOCK_NAME)):
+            return fd
+        os.close(fd)
 
 
 def _unlock_file(fd: int) -> None:
@@ -86,6 +158,26 @@ def _fallocate(fd: int, size: int, path: str) -> None:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free heap memory back to the kernel (glibc's
+    ``malloc_trim``; nothing elsewhere). Called after a big transient
+    allocation, so that private memory is what the process really holds."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _malloc_trim = libc.malloc_trim
+            _malloc_trim.argtypes = [ctypes.c_size_t]
+            _malloc_trim.restype = ctypes.c_int
+        except (OSError, AttributeError):  # not glibc (musl, macOS)
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _zero(mm: mmap.mmap) -> None:
@@ -122,23 +214,17 @@ def sharer_pids(store_dir: str) -> list[int]:
 
 
 def store_held(store_dir: str) -> bool:
-    """Whether any process holds the store's ``lock`` (attached, or exclusive).
-    A probe: the lock is released at once, so it never keeps a process out.
+    """Whether any process holds the store: attached (the table's registry),
+    or opening, closing, removing or repairing it (``lock.init`` busy).
 
-    Raises:
-        OSError: the lock file exists but cannot be opened.
+    A probe that takes no lock (``nvmetier info``, a read-only ``fsck``):
+    it reads OFD locks with ``F_OFD_GETLK`` only, so it can never make an
+    opener fail with ``StoreLockedError`` nor make a closer believe it is
+    not the last. An answer is a snapshot: a process may attach just after.
     """
-    try:
-        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False  # never opened by any process
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)  # drops the probe's lock, if it got one
+    if _busy(os.path.join(store_dir, INIT_LOCK_NAME)):
+        return True
+    return bool(sharers(store_dir))
 
 
 def holders(store_dir: str) -> str:
@@ -336,9 +422,7 @@ class StoreFiles:
         exists = os.path.exists(sb_path)
         if not exists and not create:
             raise FormatError(f"{main!r} is not an nvmetier store (no superblock)")
-        for d in self.dirs:
-            _ensure_dir(d, "store directory")
-        self._init_fd = _lock_file(main, INIT_LOCK_NAME, fcntl.LOCK_EX)
+        self._init_fd = _lock_init(self.dirs)
         try:
             self._lock(main)
             exists = os.path.exists(sb_path)
@@ -446,6 +530,11 @@ class StoreFiles:
         )
         if rebuild is not None:
             self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64))
+            del rebuild
+            # The scan's temporaries (~65 B per stored slot) are freed now, but
+            # in a long-lived process (vLLM: glibc's mmap threshold raised by
+            # earlier big frees) they came from the heap, which glibc keeps.
+            release_free_memory()
         self.table.attach()
 
     def other_sharers(self) -> int:
@@ -603,9 +692,15 @@ class StoreFiles:
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
 
-    def close(self, clean: bool = True) -> bool:
+    def close(self, clean: bool = True, remove: bool = False) -> bool:
         """Detach; the last sharer also sweeps the table and, when ``clean``,
-        marks the superblock clean. Closes every fd.
+        marks the superblock clean, or, when ``remove``, deletes the store's
+        directories. Closes every fd.
+
+        The decision "last" and the removal are both made under ``lock.init``
+        (held exclusively from the detach to the end), so no process can
+        attach between them: an opener waiting on ``lock.init`` finds it
+        unlinked afterwards and creates a fresh store.
 
         Returns:
             True when this process was the last one attached (nobody else
@@ -616,7 +711,7 @@ class StoreFiles:
         if self._lock_fd >= 0 and self.table is not None and self.dirs:
             # Serialize with opens: no process attaches while we decide.
             with contextlib.suppress(OSError):
-                init_fd = _lock_file(self.dirs[0], INIT_LOCK_NAME, fcntl.LOCK_EX)
+                init_fd = _lock_init_fd(self.dirs[0])
         try:
             if self.table is not None:
                 self.table.detach()
@@ -626,14 +721,16 @@ class StoreFiles:
                     last = True
                 except OSError:
                     last = False
-            if last and self.table is not None:
+            # Only under lock.init: without it an opener could be attaching.
+            removing = last and remove and init_fd >= 0
+            if last and self.table is not None and not removing:
                 self.table.sweep()
-            if hasattr(self, "index") and not self.index.closed:
+            if hasattr(self, "index") and not self.index.closed and not removing:
                 self.flush_index()
-            for fd in self.data_fds:
+            for fd in () if removing else self.data_fds:
                 with contextlib.suppress(OSError):
                     os.fsync(fd)
-            if last and clean and self.table is not None:
+            if last and clean and not removing and self.table is not None:
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None
@@ -650,6 +747,8 @@ class StoreFiles:
             for fd in self.data_fds:
                 os.close(fd)
             self.data_fds = []
+            if removing:
+                _remove_dirs(self.dirs)  # still under lock.init: nobody attaches meanwhile
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
@@ -657,7 +756,24 @@ class StoreFiles:
             _unlock_file(init_fd)
         return last
 
-    def remove(self) -> None:
-        """Delete the store's directories (ephemeral mode). Call after close."""
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
+
+def _remove_dirs(dirs: Sequence[str]) -> None:
+    """Delete a store's directories; call with its ``lock.init`` held.
+
+    Each directory is first renamed aside (``<name>.removing-<random>``,
+    the main one last, which moves ``lock.init`` with it), then deleted. An
+    opener that waited on the old ``lock.init`` finds it gone from its path
+    and starts again; one that comes after the rename creates a fresh store
+    at once, never waiting for the files to be deleted. A crash between the
+    two steps leaves a ``.removing-`` directory, which the next
+    ``reclaim_private_stores`` deletes.
+    """
+    tag = f"{REMOVING_TAG}{secrets.token_hex(6)}"
+    doomed = []
+    for d in [*dirs[1:], dirs[0]]:
+        aside = os.path.normpath(d) + tag
+        with contextlib.suppress(OSError):
+            os.rename(d, aside)
+            doomed.append(aside)
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)
