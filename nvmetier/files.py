@@ -243,13 +243,18 @@ def holders(store_dir: str) -> str:
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
-    """Whether an aligned O_DIRECT write works in ``directory``, and why not."""
+    """Whether an aligned O_DIRECT write works in ``directory``, and why not.
+
+    The probe file has no name (``O_TMPFILE``), so a crash in the middle
+    leaves nothing on disk. Where the filesystem has no ``O_TMPFILE``, it is
+    a named ``.odirect-probe-*`` file, unlinked at once; probe files older
+    than a minute (left by a crash) are deleted by every probe.
+    """
     if not O_DIRECT:
         return False, "O_DIRECT is not defined on this platform"
-    path = os.path.join(directory, f".odirect-probe-{os.getpid()}")
     page = mmap.mmap(-1, fmt.ALIGN_BYTES)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC | O_DIRECT, FILE_MODE)
+        fd = _probe_file(directory)
         try:
             os.pwrite(fd, page, 0)
             os.preadv(fd, [page], 0)
@@ -260,8 +265,126 @@ def probe_o_direct(directory: str) -> tuple[bool, str]:
         return False, f"{os.strerror(exc.errno or 0)} (errno {exc.errno})"
     finally:
         page.close()
+
+
+PROBE_PREFIX = ".odirect-probe-"
+_STALE_PROBE_S = 60.0
+
+
+def _probe_file(directory: str) -> int:
+    """An O_DIRECT fd on a file of ``directory`` that no crash can leave."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+        else:  # O_TMPFILE works here: the answer is whether O_DIRECT does
+            os.close(fd)
+            return os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC | O_DIRECT, FILE_MODE)
+    _sweep_probe_files(directory)
+    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        # A filesystem that refuses O_DIRECT may have created the file first.
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | O_DIRECT | os.O_CLOEXEC
+        return os.open(path, flags, FILE_MODE)
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(path)  # an open fd keeps the file until the probe ends
+
+
+def _sweep_probe_files(directory: str) -> None:
+    """Delete named probe files a crash left (older than a minute: a live
+    probe lasts milliseconds)."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(PROBE_PREFIX):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_PROBE_S:
+                        os.unlink(entry.path)
+
+
+PRIVATE_TAG = "_private_"
+
+
+def private_store_name(base: str) -> str:
+    """The name of a store private to this process: ``<base>_private_<pid>_<random>``.
+
+    The pid is for a person reading the directory; the random part keeps
+    names unique where pids are not (containers in their own pid namespace
+    start at the same pids), so no two processes ever pick one store.
+    """
+    return f"{base}{PRIVATE_TAG}{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
+    """Delete the private stores under ``roots`` whose process is gone, and
+    the ``.removing-`` directories a crash left in the middle of a removal.
+
+    A private store is judged by its locks, never by a pid (pids are reused,
+    and another container's pids are not ours): its process holds ``lock``
+    exclusively for its whole life, so a store whose ``lock`` we can take
+    (under ``lock.init``, without waiting) has nobody attached. A stopped
+    (SIGSTOP, ``docker pause``) process still holds its lock and keeps its
+    store. Blocks for one directory listing and a few lock probes; never
+    raises: what cannot be examined is left.
+
+    Returns:
+        The main directories deleted.
+    """
+    if not roots:
+        return []
+    try:
+        names = sorted(os.listdir(roots[0]))
+    except OSError:
+        return []
+    reclaimed = []
+    for name in names:
+        if REMOVING_TAG in name:
+            for root in roots:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif PRIVATE_TAG in name and _reclaim_if_free([os.path.join(r, name) for r in roots]):
+            reclaimed.append(os.path.join(roots[0], name))
+    return reclaimed
+
+
+def _reclaim_if_free(dirs: Sequence[str]) -> bool:
+    """Remove the store in ``dirs`` if nobody holds it (``reclaim_private_stores``)."""
+    main = dirs[0]
+    init_path = os.path.join(main, INIT_LOCK_NAME)
+    try:
+        init_fd = os.open(init_path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False  # not a store, or one being created right now
+    try:
+        try:
+            fcntl.flock(init_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # being opened or closed now
+        mark_init_busy(init_fd)
+        if not _is_linked(init_fd, init_path):
+            return False
+        try:
+            lock_fd = os.open(os.path.join(main, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            lock_fd = -1  # its process died before it took the lock
+        except OSError:
+            return False
+        try:
+            if lock_fd >= 0:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its process is alive (or stopped): keep it
+        finally:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+        logger.info("nvmetier: removing %s, the private store of a process that is gone", main)
+        _remove_dirs(dirs)
+        return True
+    finally:
+        os.close(init_fd)
 
 
 def _ensure_dir(path: str, key: str) -> None:

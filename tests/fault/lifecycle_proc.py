@@ -8,6 +8,9 @@ Commands:
   ``node``; PERSIST ``0`` makes it ephemeral: the last closer removes it);
 - ``store I N``: store keys ``I .. I+N-1``; answers how many are present;
 - ``has I N``: how many of keys ``I .. I+N-1`` are hits;
+- ``open_private ROOT``: reclaim the private stores of dead processes under
+  ROOT, then open a private store (as a random-seed vLLM process does);
+  answers ``ok <pid> <store name> <stores reclaimed>``;
 - ``close``: close the store;
 - ``slow_remove S``: from now on every directory removal first answers
   ``removing`` and sleeps S seconds (a closer descheduled while it removes);
@@ -27,11 +30,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from faultkit import ROWS, STORE_NAME, key, new_buffer, open_store, payload
+from faultkit import IDENTITY, ROW, ROWS, STORE_NAME, config, key, new_buffer, open_store, payload
 
 from nvmetier import format as fmt
 from nvmetier.errors import StoreLockedError
-from nvmetier.files import SUPERBLOCK_NAME
+from nvmetier.files import SUPERBLOCK_NAME, private_store_name, reclaim_private_stores
+from nvmetier.store import BlockStore
 
 
 def main() -> None:
@@ -47,6 +51,18 @@ def main() -> None:
                 root, persist = args[0], args[1] == "1"
                 store = open_store(root, buf, persist=persist)
                 answer = "ok"
+            elif cmd == "open_private":
+                root, persist = args[0], False
+                reclaimed = reclaim_private_stores([root])
+                name = private_store_name(STORE_NAME)
+                store = BlockStore(
+                    config(root, sharing="process", persist=False),
+                    store_name=name,
+                    identity=IDENTITY,
+                    buffer=buf,
+                    row_bytes=ROW,
+                )
+                answer = f"ok {os.getpid()} {name} {len(reclaimed)}"
             elif cmd == "store":
                 assert store is not None
                 first, n = int(args[0]), int(args[1])

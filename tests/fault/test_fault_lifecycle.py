@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
-from nvmetier import fsck, info
-from nvmetier.files import store_held
+from nvmetier import files, fsck, info
+from nvmetier.files import PROBE_PREFIX, probe_o_direct, reclaim_private_stores, store_held
 from tests.fault.faultkit import STORE_NAME
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,9 +31,9 @@ PROC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lifecycle_proc.
 class Proc:
     """One ``lifecycle_proc.py`` process: send a command, read its answer."""
 
-    def __init__(self) -> None:
+    def __init__(self, prefix: Sequence[str] = ()) -> None:
         self.p = subprocess.Popen(
-            [sys.executable, PROC],
+            [*prefix, sys.executable, PROC],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -154,3 +156,102 @@ def test_info_and_fsck_looping_never_fail_an_open_nor_skip_a_close_sweep(
     assert int(locked) == 0, f"{locked} of 60 opens failed with StoreLockedError"
     if persist:
         assert int(unclean) == 0, f"{unclean} of 60 last closes skipped the sweep"
+
+
+# ------------------------------------------------------------ crash leaks
+def _private_dirs(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if "_private_" in n)
+
+
+def test_a_killed_process_private_store_is_reclaimed_by_the_next_start(tmp_path, procs) -> None:
+    root = str(tmp_path / "kv")
+    victim, survivor, _ = procs
+    _ok, _pid, name, _n = victim.call(f"open_private {root}").split()
+    assert victim.call("store 0 8") == "ok 8"
+    victim.p.send_signal(signal.SIGKILL)
+    victim.p.wait()
+    assert _private_dirs(root) == [name]  # a whole preallocated store, left behind
+    _ok, _pid, mine, reclaimed = survivor.call(f"open_private {root}").split()
+    assert (reclaimed, _private_dirs(root)) == ("1", [mine])
+    survivor.call("close")
+    assert os.listdir(root) == []
+
+
+def test_a_stopped_process_keeps_its_private_store(tmp_path, procs) -> None:
+    root = str(tmp_path / "kv")
+    stopped = procs[0]
+    _ok, _pid, name, _n = stopped.call(f"open_private {root}").split()
+    stopped.p.send_signal(signal.SIGSTOP)
+    try:
+        assert reclaim_private_stores([root]) == []  # its lock is held: alive
+    finally:
+        stopped.p.send_signal(signal.SIGCONT)
+    assert _private_dirs(root) == [name]
+    stopped.call("close")
+    assert os.listdir(root) == []
+
+
+def _unshare_pid() -> list[str]:
+    """``unshare --pid --fork`` (each process is pid 1 of its own namespace),
+    or a skip with the reason where it is not permitted."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare(1) is not installed")
+    probe = subprocess.run(
+        ["unshare", "--pid", "--fork", "true"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid --fork is not permitted here: {probe.stderr.strip()}")
+    return ["unshare", "--pid", "--fork"]
+
+
+def test_processes_with_the_same_pid_in_two_containers_keep_separate_private_stores(
+    tmp_path,
+) -> None:
+    prefix = _unshare_pid()
+    root = str(tmp_path / "kv")
+    a, b = Proc(prefix), Proc(prefix)
+    try:
+        _ok, pid_a, name_a, _n = a.call(f"open_private {root}").split()
+        _ok, pid_b, name_b, reclaimed = b.call(f"open_private {root}").split()
+        assert pid_a == pid_b  # the same pid, as identical containers have
+        assert name_a != name_b
+        assert reclaimed == "0"  # b left a's live store alone
+        assert a.call("store 0 8") == "ok 8"
+        assert b.call("store 0 8") == "ok 8"
+        assert _private_dirs(root) == sorted([name_a, name_b])
+        a.call("close")
+        b.call("close")
+        assert os.listdir(root) == []
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_crash_during_the_o_direct_probe_leaves_no_file(tmp_path) -> None:
+    # The probe's process dies (SIGKILL) while its probe file is open.
+    code = (
+        "import os, signal, sys\n"
+        "from nvmetier import files\n"
+        "os.pwrite = lambda *a: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "files.probe_o_direct(sys.argv[1])\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+    assert run.returncode == -signal.SIGKILL
+    assert os.listdir(tmp_path) == []
+
+
+def test_named_probe_files_left_by_a_crash_are_deleted_by_the_next_probe(
+    tmp_path, monkeypatch
+) -> None:
+    # A filesystem without O_TMPFILE gets named probe files.
+    monkeypatch.delattr(os, "O_TMPFILE", raising=False)
+    stale = tmp_path / f"{PROBE_PREFIX}12345-deadbeef"
+    stale.write_bytes(bytes(4096))
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    fresh = tmp_path / f"{PROBE_PREFIX}12346-deadbeef"  # a live probe's file
+    fresh.write_bytes(bytes(4096))
+    assert files.O_DIRECT
+    ok, why = probe_o_direct(str(tmp_path))
+    assert ok, why
+    assert sorted(os.listdir(tmp_path)) == [fresh.name]
