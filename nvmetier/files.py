@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier import format as fmt
-from nvmetier.config import DEFAULT_WAYS
+from nvmetier.config import DEFAULT_WAYS, format_size
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 
 logger = logging.getLogger(__name__)
@@ -152,12 +152,131 @@ def _fallocate(fd: int, size: int, path: str) -> None:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreSpaceError(
-                f"preallocating {size} bytes at {path!r} failed: no space left; "
+                f"preallocating {format_size(size)} at {path!r} failed: no space left; "
                 "lower capacity_bytes or free space on that drive"
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
+
+
+# --- filesystems --------------------------------------------------------------
+# statfs f_type magics (linux/magic.h and the filesystems' own headers).
+NETWORK_FILESYSTEMS: dict[int, str] = {
+    0x6969: "NFS",
+    0x517B: "SMB",
+    0xFE534D42: "SMB2",
+    0xFF534D42: "CIFS",
+    0x0BD00BD0: "Lustre",
+    0x00C36400: "CephFS",
+    0x47504653: "GPFS",
+    0x19830326: "BeeGFS",
+    0x65735546: "FUSE",
+}
+OVERLAYFS = 0x794C7630
+# fallocate does not reserve blocks for overwrites (copy on write).
+NO_RESERVE_FILESYSTEMS: dict[int, str] = {0x9123683E: "btrfs", 0x2FC12FC1: "ZFS"}
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+
+
+def statfs_type(path: str) -> int:
+    """The ``f_type`` of the filesystem holding ``path`` (``statfs(2)``; 0
+    when it cannot be read). ``os.statvfs`` does not give it."""
+    global _statfs
+    if _statfs is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _statfs = libc.statfs
+            _statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+            _statfs.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _statfs = False
+    if not _statfs:
+        return 0
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _statfs(os.fsencode(path), buf) != 0:
+        return 0
+    # f_type is the first field, a long (__fsword_t).
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+_statfs: Any = None
+# Test hook: how a directory's filesystem type is read (tests inject one).
+fs_type = statfs_type
+
+
+def check_filesystem(path: str, sharing: str) -> int:
+    """Refuse ``sharing: node`` on a filesystem where the shared table cannot
+    be coherent; warn on overlayfs. Returns the ``f_type``.
+
+    Raises:
+        ConfigError: ``sharing: node`` on a network or cluster filesystem
+            (MAP_SHARED pages, robust mutexes and OFD locks are per node, or
+            not coherent, there).
+    """
+    kind = fs_type(path)
+    if sharing != "node":
+        return kind
+    name = NETWORK_FILESYSTEMS.get(kind)
+    if name is not None:
+        raise ConfigError(
+            f"root_dir {path!r} is on {name} (statfs type {kind:#x}), where processes cannot "
+            "share a store's table coherently (its memory mapping, locks and mutexes are per "
+            'node). Use a local drive, or set sharing: "process" (a store per process: '
+            "give each process on each node its own root_dir); for reuse across nodes, "
+            "stack vLLM's shared 'fs' tier below this one"
+        )
+    if kind == OVERLAYFS:
+        logger.warning(
+            "nvmetier: root_dir %s is on overlayfs: each container's upper layer is its own "
+            "copy, so containers do not share this store. Bind-mount a host directory to share "
+            "it between containers",
+            path,
+        )
+    return kind
+
+
+def _set_nocow(fd: int) -> None:
+    """Ask btrfs to overwrite ``fd``'s blocks in place (chattr +C; only
+    works on an empty file). Ignored where unsupported."""
+    import array
+
+    flags = array.array("l", [0])
+    with contextlib.suppress(OSError):
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        flags[0] |= _FS_NOCOW_FL
+        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
+
+
+def _write_zeros(fd: int, size: int, path: str) -> None:
+    """Write ``size`` zero bytes (ENOSPC is a StoreSpaceError)."""
+    zeros = bytes(1 << 20)
+    try:
+        for off in range(0, size, len(zeros)):
+            n = min(len(zeros), size - off)
+            if os.pwrite(fd, zeros[:n] if n < len(zeros) else zeros, off) != n:
+                raise OSError(errno.EIO, "short write")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreSpaceError(
+                f"writing {format_size(size)} at {path!r} failed: no space left; "
+                "lower capacity_bytes or free space on that drive"
+            ) from exc
+        raise
+
+
+def _preallocate_mapped(fd: int, size: int, path: str) -> None:
+    """Make a file that will be memory-mapped ``size`` bytes, with every
+    block allocated now: on a filesystem whose fallocate does not reserve
+    blocks for overwrites (btrfs, ZFS) its pages are written in full (NOCOW
+    on btrfs), so a full disk is an error at creation, never a SIGBUS on a
+    mapped page inside a set's critical section."""
+    os.ftruncate(fd, 0)
+    if fs_type(os.path.dirname(path)) in NO_RESERVE_FILESYSTEMS:
+        _set_nocow(fd)
+        _write_zeros(fd, size, path)
+    else:
+        _fallocate(fd, size, path)
 
 
 def release_free_memory() -> None:
@@ -539,6 +658,8 @@ class StoreFiles:
             key = "root_dir" if len(roots) == 1 else f"root_dir[{i}]"
             if create:
                 _ensure_dir(root, key)
+            if os.path.isdir(root):
+                check_filesystem(root, "process" if self.exclusive else "node")
             self.dirs.append(os.path.join(root, store_name))
         main = self.dirs[0]
         sb_path = os.path.join(main, SUPERBLOCK_NAME)
@@ -623,8 +744,7 @@ class StoreFiles:
         if os.fstat(fd).st_size != size:
             if not self.alone:
                 raise FormatError(f"{path!r} has the wrong size while sharers are attached")
-            os.ftruncate(fd, 0)
-            _fallocate(fd, size, path)
+            _preallocate_mapped(fd, size, path)
         self.table_map = mmap.mmap(fd, size)
         if self.alone:
             # The records are the durable truth: the first process to attach
@@ -747,21 +867,29 @@ class StoreFiles:
             need = sb.data_file_bytes + (need_main if i == 0 else 0)
             free = shutil.disk_usage(d).free
             if free < need:
+                # What would fit: the store's size scales with capacity_bytes.
+                fit_bytes = layout.capacity_bytes * free // need >> 20 << 20
                 raise StoreSpaceError(
-                    f"{d!r} has {free} bytes free but the store needs {need}; "
-                    "lower capacity_bytes or free space on that drive"
+                    f"{d!r} has {format_size(free)} free but the store needs "
+                    f"{format_size(need)} ({format_size(need - free)} more): lower "
+                    f"capacity_bytes (now {format_size(layout.capacity_bytes)}; about "
+                    f"{format_size(fit_bytes)} fits), or free space on that drive"
                 )
         for d in self.dirs:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
-        self._preallocate(os.path.join(self.dirs[0], INDEX_NAME), fmt.align_up(sb.index_bytes))
+        index_path = os.path.join(self.dirs[0], INDEX_NAME)
+        self._preallocate(index_path, fmt.align_up(sb.index_bytes), mapped=True)
         self._write_superblock(sb)
 
     @staticmethod
-    def _preallocate(path: str, size: int) -> None:
+    def _preallocate(path: str, size: int, mapped: bool = False) -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
         try:
-            os.ftruncate(fd, 0)
-            _fallocate(fd, size, path)
+            if mapped:
+                _preallocate_mapped(fd, size, path)
+            else:
+                os.ftruncate(fd, 0)
+                _fallocate(fd, size, path)
             os.fsync(fd)
         finally:
             os.close(fd)
