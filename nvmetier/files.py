@@ -35,6 +35,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
 import shutil
 import struct
@@ -461,12 +462,19 @@ def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
         return []
     reclaimed = []
     for name in names:
-        if REMOVING_TAG in name:
+        if _REMOVING_NAME.search(name):
             for root in roots:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif PRIVATE_TAG in name and _reclaim_if_free([os.path.join(r, name) for r in roots]):
+        elif _PRIVATE_NAME.search(name) and _reclaim_if_free([os.path.join(r, name) for r in roots]):
             reclaimed.append(os.path.join(roots[0], name))
     return reclaimed
+
+
+# Exactly the names private_store_name gives (the pid alone before the random
+# part was added) after a store name's 12-hex-digit digest, and _remove_dirs'
+# names: a shared store is never taken for one, whatever its model is called.
+_PRIVATE_NAME = re.compile(r"_[0-9a-f]{12}(_dp\d+)?_private_\d+(_[0-9a-f]{8})?$")
+_REMOVING_NAME = re.compile(r"\.removing-[0-9a-f]{12}$")
 
 
 def _reclaim_if_free(dirs: Sequence[str]) -> bool:

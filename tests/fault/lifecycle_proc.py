@@ -37,6 +37,9 @@ from nvmetier.errors import StoreLockedError
 from nvmetier.files import SUPERBLOCK_NAME, private_store_name, reclaim_private_stores
 from nvmetier.store import BlockStore
 
+# A store name as vLLM's adapter makes them: <model>_<12 hex digits of digest>.
+PRIVATE_BASE = "fault-model_0123456789ab"
+
 
 def main() -> None:
     buf = new_buffer(ROWS)
@@ -54,7 +57,7 @@ def main() -> None:
             elif cmd == "open_private":
                 root, persist = args[0], False
                 reclaimed = reclaim_private_stores([root])
-                name = private_store_name(STORE_NAME)
+                name = private_store_name(PRIVATE_BASE)
                 store = BlockStore(
                     config(root, sharing="process", persist=False),
                     store_name=name,

@@ -191,6 +191,17 @@ def test_a_stopped_process_keeps_its_private_store(tmp_path, procs) -> None:
     assert os.listdir(root) == []
 
 
+def test_reclaim_leaves_shared_stores_whose_names_look_private(tmp_path) -> None:
+    root = tmp_path / "kv"
+    names = ["org_my_private_model_0123456789ab", "m_private_1", "m_0123456789ab_private_x"]
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / "lock.init").touch()  # a store nobody holds
+        (root / name / "lock").touch()
+    assert reclaim_private_stores([str(root)]) == []
+    assert sorted(os.listdir(root)) == sorted(names)
+
+
 def _unshare_pid() -> list[str]:
     """``unshare --pid --fork`` (each process is pid 1 of its own namespace),
     or a skip with the reason where it is not permitted."""
