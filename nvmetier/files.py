@@ -465,9 +465,13 @@ def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
         if _REMOVING_NAME.search(name):
             for root in roots:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif _PRIVATE_NAME.search(name) and _reclaim_if_free([os.path.join(r, name) for r in roots]):
+        elif _PRIVATE_NAME.search(name) and _reclaim_if_free(_under(roots, name)):
             reclaimed.append(os.path.join(roots[0], name))
     return reclaimed
+
+
+def _under(roots: Sequence[str], name: str) -> list[str]:
+    return [os.path.join(r, name) for r in roots]
 
 
 # Exactly the names private_store_name gives (the pid alone before the random
