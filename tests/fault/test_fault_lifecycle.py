@@ -266,3 +266,18 @@ def test_named_probe_files_left_by_a_crash_are_deleted_by_the_next_probe(
     ok, why = probe_o_direct(str(tmp_path))
     assert ok, why
     assert sorted(os.listdir(tmp_path)) == [fresh.name]
+
+
+def test_a_store_being_repaired_is_reported_held_without_taking_a_lock(tmp_path) -> None:
+    root = str(tmp_path / "kv")
+    user = Proc()
+    try:
+        user.call(f"open {root} 1")
+        user.call("close")
+    finally:
+        user.stop()
+    store_dir = os.path.join(root, STORE_NAME)
+    assert not store_held(store_dir)
+    with fsck.store_lock(store_dir, write=True):
+        assert store_held(store_dir)  # another open file description sees the OFD lock
+    assert not store_held(store_dir)
