@@ -27,13 +27,18 @@ Sharing protocol (``sharing: node``), with two files in the main store dir:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import dataclasses
 import errno
 import fcntl
 import logging
 import mmap
 import os
+import re
+import secrets
 import shutil
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -41,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier import format as fmt
-from nvmetier.config import DEFAULT_WAYS
+from nvmetier.config import DEFAULT_WAYS, format_size
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,7 @@ DATA_NAME = "data"
 LOCK_NAME = "lock"
 INIT_LOCK_NAME = "lock.init"
 TABLE_NAME = "table"
+REMOVING_TAG = ".removing-"  # a store directory renamed aside to be deleted
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -69,6 +75,73 @@ def _lock_file(directory: str, name: str, how: int) -> int:
     return fd
 
 
+# struct flock of Linux on 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def mark_init_busy(fd: int) -> None:
+    """Hold an OFD write lock on byte 0 of ``lock.init`` (fd holding it
+    exclusively): a flag that probes read with ``F_OFD_GETLK`` without taking
+    any lock, so an operator command never stands in an opener's way. It
+    goes with the fd, like the flock."""
+    with contextlib.suppress(OSError, AttributeError):  # a probe then sees "not busy"
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+
+
+def _busy(path: str) -> bool:
+    """Whether a process holds ``lock.init`` at ``path`` now (opening,
+    closing, removing or repairing the store). Takes no lock."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
+    except (OSError, AttributeError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _lock_init_fd(directory: str, how: int = fcntl.LOCK_EX) -> int:
+    """``lock.init`` of the store in ``directory``, flocked exclusively
+    (``how`` may add ``LOCK_NB``) and marked busy; returns the fd."""
+    fd = _lock_file(directory, INIT_LOCK_NAME, how)
+    mark_init_busy(fd)
+    return fd
+
+
+def _is_linked(fd: int, path: str) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (not unlinked or replaced)."""
+    try:
+        st, at = os.fstat(fd), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino)
+
+
+def _lock_init(dirs: Sequence[str]) -> int:
+    """Take ``lock.init`` of the store whose main directory is ``dirs[0]``
+    exclusively (blocking); returns its fd.
+
+    A store is removed under this lock (``StoreFiles.close(remove=True)``,
+    ``reclaim_private_stores``), so a process that waited on it may get the
+    lock of a file that is gone by then: it starts again, recreating the
+    directories, and so never attaches to unlinked files.
+    """
+    while True:
+        for d in dirs:
+            _ensure_dir(d, "store directory")
+        try:
+            fd = _lock_init_fd(dirs[0])
+        except FileNotFoundError:
+            continue  # the directory was removed between makedirs and open
+        if _is_linked(fd, os.path.join(dirs[0], INIT_LOCK_NAME)):
+            return fd
+        os.close(fd)
+
+
 def _unlock_file(fd: int) -> None:
     if fd >= 0:
         os.close(fd)  # closing the only fd of the open file drops its flock
@@ -80,12 +153,151 @@ def _fallocate(fd: int, size: int, path: str) -> None:
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise StoreSpaceError(
-                f"preallocating {size} bytes at {path!r} failed: no space left; "
+                f"preallocating {format_size(size)} at {path!r} failed: no space left; "
                 "lower capacity_bytes or free space on that drive"
             ) from exc
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
+
+
+# --- filesystems --------------------------------------------------------------
+# statfs f_type magics (linux/magic.h and the filesystems' own headers).
+NETWORK_FILESYSTEMS: dict[int, str] = {
+    0x6969: "NFS",
+    0x517B: "SMB",
+    0xFE534D42: "SMB2",
+    0xFF534D42: "CIFS",
+    0x0BD00BD0: "Lustre",
+    0x00C36400: "CephFS",
+    0x47504653: "GPFS",
+    0x19830326: "BeeGFS",
+    0x65735546: "FUSE",
+}
+OVERLAYFS = 0x794C7630
+# fallocate does not reserve blocks for overwrites (copy on write).
+NO_RESERVE_FILESYSTEMS: dict[int, str] = {0x9123683E: "btrfs", 0x2FC12FC1: "ZFS"}
+_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
+
+
+def statfs_type(path: str) -> int:
+    """The ``f_type`` of the filesystem holding ``path`` (``statfs(2)``; 0
+    when it cannot be read). ``os.statvfs`` does not give it."""
+    global _statfs
+    if _statfs is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _statfs = libc.statfs
+            _statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+            _statfs.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            _statfs = False
+    if not _statfs:
+        return 0
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    if _statfs(os.fsencode(path), buf) != 0:
+        return 0
+    # f_type is the first field, a long (__fsword_t).
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+
+
+_statfs: Any = None
+# Test hook: how a directory's filesystem type is read (tests inject one).
+fs_type = statfs_type
+
+
+def check_filesystem(path: str, sharing: str) -> int:
+    """Refuse ``sharing: node`` on a filesystem where the shared table cannot
+    be coherent; warn on overlayfs. Returns the ``f_type``.
+
+    Raises:
+        ConfigError: ``sharing: node`` on a network or cluster filesystem
+            (MAP_SHARED pages, robust mutexes and OFD locks are per node, or
+            not coherent, there).
+    """
+    kind = fs_type(path)
+    if sharing != "node":
+        return kind
+    name = NETWORK_FILESYSTEMS.get(kind)
+    if name is not None:
+        raise ConfigError(
+            f"root_dir {path!r} is on {name} (statfs type {kind:#x}), where processes cannot "
+            "share a store's table coherently (its memory mapping, locks and mutexes are per "
+            'node). Use a local drive, or set sharing: "process" (a store per process: '
+            "give each process on each node its own root_dir); for reuse across nodes, "
+            "stack vLLM's shared 'fs' tier below this one"
+        )
+    if kind == OVERLAYFS:
+        logger.warning(
+            "nvmetier: root_dir %s is on overlayfs: each container's upper layer is its own "
+            "copy, so containers do not share this store. Bind-mount a host directory to share "
+            "it between containers",
+            path,
+        )
+    return kind
+
+
+def _set_nocow(fd: int) -> None:
+    """Ask btrfs to overwrite ``fd``'s blocks in place (chattr +C; only
+    works on an empty file). Ignored where unsupported."""
+    import array
+
+    flags = array.array("l", [0])
+    with contextlib.suppress(OSError):
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
+        flags[0] |= _FS_NOCOW_FL
+        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
+
+
+def _write_zeros(fd: int, size: int, path: str) -> None:
+    """Write ``size`` zero bytes (ENOSPC is a StoreSpaceError)."""
+    zeros = bytes(1 << 20)
+    try:
+        for off in range(0, size, len(zeros)):
+            n = min(len(zeros), size - off)
+            if os.pwrite(fd, zeros[:n] if n < len(zeros) else zeros, off) != n:
+                raise OSError(errno.EIO, "short write")
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise StoreSpaceError(
+                f"writing {format_size(size)} at {path!r} failed: no space left; "
+                "lower capacity_bytes or free space on that drive"
+            ) from exc
+        raise
+
+
+def _preallocate_mapped(fd: int, size: int, path: str) -> None:
+    """Make a file that will be memory-mapped ``size`` bytes, with every
+    block allocated now: on a filesystem whose fallocate does not reserve
+    blocks for overwrites (btrfs, ZFS) its pages are written in full (NOCOW
+    on btrfs), so a full disk is an error at creation, never a SIGBUS on a
+    mapped page inside a set's critical section."""
+    os.ftruncate(fd, 0)
+    if fs_type(os.path.dirname(path)) in NO_RESERVE_FILESYSTEMS:
+        _set_nocow(fd)
+        _write_zeros(fd, size, path)
+    else:
+        _fallocate(fd, size, path)
+
+
+def release_free_memory() -> None:
+    """Give the allocator's free heap memory back to the kernel (glibc's
+    ``malloc_trim``; nothing elsewhere). Called after a big transient
+    allocation, so that private memory is what the process really holds."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            _malloc_trim = libc.malloc_trim
+            _malloc_trim.argtypes = [ctypes.c_size_t]
+            _malloc_trim.restype = ctypes.c_int
+        except (OSError, AttributeError):  # not glibc (musl, macOS)
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def _zero(mm: mmap.mmap) -> None:
@@ -122,23 +334,17 @@ def sharer_pids(store_dir: str) -> list[int]:
 
 
 def store_held(store_dir: str) -> bool:
-    """Whether any process holds the store's ``lock`` (attached, or exclusive).
-    A probe: the lock is released at once, so it never keeps a process out.
+    """Whether any process holds the store: attached (the table's registry),
+    or opening, closing, removing or repairing it (``lock.init`` busy).
 
-    Raises:
-        OSError: the lock file exists but cannot be opened.
+    A probe that takes no lock (``nvmetier info``, a read-only ``fsck``):
+    it reads OFD locks with ``F_OFD_GETLK`` only, so it can never make an
+    opener fail with ``StoreLockedError`` nor make a closer believe it is
+    not the last. An answer is a snapshot: a process may attach just after.
     """
-    try:
-        fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False  # never opened by any process
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except OSError as exc:
-        return exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
-    finally:
-        os.close(fd)  # drops the probe's lock, if it got one
+    if _busy(os.path.join(store_dir, INIT_LOCK_NAME)):
+        return True
+    return bool(sharers(store_dir))
 
 
 def holders(store_dir: str) -> str:
@@ -157,13 +363,18 @@ def holders(store_dir: str) -> str:
 
 
 def probe_o_direct(directory: str) -> tuple[bool, str]:
-    """Whether an aligned O_DIRECT write works in ``directory``, and why not."""
+    """Whether an aligned O_DIRECT write works in ``directory``, and why not.
+
+    The probe file has no name (``O_TMPFILE``), so a crash in the middle
+    leaves nothing on disk. Where the filesystem has no ``O_TMPFILE``, it is
+    a named ``.odirect-probe-*`` file, unlinked at once; probe files older
+    than a minute (left by a crash) are deleted by every probe.
+    """
     if not O_DIRECT:
         return False, "O_DIRECT is not defined on this platform"
-    path = os.path.join(directory, f".odirect-probe-{os.getpid()}")
     page = mmap.mmap(-1, fmt.ALIGN_BYTES)
     try:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_TRUNC | O_DIRECT, FILE_MODE)
+        fd = _probe_file(directory)
         try:
             os.pwrite(fd, page, 0)
             os.preadv(fd, [page], 0)
@@ -174,8 +385,137 @@ def probe_o_direct(directory: str) -> tuple[bool, str]:
         return False, f"{os.strerror(exc.errno or 0)} (errno {exc.errno})"
     finally:
         page.close()
+
+
+PROBE_PREFIX = ".odirect-probe-"
+_STALE_PROBE_S = 60.0
+
+
+def _probe_file(directory: str) -> int:
+    """An O_DIRECT fd on a file of ``directory`` that no crash can leave."""
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            fd = os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise
+        else:  # O_TMPFILE works here: the answer is whether O_DIRECT does
+            os.close(fd)
+            return os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC | O_DIRECT, FILE_MODE)
+    _sweep_probe_files(directory)
+    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        # A filesystem that refuses O_DIRECT may have created the file first.
+        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | O_DIRECT | os.O_CLOEXEC
+        return os.open(path, flags, FILE_MODE)
+    finally:
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(path)  # an open fd keeps the file until the probe ends
+
+
+def _sweep_probe_files(directory: str) -> None:
+    """Delete named probe files a crash left (older than a minute: a live
+    probe lasts milliseconds)."""
+    now = time.time()
+    with contextlib.suppress(OSError), os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.name.startswith(PROBE_PREFIX):
+                with contextlib.suppress(OSError):
+                    if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_PROBE_S:
+                        os.unlink(entry.path)
+
+
+PRIVATE_TAG = "_private_"
+
+
+def private_store_name(base: str) -> str:
+    """The name of a store private to this process: ``<base>_private_<pid>_<random>``.
+
+    The pid is for a person reading the directory; the random part keeps
+    names unique where pids are not (containers in their own pid namespace
+    start at the same pids), so no two processes ever pick one store.
+    """
+    return f"{base}{PRIVATE_TAG}{os.getpid()}_{secrets.token_hex(4)}"
+
+
+def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
+    """Delete the private stores under ``roots`` whose process is gone, and
+    the ``.removing-`` directories a crash left in the middle of a removal.
+
+    A private store is judged by its locks, never by a pid (pids are reused,
+    and another container's pids are not ours): its process holds ``lock``
+    exclusively for its whole life, so a store whose ``lock`` we can take
+    (under ``lock.init``, without waiting) has nobody attached. A stopped
+    (SIGSTOP, ``docker pause``) process still holds its lock and keeps its
+    store. Blocks for one directory listing and a few lock probes; never
+    raises: what cannot be examined is left.
+
+    Returns:
+        The main directories deleted.
+    """
+    if not roots:
+        return []
+    try:
+        names = sorted(os.listdir(roots[0]))
+    except OSError:
+        return []
+    reclaimed = []
+    for name in names:
+        if _REMOVING_NAME.search(name):
+            for root in roots:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        elif _PRIVATE_NAME.search(name) and _reclaim_if_free(_under(roots, name)):
+            reclaimed.append(os.path.join(roots[0], name))
+    return reclaimed
+
+
+def _under(roots: Sequence[str], name: str) -> list[str]:
+    return [os.path.join(r, name) for r in roots]
+
+
+# Exactly the names private_store_name gives (the pid alone before the random
+# part was added) after a store name's 12-hex-digit digest, and _remove_dirs'
+# names: a shared store is never taken for one, whatever its model is called.
+_PRIVATE_NAME = re.compile(r"_[0-9a-f]{12}(_dp\d+)?_private_\d+(_[0-9a-f]{8})?$")
+_REMOVING_NAME = re.compile(r"\.removing-[0-9a-f]{12}$")
+
+
+def _reclaim_if_free(dirs: Sequence[str]) -> bool:
+    """Remove the store in ``dirs`` if nobody holds it (``reclaim_private_stores``)."""
+    main = dirs[0]
+    init_path = os.path.join(main, INIT_LOCK_NAME)
+    try:
+        init_fd = os.open(init_path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return False  # not a store, or one being created right now
+    try:
+        try:
+            fcntl.flock(init_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # being opened or closed now
+        mark_init_busy(init_fd)
+        if not _is_linked(init_fd, init_path):
+            return False
+        try:
+            lock_fd = os.open(os.path.join(main, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            lock_fd = -1  # its process died before it took the lock
+        except OSError:
+            return False
+        try:
+            if lock_fd >= 0:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # its process is alive (or stopped): keep it
+        finally:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+        logger.info("nvmetier: removing %s, the private store of a process that is gone", main)
+        _remove_dirs(dirs)
+        return True
+    finally:
+        os.close(init_fd)
 
 
 def _ensure_dir(path: str, key: str) -> None:
@@ -330,15 +670,15 @@ class StoreFiles:
             key = "root_dir" if len(roots) == 1 else f"root_dir[{i}]"
             if create:
                 _ensure_dir(root, key)
+            if os.path.isdir(root):
+                check_filesystem(root, "process" if self.exclusive else "node")
             self.dirs.append(os.path.join(root, store_name))
         main = self.dirs[0]
         sb_path = os.path.join(main, SUPERBLOCK_NAME)
         exists = os.path.exists(sb_path)
         if not exists and not create:
             raise FormatError(f"{main!r} is not an nvmetier store (no superblock)")
-        for d in self.dirs:
-            _ensure_dir(d, "store directory")
-        self._init_fd = _lock_file(main, INIT_LOCK_NAME, fcntl.LOCK_EX)
+        self._init_fd = _lock_init(self.dirs)
         try:
             self._lock(main)
             exists = os.path.exists(sb_path)
@@ -416,8 +756,7 @@ class StoreFiles:
         if os.fstat(fd).st_size != size:
             if not self.alone:
                 raise FormatError(f"{path!r} has the wrong size while sharers are attached")
-            os.ftruncate(fd, 0)
-            _fallocate(fd, size, path)
+            _preallocate_mapped(fd, size, path)
         self.table_map = mmap.mmap(fd, size)
         if self.alone:
             # The records are the durable truth: the first process to attach
@@ -446,6 +785,11 @@ class StoreFiles:
         )
         if rebuild is not None:
             self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64))
+            del rebuild
+            # The scan's temporaries (~65 B per stored slot) are freed now, but
+            # in a long-lived process (vLLM: glibc's mmap threshold raised by
+            # earlier big frees) they came from the heap, which glibc keeps.
+            release_free_memory()
         self.table.attach()
 
     def other_sharers(self) -> int:
@@ -535,21 +879,29 @@ class StoreFiles:
             need = sb.data_file_bytes + (need_main if i == 0 else 0)
             free = shutil.disk_usage(d).free
             if free < need:
+                # What would fit: the store's size scales with capacity_bytes.
+                fit_bytes = layout.capacity_bytes * free // need >> 20 << 20
                 raise StoreSpaceError(
-                    f"{d!r} has {free} bytes free but the store needs {need}; "
-                    "lower capacity_bytes or free space on that drive"
+                    f"{d!r} has {format_size(free)} free but the store needs "
+                    f"{format_size(need)} ({format_size(need - free)} more): lower "
+                    f"capacity_bytes (now {format_size(layout.capacity_bytes)}; about "
+                    f"{format_size(fit_bytes)} fits), or free space on that drive"
                 )
         for d in self.dirs:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
-        self._preallocate(os.path.join(self.dirs[0], INDEX_NAME), fmt.align_up(sb.index_bytes))
+        index_path = os.path.join(self.dirs[0], INDEX_NAME)
+        self._preallocate(index_path, fmt.align_up(sb.index_bytes), mapped=True)
         self._write_superblock(sb)
 
     @staticmethod
-    def _preallocate(path: str, size: int) -> None:
+    def _preallocate(path: str, size: int, mapped: bool = False) -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
         try:
-            os.ftruncate(fd, 0)
-            _fallocate(fd, size, path)
+            if mapped:
+                _preallocate_mapped(fd, size, path)
+            else:
+                os.ftruncate(fd, 0)
+                _fallocate(fd, size, path)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -603,9 +955,15 @@ class StoreFiles:
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
 
-    def close(self, clean: bool = True) -> bool:
+    def close(self, clean: bool = True, remove: bool = False) -> bool:
         """Detach; the last sharer also sweeps the table and, when ``clean``,
-        marks the superblock clean. Closes every fd.
+        marks the superblock clean, or, when ``remove``, deletes the store's
+        directories. Closes every fd.
+
+        The decision "last" and the removal are both made under ``lock.init``
+        (held exclusively from the detach to the end), so no process can
+        attach between them: an opener waiting on ``lock.init`` finds it
+        unlinked afterwards and creates a fresh store.
 
         Returns:
             True when this process was the last one attached (nobody else
@@ -616,7 +974,7 @@ class StoreFiles:
         if self._lock_fd >= 0 and self.table is not None and self.dirs:
             # Serialize with opens: no process attaches while we decide.
             with contextlib.suppress(OSError):
-                init_fd = _lock_file(self.dirs[0], INIT_LOCK_NAME, fcntl.LOCK_EX)
+                init_fd = _lock_init_fd(self.dirs[0])
         try:
             if self.table is not None:
                 self.table.detach()
@@ -626,14 +984,16 @@ class StoreFiles:
                     last = True
                 except OSError:
                     last = False
-            if last and self.table is not None:
+            # Only under lock.init: without it an opener could be attaching.
+            removing = last and remove and init_fd >= 0
+            if last and self.table is not None and not removing:
                 self.table.sweep()
-            if hasattr(self, "index") and not self.index.closed:
+            if hasattr(self, "index") and not self.index.closed and not removing:
                 self.flush_index()
-            for fd in self.data_fds:
+            for fd in () if removing else self.data_fds:
                 with contextlib.suppress(OSError):
                     os.fsync(fd)
-            if last and clean and self.table is not None:
+            if last and clean and not removing and self.table is not None:
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None
@@ -650,6 +1010,8 @@ class StoreFiles:
             for fd in self.data_fds:
                 os.close(fd)
             self.data_fds = []
+            if removing:
+                _remove_dirs(self.dirs)  # still under lock.init: nobody attaches meanwhile
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
@@ -657,7 +1019,24 @@ class StoreFiles:
             _unlock_file(init_fd)
         return last
 
-    def remove(self) -> None:
-        """Delete the store's directories (ephemeral mode). Call after close."""
-        for d in self.dirs:
-            shutil.rmtree(d, ignore_errors=True)
+
+def _remove_dirs(dirs: Sequence[str]) -> None:
+    """Delete a store's directories; call with its ``lock.init`` held.
+
+    Each directory is first renamed aside (``<name>.removing-<random>``,
+    the main one last, which moves ``lock.init`` with it), then deleted. An
+    opener that waited on the old ``lock.init`` finds it gone from its path
+    and starts again; one that comes after the rename creates a fresh store
+    at once, never waiting for the files to be deleted. A crash between the
+    two steps leaves a ``.removing-`` directory, which the next
+    ``reclaim_private_stores`` deletes.
+    """
+    tag = f"{REMOVING_TAG}{secrets.token_hex(6)}"
+    doomed = []
+    for d in [*dirs[1:], dirs[0]]:
+        aside = os.path.normpath(d) + tag
+        with contextlib.suppress(OSError):
+            os.rename(d, aside)
+            doomed.append(aside)
+    for d in doomed:
+        shutil.rmtree(d, ignore_errors=True)

@@ -27,7 +27,9 @@ person; the usual fix is removing the store directory (it is a cache).
 Locking: a check is read-only and works on a live store (processes attached
 with ``sharing: node``): records change under the reader, so a record or a
 payload that fails is read again, and reported only when it fails again with
-the same record bytes (a slot being rewritten is not an error). ``--repair``
+the same record bytes (a slot being rewritten is not an error). A check takes
+no lock (``files.store_held`` reads OFD locks only), so it never makes an
+opening vLLM fail nor a closing one skip its sweep. ``--repair``
 takes ``lock.init`` and the store's ``lock`` exclusively, without waiting, and
 refuses (exit 8) while any process is attached, naming their pids: a repair
 must not race a writer.
@@ -63,6 +65,7 @@ from nvmetier.files import (
     O_DIRECT,
     SUPERBLOCK_NAME,
     holders,
+    mark_init_busy,
     sharer_pids,
     store_held,
 )
@@ -243,6 +246,8 @@ def store_lock(store_dir: str, write: bool) -> Iterator[list[int]]:
                 raise FsckOperationalError(
                     f"{lock_path!r} cannot be locked: {exc.strerror}"
                 ) from exc
+            if locked and name == INIT_LOCK_NAME:
+                mark_init_busy(fds[-1])  # probes (info, a check) see the store in use
             if not locked:
                 raise FsckOperationalError(
                     f"store {store_dir!r} is in use by another process (pid "

@@ -7,8 +7,9 @@ CLI's main thread; blocks while it reads the index.
 
 Read-only and lock-free: info never takes the store's lock (a running server
 keeps serving), so numbers read from a store in use are a snapshot that may
-be a few records stale. Whether a process holds the store is reported by
-testing the lock with a shared, non-blocking flock that is released at once.
+be a few records stale. Whether a process holds the store is read from OFD
+locks with ``F_OFD_GETLK`` (``files.store_held``): info takes no lock, so it
+never makes an opening vLLM fail nor a closing one skip its sweep.
 The O_DIRECT probe writes and removes one 4 KiB file in the directory.
 """
 

@@ -384,12 +384,11 @@ class BlockStore:
         self.engine.close()
         self._table.bind(None, None, 0, False, False)  # drop its references to the engine
         self._table = None  # drop our reference: files.close releases the mappings
-        last = self.files.close(clean=True)
+        keep = self.config.persist if persist is None else persist
+        # The last process attached removes the store under its init lock.
+        self.files.close(clean=True, remove=not keep)
         # Drop our export of the primary region so its owner can unmap it.
         self._buf.release()
-        keep = self.config.persist if persist is None else persist
-        if not keep and last:
-            self.files.remove()
 
     # --------------------------------------------------------------- stats
     def sharers(self) -> int:

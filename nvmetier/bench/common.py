@@ -2,15 +2,16 @@
 
 Owns: the unit and option constants (``GB``, ``PCTS``, ``LEVELS``,
 ``RW_MODES``), chunk-size formatting and parsing, the ``--rw`` phase plan,
-file preallocation and offset patterns. No threads; ``_prealloc`` blocks on
-``posix_fallocate``.
+file preallocation and offset patterns, and the ``forkserver`` that replica
+processes come from. No threads; ``_prealloc`` blocks on ``posix_fallocate``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,6 +28,35 @@ PCTS = (50.0, 90.0, 99.0, 99.9)
 
 
 GB = 1e9
+
+
+def forkserver_context(preload: Sequence[str]) -> Any:
+    """A ``forkserver`` multiprocessing context, its server started now with
+    ``preload`` imported, and without the current directory on its path.
+
+    Python 3.11 starts the server with ``python -c``, which puts the current
+    directory first on ``sys.path`` (the parent's path is passed but not
+    applied): run from a directory holding nvmetier's source tree, the
+    server and every process it forks would import that tree, which has no
+    compiled extensions, instead of the installed package. The server is
+    started with ``PYTHONSAFEPATH=1`` (``-P``) so it imports what the parent
+    imports. (A server already running is kept as it is.)
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(preload))
+    old = os.environ.get("PYTHONSAFEPATH")
+    os.environ["PYTHONSAFEPATH"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONSAFEPATH"]
+        else:
+            os.environ["PYTHONSAFEPATH"] = old
+    return ctx
 
 
 def _offsets(n: int, bs: int, rand: bool, seed: int) -> np.ndarray:

@@ -743,11 +743,9 @@ def _mp_context() -> Any:
     """A ``forkserver`` that imported vLLM once: replicas start in a fraction
     of a second, from a process without threads (forking the caller, which
     may hold threads, is unsafe)."""
-    import multiprocessing
+    from nvmetier.bench.common import forkserver_context
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["nvmetier.vllm.harness", "nvmetier.bench.trace"])
-    return ctx
+    return forkserver_context(["nvmetier.vllm.harness", "nvmetier.bench.trace"])
 
 
 def _recv(conn: Any, proc: Any, timeout_s: float, what: str) -> tuple[Any, ...]:

@@ -57,6 +57,7 @@ from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
+from nvmetier.files import private_store_name, reclaim_private_stores
 from nvmetier.store import BlockStore, log_failed_job, log_refused_job
 
 if TYPE_CHECKING:
@@ -326,6 +327,8 @@ class NvmeTierManager(SecondaryTierManager):
         if self._events_enabled != self.config.enable_kv_events:
             self.config = dataclasses.replace(self.config, enable_kv_events=False)
         self._primary_view = primary_kv_view
+        # Private stores of processes that crashed are reclaimed by the next start.
+        reclaim_private_stores(self.config.root_dir)
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
 
@@ -384,7 +387,7 @@ class NvmeTierManager(SecondaryTierManager):
                 "keep it warm across restarts, set PYTHONHASHSEED to the same value for every "
                 "vLLM process, or use --prefix-caching-hash-algo sha256."
             )
-        self.store_name = f"{self.store_name}_private_{os.getpid()}"
+        self.store_name = private_store_name(self.store_name)
         self.config = dataclasses.replace(self.config, sharing="process", persist=False)
 
     # ------------------------------------------------------------ lookups

@@ -254,6 +254,21 @@ def test_random_hash_seed_warns_once_and_leaves_nothing_on_disk(start, root, ord
 
 
 @pytest.mark.parametrize("order", ORDERS)
+def test_random_hash_seed_store_of_a_killed_process_is_reclaimed_by_the_next_start(
+    start, root, order
+) -> None:
+    victim, later = start(2)
+    assert is_random(open_with_seed(victim, root, order))
+    victim.call("store", keys=key_range(0, 32))
+    victim.kill()
+    assert files_under(root) != []  # its whole preallocated store is left
+    assert is_random(open_with_seed(later, root, order))
+    later.call("store", keys=key_range(100, 8))
+    later.exit()
+    assert files_under(root) == []
+
+
+@pytest.mark.parametrize("order", ORDERS)
 def test_random_hash_seed_stores_nothing_in_the_shared_store(start, root, order) -> None:
     shared, r = start(2)
     shared.call("init_seed", algo="sha256", pythonhashseed=None)
