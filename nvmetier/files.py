@@ -104,10 +104,54 @@ def _busy(path: str) -> bool:
         os.close(fd)
 
 
-def _lock_init_fd(directory: str, how: int = fcntl.LOCK_EX) -> int:
+# How long an open or a close waits for another process's hold of
+# ``lock.init`` (it opens, closes, removes or repairs the store). Holds last
+# milliseconds, or seconds for the rebuild of a very large store; a holder that
+# is stopped (SIGSTOP, ``docker pause``) or hung would hold it for ever.
+INIT_LOCK_TIMEOUT_S = float(os.environ.get("NVMETIER_INIT_LOCK_TIMEOUT_S", "60"))
+
+
+class InitLockTimeout(TimeoutError):
+    """``lock.init`` stayed held by another process past the bound."""
+
+
+def _flock_bounded(fd: int, timeout_s: float) -> None:
+    """flock ``fd`` exclusively, polling, for at most ``timeout_s``.
+
+    Raises:
+        InitLockTimeout: still held by another process at the deadline.
+    """
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now >= deadline:
+            raise InitLockTimeout(f"held by another process for over {timeout_s:g} s")
+        time.sleep(min(pause, deadline - now))
+        pause = min(pause * 2, 0.05)
+
+
+def _lock_init_fd(directory: str, timeout_s: float | None = None) -> int:
     """``lock.init`` of the store in ``directory``, flocked exclusively
-    (``how`` may add ``LOCK_NB``) and marked busy; returns the fd."""
-    fd = _lock_file(directory, INIT_LOCK_NAME, how)
+    (waiting at most ``timeout_s``, default ``INIT_LOCK_TIMEOUT_S``) and
+    marked busy; returns the fd.
+
+    Raises:
+        InitLockTimeout: another process held it past the bound.
+    """
+    fd = os.open(
+        os.path.join(directory, INIT_LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE
+    )
+    try:
+        _flock_bounded(fd, INIT_LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
+    except BaseException:
+        os.close(fd)
+        raise
     mark_init_busy(fd)
     return fd
 
@@ -130,13 +174,22 @@ def _lock_init(dirs: Sequence[str]) -> int:
     lock of a file that is gone by then: it starts again, recreating the
     directories, and so never attaches to unlinked files.
     """
+    deadline = time.monotonic() + INIT_LOCK_TIMEOUT_S
     while True:
         for d in dirs:
             _ensure_dir(d, "store directory")
         try:
-            fd = _lock_init_fd(dirs[0])
+            fd = _lock_init_fd(dirs[0], max(0.0, deadline - time.monotonic()))
         except FileNotFoundError:
             continue  # the directory was removed between makedirs and open
+        except InitLockTimeout:
+            raise StoreLockedError(
+                f"store {dirs[0]!r} is being opened, closed or repaired by another process "
+                f"that has held its {INIT_LOCK_NAME} for over {INIT_LOCK_TIMEOUT_S:g} s "
+                f"(attached: {holders(dirs[0])}); a process stopped (SIGSTOP, docker pause) "
+                "or hung while opening or closing the store holds it: resume or kill it, "
+                "or use another root_dir"
+            ) from None
         if _is_linked(fd, os.path.join(dirs[0], INIT_LOCK_NAME)):
             return fd
         os.close(fd)
@@ -971,17 +1024,32 @@ class StoreFiles:
         """
         last = False
         init_fd = -1
+        timed_out = False
         if self._lock_fd >= 0 and self.table is not None and self.dirs:
-            # Serialize with opens: no process attaches while we decide.
-            with contextlib.suppress(OSError):
+            # Serialize with opens: no process attaches while we decide. A
+            # holder stopped past the bound leaves init_fd -1: we then detach
+            # without sweeping, marking clean or removing (the store stays,
+            # unclean, and the next first opener rebuilds it).
+            try:
                 init_fd = _lock_init_fd(self.dirs[0])
+            except InitLockTimeout:
+                timed_out = True
+                logger.warning(
+                    "nvmetier: %s: another process held %s for over %g s while this one "
+                    "closed (stopped or hung?); detaching without the end-of-use sweep",
+                    self.dirs[0],
+                    INIT_LOCK_NAME,
+                    INIT_LOCK_TIMEOUT_S,
+                )
+            except OSError:
+                pass
         try:
             if self.table is not None:
                 self.table.detach()
             if self._lock_fd >= 0:
                 try:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    last = True
+                    last = not timed_out  # an opener may be attaching right now
                 except OSError:
                     last = False
             # Only under lock.init: without it an opener could be attaching.
