@@ -94,7 +94,7 @@ typedef struct {
     unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
         loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
-        lock_recoveries, load_jobs_failed, store_jobs_failed;
+        lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled;
 } counters;
 
 typedef struct {
@@ -1357,8 +1357,16 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             t->c.loads_raced++;
             if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
                 return -1;
+        } else if (c->result == -ECANCELED) {
+            /* Never read (the engine refused or cancelled the op): nothing is
+             * known about the slot, which stays READY for every sharer. */
+            set_unlock(t, set);
+            t->c.loads_cancelled++;
+            if (job_fail(j, o->pos, FAIL_READ_IO, ECANCELED) < 0)
+                return -1;
         } else if (!ok) {
-            /* A transient error is not corruption: a miss until rewritten. */
+            /* A read error: a miss until rewritten (BAD, not freed: a
+             * transient error is not proven corruption). */
             (*s.state) = NVT_BAD;
             t->d_ready--;
             set_unlock(t, set);
@@ -1950,7 +1958,7 @@ PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative coun
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     counters *c = &self->c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -1958,7 +1966,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
         c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
         "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
-        "store_jobs_failed", c->store_jobs_failed);
+        "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"

@@ -57,6 +57,7 @@ COUNTERS = (
     "evictions",
     "checksum_failures",
     "read_errors",
+    "loads_cancelled",
     "write_errors",
     "load_keys_missing",
     "load_jobs_failed",
