@@ -8,9 +8,14 @@
  *
  * Threads: every method is called with the GIL held by the store's caller
  * (vLLM's scheduler thread, under its manager lock). Methods
- * take set mutexes for a few hundred nanoseconds each and never wait for I/O;
- * a set mutex held by another process is waited for (its holder also holds
- * it for nanoseconds; a holder that dies is recovered through EOWNERDEAD).
+ * take set mutexes for a few hundred nanoseconds each and never wait for I/O.
+ * Nothing waits without bound on another process: a set mutex held by
+ * another process is waited for at most SET_LOCK_WAIT_MS (GIL released; a
+ * set that timed out is only tried, not waited for, for SET_STALL_MS), after
+ * which the key is a miss or a dropped store and a completion is retried at
+ * a later poll; a store of a key another sharer is writing waits at most the
+ * watch timeout, then fails. A holder that dies is recovered through
+ * EOWNERDEAD.
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
  * layout, op_id = an index into the op slab) that an engine takes as one
@@ -41,6 +46,14 @@
 #define REC_STATE_VALID 1
 /* A WRITING slot older than this has its owner's liveness checked. */
 #define DEAD_CHECK_AGE_MS 200u
+/* The longest one wait for a set mutex held by another process (a holder
+ * holds it for nanoseconds unless it is stopped, or preempted on a busy
+ * machine), and how long a set whose wait timed out is then only tried. */
+#define SET_LOCK_WAIT_MS 20u
+#define SET_STALL_MS 1000u
+#define N_STALLED 8
+/* Sharers this process proved dead (EOWNERDEAD named them), remembered. */
+#define N_DEAD 16
 
 /* Why a key of a job failed; the first reason names the job's error, except
  * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
@@ -65,7 +78,8 @@ typedef struct {
     uint32_t slot;
     uint32_t gen;
     uint64_t expected;
-    uint64_t lease; /* a read's lease end, dropped at completion if still ours */
+    uint32_t epoch; /* a read's lease grant: released at completion (leased) */
+    uint8_t leased;
     uint32_t job;
     uint32_t pos;
     uint8_t kind;
@@ -94,7 +108,8 @@ typedef struct {
     unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
         loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
-        lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled;
+        lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
+        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred;
 } counters;
 
 typedef struct {
@@ -121,8 +136,21 @@ typedef struct {
     /* Stores of keys another write (any sharer's) was already writing: the
      * job finishes only once that write is no longer in flight, so a finished
      * store job always means its keys are there for everyone. */
-    struct watch { uint32_t slot, gen, job, pos; } *watches;
+    struct watch {
+        uint32_t slot, gen, job, pos;
+        uint64_t deadline_ms; /* past it the key fails (not stored by this job) */
+    } *watches;
     size_t n_watches, cap_watches;
+    uint64_t watch_timeout_ms;
+    /* Sets whose mutex wait timed out: only tried until `until_ms`. */
+    struct stalled { uint64_t set, until_ms; } stalled[N_STALLED];
+    /* Sharers proven dead by EOWNERDEAD (registry index, incarnation), whose
+     * OFD lock the kernel may not have released yet. */
+    struct dead { uint16_t idx, inc; } dead[N_DEAD];
+    uint32_t n_dead;
+    /* Completions whose set could not be locked: applied at a later poll. */
+    nvt_completion *deferred;
+    size_t n_deferred, cap_deferred;
     counters c;
     /* Changes to the header's used/ready gauges not yet published: added with
      * one atomic each per call (publish_counts), not one per op. */
@@ -156,18 +184,19 @@ static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t se
 /* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
 typedef struct {
     uint8_t *tag, *state, *owner;
-    uint16_t *owner_inc;
-    uint32_t *last, *stamp, *gen;
-    uint64_t *fp;
+    uint16_t *owner_inc, *pins;
+    uint32_t *last, *gen, *epoch;
+    uint64_t *stamp, *fp;
 } slot_ref;
 
 static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
     char *b = (char *)set_head(t->base, t->set_bytes, set);
     const nvt_set_layout *L = &t->layout;
     slot_ref r = {
-        (uint8_t *)(b + L->tag) + w,      (uint8_t *)(b + L->state) + w,  (uint8_t *)(b + L->owner) + w,
-        (uint16_t *)(b + L->owner_inc) + w, (uint32_t *)(b + L->last) + w, (uint32_t *)(b + L->stamp) + w,
-        (uint32_t *)(b + L->gen) + w,     (uint64_t *)(b + L->fp) + w,
+        (uint8_t *)(b + L->tag) + w,        (uint8_t *)(b + L->state) + w, (uint8_t *)(b + L->owner) + w,
+        (uint16_t *)(b + L->owner_inc) + w, (uint16_t *)(b + L->pins) + w, (uint32_t *)(b + L->last) + w,
+        (uint32_t *)(b + L->gen) + w,       (uint32_t *)(b + L->epoch) + w, (uint64_t *)(b + L->stamp) + w,
+        (uint64_t *)(b + L->fp) + w,
     };
     return r;
 }
@@ -185,10 +214,12 @@ static inline void prefetch_set(TableObject *t, uint64_t set, int scan) {
     __builtin_prefetch(b + L->tag, 1);
     __builtin_prefetch(b + L->state, 1);
     if (scan) {
-        for (uint32_t off = 0; off < 4 * t->ways; off += 64) {
+        for (uint32_t off = 0; off < 4 * t->ways; off += 64)
             __builtin_prefetch(b + L->last + off, 1);
+        for (uint32_t off = 0; off < 8 * t->ways; off += 64)
             __builtin_prefetch(b + L->stamp + off, 1);
-        }
+        for (uint32_t off = 0; off < 2 * t->ways; off += 64)
+            __builtin_prefetch(b + L->pins + off, 1);
     }
 }
 
@@ -203,24 +234,54 @@ static inline uint8_t *set_states(TableObject *t, uint64_t set) {
     return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.state;
 }
 
-/* Lease and claim stamps are CLOCK_MONOTONIC milliseconds in 32 bits, compared
- * modulo 2^32 (leases last seconds, so wrapping every 49 days is harmless);
- * 0 means none. */
-static inline uint32_t now_ms(void) { return (uint32_t)(now_mono_ns() / 1000000ULL); }
+/* The table's clock: CLOCK_MONOTONIC milliseconds in 64 bits (no wrap), plus
+ * an offset that only tests set (_set_clock_offset_ns: a lease or a watch runs
+ * out without waiting). Stamps of 0 mean none. */
+static int64_t clock_offset_ns;
 
-static inline uint32_t stamp_of(uint32_t ms) { return ms ? ms : 1; }
+static inline uint64_t now_ms(void) {
+    return ((uint64_t)((int64_t)now_mono_ns() + clock_offset_ns)) / 1000000ULL + 1;
+}
 
-static inline int stamp_after(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
+/* Milliseconds since `stamp` (0 when the stamp is in the future). */
+static inline uint64_t age_ms(uint64_t now, uint64_t stamp) { return now > stamp ? now - stamp : 0; }
 
-static inline int leased(uint32_t stamp, uint32_t now) { return stamp && stamp_after(stamp, now); }
+/* A lease whose end passed is zeroed where it is seen (the set is locked):
+ * its grants' late releases then name an old epoch and take no pin. */
+static inline void lease_expire_locked(slot_ref s, uint64_t now) {
+    if (*s.pins && *s.stamp <= now) {
+        *s.pins = 0;
+        *s.stamp = 0;
+        (*s.epoch)++;
+    }
+}
 
-/* Grant a lease ending at `until` or later: every grant gets a stamp of its
- * own (one past the current one when that ends later), so the grant that
- * drops the lease at its end can tell whether a later grant extended it. */
-static inline uint32_t grant(uint32_t *stamp, uint32_t until) {
-    uint32_t s = (*stamp && !stamp_after(until, *stamp)) ? stamp_of(*stamp + 1) : until;
-    *stamp = s;
-    return s;
+/* Whether a READY/BAD slot is leased (the set is locked). */
+static inline int leased_locked(slot_ref s, uint64_t now) {
+    lease_expire_locked(s, now);
+    return *s.pins != 0;
+}
+
+/* Grant a lease ending at `until` or later (the set is locked): one pin of
+ * its own, released by lease_release with the returned epoch. Returns 0 when
+ * the pin count is full (the lease then only runs out: nothing to release). */
+static inline int lease_grant(slot_ref s, uint64_t now, uint64_t until, uint32_t *epoch) {
+    lease_expire_locked(s, now);
+    if (*s.stamp < until)
+        *s.stamp = until;
+    *epoch = *s.epoch;
+    if (*s.pins == UINT16_MAX)
+        return 0;
+    (*s.pins)++;
+    return 1;
+}
+
+/* Release one grant of (gen, epoch), if the slot still carries it. */
+static inline void lease_release(slot_ref s, uint32_t gen, uint32_t epoch) {
+    if (*s.gen != gen || *s.epoch != epoch || !*s.pins || (*s.state != NVT_READY && *s.state != NVT_BAD))
+        return;
+    if (--(*s.pins) == 0)
+        *s.stamp = 0;
 }
 
 static inline void publish_counts(TableObject *t) {
@@ -287,6 +348,9 @@ static inline uint32_t tick(TableObject *t, uint64_t set) {
 static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
     if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
         return 1;
+    for (uint32_t i = 0; i < t->n_dead && i < N_DEAD; i++)
+        if (t->dead[i].idx == owner && t->dead[i].inc == inc)
+            return 0; /* died holding a set mutex (its OFD lock may outlive it a while) */
     nvt_sharer *s = &sharers(t->base)[owner];
     if ((uint16_t)__atomic_load_n(&s->incarnation, __ATOMIC_ACQUIRE) != inc)
         return 0; /* the entry was claimed again: the old owner detached or died */
@@ -314,16 +378,18 @@ static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
     *s.tag = 0;
     *s.fp = 0;
     (*s.gen)++;
+    (*s.epoch)++;
     *s.stamp = 0;
+    *s.pins = 0;
     *s.owner = 0;
 }
 
 /* Reclaim WRITING slots of dead sharers in one set (held). */
-static int repair_set_locked(TableObject *t, uint64_t set, uint32_t min_age_ms, uint32_t now) {
+static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ms, uint64_t now) {
     int n = 0;
     for (uint32_t w = 0; w < t->ways; w++) {
         slot_ref s = slot_at(t, set, w);
-        if (*s.state == NVT_WRITING && (uint32_t)(now - *s.stamp) >= min_age_ms &&
+        if (*s.state == NVT_WRITING && age_ms(now, *s.stamp) >= min_age_ms &&
             !owner_alive(t, *s.owner, *s.owner_inc)) {
             clear_slot_locked(t, s, set * t->ways + w);
             n++;
@@ -333,25 +399,99 @@ static int repair_set_locked(TableObject *t, uint64_t set, uint32_t min_age_ms, 
     return n;
 }
 
+/* Whether `set` is marked stalled (its last wait timed out) and still is. */
+static int set_stalled(TableObject *t, uint64_t set, uint64_t now, int *slot) {
+    *slot = -1;
+    for (int i = 0; i < N_STALLED; i++) {
+        if (t->stalled[i].until_ms && t->stalled[i].set == set) {
+            *slot = i;
+            return now < t->stalled[i].until_ms;
+        }
+    }
+    return 0;
+}
+
+static void mark_stalled(TableObject *t, uint64_t set, uint64_t now, int slot) {
+    if (slot < 0) { /* a free entry, else the one that ends first */
+        slot = 0;
+        for (int i = 0; i < N_STALLED; i++) {
+            if (!t->stalled[i].until_ms) {
+                slot = i;
+                break;
+            }
+            if (t->stalled[i].until_ms < t->stalled[slot].until_ms)
+                slot = i;
+        }
+    }
+    t->stalled[slot].set = set;
+    t->stalled[slot].until_ms = now + SET_STALL_MS;
+}
+
+/* Lock a set's mutex. Returns 0 with the set held, or -1 when it could not be
+ * taken within the bound (counted; nothing held): the caller turns the key
+ * into a miss, a dropped store, or a completion retried later. The first try
+ * never waits; a contended mutex is waited for SET_LOCK_WAIT_MS at most with
+ * the GIL released, and a set whose wait timed out is only tried (no wait)
+ * for SET_STALL_MS, so a stopped holder costs each call one wait per set it
+ * holds (a sharer holds one set at a time), not one per key. */
 static int set_lock(TableObject *t, uint64_t set) {
     nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    int r = pthread_mutex_lock(&h->mu);
-    if (r == 0)
-        return 0;
+    int r = pthread_mutex_trylock(&h->mu);
+    if (r == EBUSY) {
+        uint64_t now = now_ms();
+        int st;
+        if (set_stalled(t, set, now, &st)) {
+            t->c.set_lock_timeouts++;
+            return -1;
+        }
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        until.tv_nsec += (long)SET_LOCK_WAIT_MS * 1000000L;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        r = pthread_mutex_clocklock(&h->mu, CLOCK_MONOTONIC, &until);
+        Py_END_ALLOW_THREADS
+        if (r == ETIMEDOUT) {
+            mark_stalled(t, set, now, st);
+            t->c.set_lock_timeouts++;
+            return -1;
+        }
+        if (st >= 0 && (r == 0 || r == EOWNERDEAD))
+            t->stalled[st].until_ms = 0; /* taken again: no longer stalled */
+    }
     if (r == EOWNERDEAD) {
         /* A sharer died inside this set's critical section: every state it can
          * have left is a WRITING slot of its own (claims mark the slot before
-         * touching the record), which is reclaimed here. */
+         * touching the record), which is reclaimed here. The holder fields
+         * name it (unless it died between taking the mutex and writing them):
+         * it is dead now, even if the kernel has not yet released its OFD
+         * lock, so its WRITING slots in every set are reclaimable at once. */
+        uint16_t holder = h->holder, holder_inc = h->holder_inc;
+        if (holder && holder - 1 < NVT_MAX_SHARERS &&
+            !(t->me >= 0 && holder - 1 == t->me && holder_inc == (uint16_t)t->my_inc)) {
+            t->dead[t->n_dead % N_DEAD].idx = (uint16_t)(holder - 1);
+            t->dead[t->n_dead % N_DEAD].inc = holder_inc;
+            t->n_dead++;
+        }
         repair_set_locked(t, set, 0, now_ms());
         pthread_mutex_consistent(&h->mu);
         t->c.lock_recoveries++;
-        return 0;
+        r = 0;
     }
-    return -1;
+    if (r != 0)
+        return -1; /* ENOTRECOVERABLE, or no such mutex: never held */
+    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
+    h->holder_inc = (uint16_t)t->my_inc;
+    return 0;
 }
 
 static inline void set_unlock(TableObject *t, uint64_t set) {
-    pthread_mutex_unlock(&set_head(t->base, t->set_bytes, set)->mu);
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    h->holder = 0;
+    pthread_mutex_unlock(&h->mu);
 }
 
 static int init_mutex(pthread_mutex_t *mu) {
@@ -622,6 +762,7 @@ static void Table_dealloc(TableObject *self) {
     PyMem_Free(self->op_free);
     PyMem_Free(self->held);
     PyMem_Free(self->watches);
+    PyMem_Free(self->deferred);
     if (self->have_tbuf)
         PyBuffer_Release(&self->tbuf);
     if (self->have_ibuf)
@@ -633,15 +774,49 @@ static uint64_t table_bytes(uint64_t n_slots, uint32_t ways) {
     return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * (uint64_t)nvt_layout(ways).set_bytes;
 }
 
+/* Whether a geometry is one this table can index: ways from 1 to
+ * NVT_MAX_WAYS, n_slots a positive multiple of ways below 2^32 (slot numbers
+ * are 32-bit). NULL when it is, else why not. */
+static const char *bad_geometry(uint64_t n_slots, uint64_t ways) {
+    if (ways < 1 || ways > NVT_MAX_WAYS)
+        return "ways must be from 1 to 4096";
+    if (n_slots == 0 || n_slots % ways)
+        return "n_slots must be a positive multiple of ways";
+    if (n_slots >= NVT_MAX_SLOTS)
+        return "n_slots must be below 2^32 (slot numbers are 32-bit): use larger chunks or less capacity";
+    return NULL;
+}
+
+/* Check every header field against this version and the mapping's size
+ * before any of them is used as an index. NULL when valid, else why not. */
+static const char *bad_header(const nvt_table_header *h, uint64_t len) {
+    if (len < NVT_TABLE_HEADER_BYTES)
+        return "the table is shorter than its header";
+    if (h->magic != NVT_TABLE_MAGIC || h->version != NVT_TABLE_VERSION)
+        return "the table is not formatted by this version (magic or version)";
+    if (h->header_bytes != NVT_TABLE_HEADER_BYTES || h->max_sharers != NVT_MAX_SHARERS)
+        return "the table header's size or registry size is not this version's";
+    const char *why = bad_geometry(h->n_slots, h->ways);
+    if (why)
+        return why;
+    if (h->n_sets != h->n_slots / h->ways)
+        return "the table header's n_sets is not n_slots / ways";
+    if (h->set_bytes != nvt_layout(h->ways).set_bytes)
+        return "the table header's set size is not this version's layout";
+    if (len < table_bytes(h->n_slots, h->ways))
+        return "the table is shorter than its header's geometry";
+    return NULL;
+}
+
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
-                             "n_rows", "lease_ns", NULL};
+                             "n_rows", "lease_ns", "watch_timeout_ns", NULL};
     PyObject *tobj, *iobj;
     int lock_fd;
     long long n_paths, slot_bytes, row_bytes, n_rows;
-    unsigned long long lease_ns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi$LLLLK", kwlist, &tobj, &iobj, &lock_fd, &n_paths,
-                                     &slot_bytes, &row_bytes, &n_rows, &lease_ns))
+    unsigned long long lease_ns, watch_ns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi$LLLLKK", kwlist, &tobj, &iobj, &lock_fd, &n_paths,
+                                     &slot_bytes, &row_bytes, &n_rows, &lease_ns, &watch_ns))
         return NULL;
     TableObject *self = (TableObject *)type->tp_alloc(type, 0);
     if (!self)
@@ -660,22 +835,23 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->base = self->tbuf.buf;
     self->index = self->ibuf.buf;
     self->hdr = (nvt_table_header *)self->base;
-    if (self->tbuf.len < NVT_TABLE_HEADER_BYTES || self->hdr->magic != NVT_TABLE_MAGIC ||
-        self->hdr->version != NVT_TABLE_VERSION || self->hdr->ways == 0) {
-        PyErr_SetString(PyExc_ValueError, "the table is not formatted (call format() first)");
+    /* Every field is read once, checked, and only the checked copies used
+     * (another process may write the header; a corrupt one is refused). */
+    nvt_table_header h;
+    memset(&h, 0, sizeof(h));
+    if (self->tbuf.len >= (Py_ssize_t)sizeof(h))
+        memcpy(&h, self->base, sizeof(h));
+    const char *why = bad_header(&h, (uint64_t)self->tbuf.len);
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "the table is not usable: %s (format() it, or remove the store)", why);
         goto fail;
     }
-    self->n_slots = self->hdr->n_slots;
-    self->ways = self->hdr->ways;
-    self->n_sets = self->hdr->n_sets;
-    self->set_bytes = self->hdr->set_bytes;
+    self->n_slots = h.n_slots;
+    self->ways = h.ways;
+    self->n_sets = h.n_sets;
+    self->set_bytes = h.set_bytes;
     self->layout = nvt_layout(self->ways);
-    if (self->layout.set_bytes != self->set_bytes) {
-        PyErr_SetString(PyExc_ValueError, "the table's set layout is not this version's");
-        goto fail;
-    }
-    if ((uint64_t)self->tbuf.len < table_bytes(self->n_slots, self->ways) ||
-        (uint64_t)self->ibuf.len < self->n_slots * REC_BYTES || n_paths < 1 ||
+    if ((uint64_t)self->ibuf.len / REC_BYTES < self->n_slots || n_paths < 1 ||
         self->n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes || n_rows < 0) {
         PyErr_SetString(PyExc_ValueError, "table, index and geometry do not match");
         goto fail;
@@ -687,6 +863,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->n_rows = n_rows;
     self->lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
                      : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
+    self->watch_timeout_ms = watch_ns / 1000000ULL;
     return (PyObject *)self;
 fail:
     Py_DECREF(self);
@@ -760,10 +937,12 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     if (r == 0) {
         if (w >= 0) {
             slot_ref s = slot_at(self, set, (uint32_t)w);
-            uint32_t until = grant(s.stamp, stamp_of(now_ms() + self->lease_ms));
+            uint64_t now = now_ms();
+            uint32_t epoch;
+            int pinned = lease_grant(s, now, now + self->lease_ms, &epoch);
             *s.last = tick(self, set);
             hit = 1;
-            if (self->n_held == self->cap_held) {
+            if (pinned && self->n_held == self->cap_held) {
                 size_t cap = self->cap_held ? self->cap_held * 2 : 256;
                 uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
                 if (h) {
@@ -771,10 +950,12 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
                     self->cap_held = cap;
                 }
             }
-            if (self->n_held < self->cap_held) { /* else the lease just runs out */
+            if (pinned && self->n_held < self->cap_held) {
                 self->held[2 * self->n_held] = set * self->ways + (uint64_t)w;
-                self->held[2 * self->n_held + 1] = until;
+                self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
                 self->n_held++;
+            } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
+                PyErr_Clear();
             }
         }
         set_unlock(self, set);
@@ -844,7 +1025,7 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
  * -1 when every way is being written or leased, or -2 when the key is already
  * present or being written. *evict is set when a READY/BAD key is displaced. */
 static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, Py_ssize_t n,
-                     uint32_t now, int *evict) {
+                     uint64_t now, int *evict) {
     const uint8_t *tags = set_tags(t, set), *states = set_states(t, set), tag = tag_of(fp);
     int empty = -1;
     *evict = 0;
@@ -877,8 +1058,7 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
         slot_ref s = slot_at(t, set, w);
         uint8_t st = states[w];
         if (st == NVT_WRITING) {
-            if ((uint32_t)(now - *s.stamp) >= DEAD_CHECK_AGE_MS &&
-                !owner_alive(t, *s.owner, *s.owner_inc)) {
+            if (age_ms(now, *s.stamp) >= DEAD_CHECK_AGE_MS && !owner_alive(t, *s.owner, *s.owner_inc)) {
                 clear_slot_locked(t, s, set * t->ways + w);
                 t->c.dead_reclaimed++;
                 return (int)w;
@@ -887,7 +1067,7 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
         }
         if (st == NVT_EMPTY)
             return (int)w;
-        if (leased(*s.stamp, now))
+        if (leased_locked(s, now))
             continue; /* a lookup hit or a load in flight */
         int bad = st == NVT_BAD;
         uint32_t age = clock - *s.last;
@@ -960,7 +1140,7 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
     Py_ssize_t n_ops = *n_ops_io;
     int64_t job = *job_io;
     int rc = 0;
-    uint32_t now = stamp_of(now_ms());
+    uint64_t now = now_ms();
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
     if (!fps)
         goto error;
@@ -1021,6 +1201,7 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
             wt->gen = gen;
             wt->job = (uint32_t)job;
             wt->pos = (uint32_t)i;
+            wt->deadline_ms = now + self->watch_timeout_ms;
             self->jobs[job].remaining++;
             continue;
         }
@@ -1067,6 +1248,8 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
         *s.owner = (uint8_t)(self->me < 0 ? 0 : self->me);
         *s.owner_inc = (uint16_t)self->my_inc;
         *s.stamp = now;
+        *s.pins = 0; /* an evicted slot's lease had ended */
+        (*s.epoch)++;
         (*s.gen)++;
         *s.fp = fp;
         *s.tag = tag_of(fp);
@@ -1180,7 +1363,7 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
     Py_ssize_t n_ops = *n_ops_io;
     int64_t job = *job_io;
     int rc = 0;
-    uint32_t until = stamp_of(now_ms() + self->lease_ms);
+    uint64_t now = now_ms(), until = now + self->lease_ms;
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
     if (!fps)
         goto error;
@@ -1192,15 +1375,14 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         int64_t row = row_at(rows, i);
         uint64_t fp = fps[i], set = fp % self->n_sets;
-        int w = -1;
-        uint32_t gen = 0, lease = 0;
+        int w = -1, leased = 0;
+        uint32_t gen = 0, epoch = 0;
         uint64_t expected = 0;
         if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
             w = find_way(self, set, fp, k, n, 1u << NVT_READY);
             if (w >= 0) {
                 slot_ref s = slot_at(self, set, (uint32_t)w);
-                lease = grant(s.stamp, until);
-                *s.owner = 1; /* a load holds the lease: end-of-step releases keep off it */
+                leased = lease_grant(s, now, until, &epoch); /* released at its completion */
                 *s.last = tick(self, set);
                 gen = *s.gen;
                 expected = record_payload(self, set * self->ways + (uint64_t)w);
@@ -1231,7 +1413,8 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
         o->slot = (uint32_t)slot;
         o->gen = gen;
         o->expected = expected;
-        o->lease = lease;
+        o->epoch = epoch;
+        o->leased = (uint8_t)leased;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
         o->kind = NVT_OP_READ;
@@ -1307,7 +1490,8 @@ static PyObject *fail_text(job_info *j) {
     }
 }
 
-/* Apply one completion; returns -1 only on out of memory. */
+/* Apply one completion. Returns 0, 1 when its set could not be locked
+ * (nothing changed: apply it again later, see defer), or -1 on out of memory. */
 static int apply_one(TableObject *t, const nvt_completion *c, int verify, int events, PyObject **stored,
                      PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
@@ -1319,41 +1503,38 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
     uint64_t set = o->slot / t->ways;
     slot_ref s = slot_at(t, set, o->slot % t->ways);
     int ok = c->result == t->row_bytes;
-    int lock_ok = set_lock(t, set) == 0;
+    if (set_lock(t, set) != 0)
+        return 1; /* its holder is stopped or slow: the op stays in flight */
     if (o->kind == NVT_OP_WRITE) {
-        if (ok && lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
+        if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
             /* The data is written: only now does the record appear, then the slot. */
             write_record(t, o->slot, o->key, o->key_len, c->checksum);
             (*s.stamp) = 0;
-            (*s.owner) = 0; /* READY: owner = 1 while a load's lease is on the slot */
+            (*s.pins) = 0;
+            (*s.owner) = 0;
             (*s.last) = tick(t, set);
             __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
             t->d_ready++;
-            if (lock_ok)
-                set_unlock(t, set);
+            set_unlock(t, set);
             t->c.ops_written++;
             t->c.bytes_written += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
             if (events && append_key(stored, o->key, o->key_len) < 0)
                 return -1;
         } else {
-            if (lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen)
+            if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
                 clear_slot_locked(t, s, o->slot); /* the record is still zero */
-            if (lock_ok)
-                set_unlock(t, set);
+            set_unlock(t, set);
             t->c.write_errors++;
             if (job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result) < 0)
                 return -1;
         }
     } else {
-        int same = lock_ok && (*s.gen) == o->gen && (*s.state) == NVT_READY;
-        if (same && (*s.stamp) == o->lease) {
-            (*s.stamp) = 0; /* nobody extended our lease: the slot is evictable again */
-            (*s.owner) = 0;
-        }
+        int same = (*s.gen) == o->gen && (*s.state) == NVT_READY;
+        if (o->leased)
+            lease_release(s, o->gen, o->epoch); /* this load's own pin; others' stay */
         if (!same) {
-            if (lock_ok)
-                set_unlock(t, set);
+            set_unlock(t, set);
             t->c.loads_raced++;
             if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
                 return -1;
@@ -1493,34 +1674,47 @@ static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
     return 0;
 }
 
-/* Resolve watches whose write is no longer in flight (done, failed, or its
- * writer died and the slot was reclaimed). */
+/* Resolve watches (stores of keys another write was already writing). A
+ * watched key counts as stored by this job only if its slot is READY with
+ * the generation the watch saw (that write published it). It fails (quiet:
+ * not stored by this job, counted) when that write failed, was cancelled or
+ * its writer died (the slot left WRITING at that generation), or when it is
+ * still WRITING past the watch's deadline (a stopped or hung writer). A set
+ * that cannot be locked leaves the watch pending until its deadline. */
 static int check_watches(TableObject *self, PyObject *finished) {
     size_t keep = 0;
-    uint32_t now = now_ms();
+    uint64_t now = now_ms();
     for (size_t i = 0; i < self->n_watches; i++) {
         struct watch wt = self->watches[i];
         uint64_t set = wt.slot / self->ways;
-        int pending = 1;
+        int pending = 1, stored = 0;
         if (set_lock(self, set) == 0) {
             slot_ref s = slot_at(self, set, wt.slot % self->ways);
             if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
-                (uint32_t)(now - (*s.stamp)) >= DEAD_CHECK_AGE_MS &&
-                !owner_alive(self, (*s.owner), (*s.owner_inc))) {
+                age_ms(now, *s.stamp) >= DEAD_CHECK_AGE_MS && !owner_alive(self, (*s.owner), (*s.owner_inc))) {
                 clear_slot_locked(self, s, wt.slot);
                 self->c.dead_reclaimed++;
             }
             pending = (*s.state) == NVT_WRITING && (*s.gen) == wt.gen;
+            stored = (*s.state) == NVT_READY && (*s.gen) == wt.gen;
             set_unlock(self, set);
-        } else {
-            pending = 0;
         }
-        if (pending) {
+        if (pending && now < wt.deadline_ms) {
             self->watches[keep++] = wt;
             continue;
         }
+        if (!stored) {
+            if (pending)
+                self->c.stores_dropped_watch_timeout++;
+            else
+                self->c.stores_dropped_watch_failed++;
+            if (job_fail(&self->jobs[wt.job], wt.pos, FAIL_DROPPED, 0) < 0) {
+                PyErr_NoMemory();
+                pending = -1;
+            }
+        }
         self->jobs[wt.job].remaining--;
-        if (maybe_finish(self, wt.job, finished) < 0) {
+        if (pending < 0 || maybe_finish(self, wt.job, finished) < 0) {
             /* keep the rest consistent: compact what is left, then fail */
             for (size_t r = i + 1; r < self->n_watches; r++)
                 self->watches[keep++] = self->watches[r];
@@ -1532,10 +1726,66 @@ static int check_watches(TableObject *self, PyObject *finished) {
     return 0;
 }
 
+/* Keep a completion whose set could not be locked, to apply at a later
+ * poll (its op stays in flight, its job unfinished). -1 on out of memory. */
+static int defer(TableObject *self, const nvt_completion *c) {
+    if (self->n_deferred == self->cap_deferred) {
+        size_t cap = self->cap_deferred ? self->cap_deferred * 2 : 64;
+        nvt_completion *d = PyMem_Realloc(self->deferred, cap * sizeof(nvt_completion));
+        if (!d) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->deferred = d;
+        self->cap_deferred = cap;
+    }
+    self->deferred[self->n_deferred++] = *c;
+    self->c.completions_deferred++;
+    return 0;
+}
+
+/* Apply one completion, or defer it; then finish its job if that was its last op. */
+static int apply_or_defer(TableObject *self, const nvt_completion *c, int verify, int events,
+                          PyObject *finished, PyObject **stored, PyObject **removed) {
+    uintptr_t raw = (uintptr_t)c->op_id;
+    uint32_t oi = (uint32_t)raw;
+    uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
+    int r = apply_one(self, c, verify, events, stored, removed);
+    if (r < 0)
+        return -1;
+    if (r > 0)
+        return defer(self, c);
+    if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
+        return -1;
+    return 0;
+}
+
+/* Apply the completions deferred by earlier calls (each is tried once). */
+static int apply_deferred(TableObject *self, int verify, int events, PyObject *finished, PyObject **stored,
+                          PyObject **removed) {
+    size_t n = self->n_deferred;
+    if (!n)
+        return 0;
+    nvt_completion *old = self->deferred;
+    self->deferred = NULL;
+    self->n_deferred = self->cap_deferred = 0;
+    int rc = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (rc == 0 && apply_or_defer(self, &old[i], verify, events, finished, stored, removed) < 0)
+            rc = -1;
+        if (rc < 0 && defer(self, &old[i]) < 0) /* keep the rest for later */
+            PyErr_Clear();
+    }
+    PyMem_Free(old);
+    return rc;
+}
+
 /* Apply `n` completions, then resolve watches; finished jobs go to
  * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
 static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int verify, int events,
                        PyObject *finished, PyObject **stored, PyObject **removed) {
+    if (apply_deferred(self, verify, events, finished, stored, removed) < 0)
+        return -1;
     /* Prefetch (prefetch_set's comment): each op's slab entry, then once
      * those arrive, its set's head and state line and its record. */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -1551,15 +1801,9 @@ static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n
             __builtin_prefetch(record(self, slot), 1);
         }
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t raw = (uintptr_t)cs[i].op_id;
-        uint32_t oi = (uint32_t)raw;
-        uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
-        if (apply_one(self, &cs[i], verify, events, stored, removed) < 0)
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (apply_or_defer(self, &cs[i], verify, events, finished, stored, removed) < 0)
             return -1;
-        if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
-            return -1;
-    }
     if (self->n_watches && check_watches(self, finished) < 0)
         return -1;
     return 0;
@@ -1627,23 +1871,26 @@ static int push_event(TableObject *self, int removed, PyObject *keys) {
 }
 
 /* Apply what the engine completed, waiting up to `timeout` (a float) for it,
- * and resolve watches. */
+ * and the completions deferred earlier, and resolve watches. */
 static int collect(TableObject *self, PyObject *timeout) {
+    PyObject *comps = NULL;
+    Py_buffer b = {0};
+    Py_ssize_t n = 0;
     if (self->outstanding && self->eng_wait) {
-        PyObject *comps = PyObject_CallOneArg(self->eng_wait, timeout);
+        comps = PyObject_CallOneArg(self->eng_wait, timeout);
         if (!comps)
             return -1;
-        Py_buffer b;
         if (PyObject_GetBuffer(comps, &b, PyBUF_SIMPLE) < 0) {
             Py_DECREF(comps);
             return -1;
         }
-        Py_ssize_t n = b.len / (Py_ssize_t)sizeof(nvt_completion);
+        n = b.len / (Py_ssize_t)sizeof(nvt_completion);
         self->outstanding = (uint64_t)n >= self->outstanding ? 0 : self->outstanding - (uint32_t)n;
+    }
+    int rc = 0;
+    if (n || self->n_deferred || self->n_watches) {
         PyObject *stored = NULL, *removed = NULL;
-        int rc = n ? apply_batch(self, b.buf, n, self->verify, self->events_on, NULL, &stored, &removed) : 0;
-        PyBuffer_Release(&b);
-        Py_DECREF(comps);
+        rc = apply_batch(self, n ? b.buf : NULL, n, self->verify, self->events_on, NULL, &stored, &removed);
         if (rc == 0 && stored)
             rc = push_event(self, 0, stored);
         if (rc == 0 && removed)
@@ -1651,14 +1898,12 @@ static int collect(TableObject *self, PyObject *timeout) {
         Py_XDECREF(stored);
         Py_XDECREF(removed);
         publish_counts(self);
-        if (rc < 0)
-            return -1;
-        if (n)
-            return 0; /* apply_batch resolved the watches */
     }
-    if (self->n_watches && check_watches(self, NULL) < 0)
-        return -1;
-    return 0;
+    if (comps) {
+        PyBuffer_Release(&b);
+        Py_DECREF(comps);
+    }
+    return rc;
 }
 
 /* submit_store / submit_load: see their docs. */
@@ -1736,7 +1981,8 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t i = 0; i < n_ops; i++) {
                 nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
-                if (apply_one(self, &c, 0, 0, NULL, NULL) < 0) /* only out of memory */
+                int r = apply_one(self, &c, 0, 0, NULL, NULL);
+                if (r < 0 || (r > 0 && defer(self, &c) < 0)) /* only out of memory */
                     PyErr_Clear();
             }
             publish_counts(self);
@@ -1802,7 +2048,7 @@ static PyObject *take_list(PyObject **slot) {
 }
 
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if ((self->outstanding || self->n_watches) && collect(self, py_zero_s) < 0)
+    if ((self->outstanding || self->n_watches || self->n_deferred) && collect(self, py_zero_s) < 0)
         return NULL;
     if (!PyList_GET_SIZE(self->done))
         return Py_NewRef(py_empty_tuple);
@@ -1844,12 +2090,11 @@ PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     for (size_t i = 0; i < self->n_held; i++) {
-        uint64_t slot = self->held[2 * i], until = self->held[2 * i + 1], set = slot / self->ways;
+        uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->ways;
         if (set_lock(self, set) != 0)
-            continue;
-        slot_ref s = slot_at(self, set, (uint32_t)(slot % self->ways));
-        if ((*s.state) == NVT_READY && (*s.stamp) == (uint32_t)until && !(*s.owner))
-            (*s.stamp) = 0;
+            continue; /* the lease runs out on its own */
+        lease_release(slot_at(self, set, (uint32_t)(slot % self->ways)), (uint32_t)(grant >> 32),
+                      (uint32_t)grant);
         set_unlock(self, set);
     }
     self->n_held = 0;
@@ -1869,7 +2114,7 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
     if (r == 0) {
         if (w >= 0) {
             slot_ref s = slot_at(self, set, (uint32_t)w);
-            if (!leased(*s.stamp, now_ms())) {
+            if (!leased_locked(s, now_ms())) {
                 clear_slot_locked(self, s, set * self->ways + (uint64_t)w);
                 done = 1;
             }
@@ -1892,7 +2137,7 @@ PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
                         "recount the used/ready gauges. Returns the slots reclaimed.");
 
 static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    uint32_t now = now_ms();
+    uint64_t now = now_ms();
     int64_t used = 0, ready = 0;
     long long reclaimed = 0;
     for (uint64_t set = 0; set < self->n_sets; set++) {
@@ -1945,6 +2190,7 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
         (*s.tag) = tag_of(*s.fp);
         (*s.last) = tick(self, slot / self->ways);
         (*s.stamp) = 0;
+        (*s.pins) = 0;
         (*s.owner) = 0;
         (*s.gen)++;
         (*s.state) = NVT_READY;
@@ -1958,7 +2204,7 @@ PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative coun
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     counters *c = &self->c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -1966,7 +2212,10 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
         c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
         "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
-        "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled);
+        "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled,
+        "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
+        c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
+        c->completions_deferred);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
@@ -1981,7 +2230,38 @@ static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
                          (unsigned int)self->n_watches, self->jobs_live);
 }
 
+PyDoc_STRVAR(hold_set_doc, "_hold_set(set) -> bool\n\n"
+                           "Tests only: take a set's mutex and keep it (as a sharer stopped or\n"
+                           "killed inside a critical section would). False when not taken.");
+
+static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
+    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (set >= self->n_sets) {
+        PyErr_SetString(PyExc_ValueError, "no such set");
+        return NULL;
+    }
+    return PyBool_FromLong(set_lock(self, set) == 0);
+}
+
+PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex _hold_set took.");
+
+static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
+    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (set >= self->n_sets) {
+        PyErr_SetString(PyExc_ValueError, "no such set");
+        return NULL;
+    }
+    set_unlock(self, set);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Table_methods[] = {
+    {"_hold_set", (PyCFunction)Table_hold_set, METH_O, hold_set_doc},
+    {"_release_set", (PyCFunction)Table_release_set, METH_O, release_set_doc},
     {"attach", (PyCFunction)Table_attach, METH_NOARGS, attach_doc},
     {"detach", (PyCFunction)Table_detach, METH_NOARGS, detach_doc},
     {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
@@ -2025,8 +2305,9 @@ static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "KI", &n_slots, &ways))
         return NULL;
-    if (!ways || n_slots % ways) {
-        PyErr_SetString(PyExc_ValueError, "n_slots must be a positive multiple of ways");
+    const char *why = bad_geometry(n_slots, ways);
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
         return NULL;
     }
     return PyLong_FromUnsignedLongLong(table_bytes(n_slots, ways));
@@ -2044,9 +2325,10 @@ static PyObject *py_format(PyObject *m, PyObject *args) {
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "w*KI", &v, &n_slots, &ways))
         return NULL;
-    if (!ways || n_slots % ways || (uint64_t)v.len < table_bytes(n_slots, ways)) {
+    const char *why = bad_geometry(n_slots, ways);
+    if (why || (uint64_t)v.len < table_bytes(n_slots, ways)) {
         PyBuffer_Release(&v);
-        PyErr_SetString(PyExc_ValueError, "the table buffer is too small for n_slots and ways");
+        PyErr_SetString(PyExc_ValueError, why ? why : "the table buffer is too small for n_slots and ways");
         return NULL;
     }
     char *base = v.buf;
@@ -2084,17 +2366,13 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "table shorter than its header");
         return NULL;
     }
-    const nvt_table_header *h = v.buf;
-    PyObject *d = Py_BuildValue("{sKsIsKsIsLsL}", "magic", (unsigned long long)h->magic, "version",
-                                h->version, "n_slots", (unsigned long long)h->n_slots, "ways", h->ways,
-                                "used", (long long)h->used, "ready", (long long)h->ready);
+    nvt_table_header h;
+    memcpy(&h, v.buf, sizeof(h));
+    const char *why = bad_header(&h, (uint64_t)v.len);
     PyBuffer_Release(&v);
-    if (d) {
-        PyObject *ok = PyBool_FromLong(h->magic == NVT_TABLE_MAGIC && h->version == NVT_TABLE_VERSION);
-        PyDict_SetItemString(d, "valid", ok);
-        Py_DECREF(ok);
-    }
-    return d;
+    return Py_BuildValue("{sKsIsKsIsLsLsOsz}", "magic", (unsigned long long)h.magic, "version", h.version,
+                         "n_slots", (unsigned long long)h.n_slots, "ways", h.ways, "used", (long long)h.used,
+                         "ready", (long long)h.ready, "valid", why ? Py_False : Py_True, "problem", why);
 }
 
 PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
@@ -2132,7 +2410,21 @@ static PyObject *py_sharers(PyObject *m, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(set_clock_offset_doc, "_set_clock_offset_ns(ns)\n\n"
+                                    "Tests only: add ns to this process's table clock (leases, claim\n"
+                                    "stamps, watch deadlines), so a lease or a watch runs out without\n"
+                                    "waiting, or the clock stands days after boot.");
+
+static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
+    long long ns = PyLong_AsLongLong(arg);
+    if (ns == -1 && PyErr_Occurred())
+        return NULL;
+    clock_offset_ns = ns;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},

@@ -28,7 +28,9 @@ from nvmetier.errors import FormatError
 
 # Changing any layout below requires bumping FORMAT_VERSION.
 # 2: the process-shared slot table (file ``table``) joined the store.
-FORMAT_VERSION = 2
+# 3: table v3: 64-bit lease/claim stamps, per-slot lease pins and epoch, a
+#    flags byte per slot, the set mutex's holder in the set head.
+FORMAT_VERSION = 3
 MAGIC = b"NVMETIER"
 ALIGN_BYTES = 4096
 
@@ -57,13 +59,14 @@ TABLE_SET_HEAD_BYTES = 64
 
 def table_set_bytes(ways: int) -> int:
     """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h):
-    the 64-byte head, then arrays of tag, state, owner (u8), owner_inc (u16),
-    last, stamp, gen (u32) and fp (u64), each 8-byte aligned, padded to 64."""
+    the 64-byte head, then arrays of tag, state, owner, flags (u8), owner_inc,
+    pins (u16), last, gen, epoch (u32), stamp and fp (u64), each 8-byte
+    aligned, padded to 64."""
 
     def a8(n: int) -> int:
         return (n + 7) // 8 * 8
 
-    body = 3 * a8(ways) + a8(2 * ways) + 3 * a8(4 * ways) + 8 * ways
+    body = 4 * a8(ways) + 2 * a8(2 * ways) + 3 * a8(4 * ways) + 16 * ways
     return (TABLE_SET_HEAD_BYTES + body + 63) // 64 * 64
 
 

@@ -45,6 +45,14 @@ _MAX_LOOKUP_COUNTS = 1 << 20
 # How long a lookup hit or a load protects its slot from every sharer's
 # eviction. A lease expires on its own, so a dead process pins nothing for long.
 LEASE_S = 5.0
+# How long a store of a key that another process is writing waits for that
+# write (a stopped or hung writer must not hold this process's jobs): past it
+# the key is reported not stored by this job (stores_dropped_watch_timeout).
+WATCH_TIMEOUT_S = 2.0
+# How long close() waits for jobs in flight before it gives up on them (and
+# warns with what it dropped). Longer than WATCH_TIMEOUT_S, so stores waiting
+# for another process's write end on their own first.
+CLOSE_DRAIN_S = 10.0
 
 # Every counter ``stats()`` reports (zero until it happens).
 COUNTERS = (
@@ -175,6 +183,7 @@ class BlockStore:
             row_bytes=row_bytes,
             n_rows=self._n_rows,
             lease_ns=int(LEASE_S * 1e9),
+            watch_timeout_ns=int(WATCH_TIMEOUT_S * 1e9),
             wipe=not config.persist,
         )
         self.sb = self.files.sb
