@@ -55,6 +55,8 @@ EMPTY_RECORD = bytes(RECORD_BYTES)
 # --- shared slot table (native/nvt_table.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
 TABLE_SET_HEAD_BYTES = 64
+# Slot numbers are 32-bit in the table's ops and watches (NVT_MAX_SLOTS).
+MAX_SLOTS = 2**32 - 1
 
 
 def table_set_bytes(ways: int) -> int:
@@ -250,14 +252,29 @@ def geometry(
     ``ways * n_paths`` so every set is whole and every drive holds as many.
 
     Raises:
-        FormatError: when not even one set fits (the caller turns it into a
+        FormatError: when not even one set fits, or when the capacity holds
+            ``MAX_SLOTS`` slots or more (the caller turns it into a
             ConfigError naming capacity_bytes).
     """
     slot_bytes = align_up(chunk_bytes)
-    unit = ways * n_paths
     if per_path_bytes is not None:
         overhead = reserved_bytes(identity, 1)
-        return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
+        n_slots = _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
+    else:
+        n_slots = _total_slots(capacity_bytes, slot_bytes, ways, n_paths, identity)
+    if n_slots >= MAX_SLOTS:
+        raise FormatError(
+            f"capacity of {capacity_bytes} bytes makes {n_slots} slots of {slot_bytes} bytes; "
+            f"a store holds fewer than 2^32 slots (slot numbers are 32-bit in the shared "
+            f"table): use larger chunks or a smaller capacity_bytes"
+        )
+    return slot_bytes, n_slots
+
+
+def _total_slots(
+    capacity_bytes: int, slot_bytes: int, ways: int, n_paths: int, identity: dict[str, Any]
+) -> int:
+    unit = ways * n_paths
     overhead = reserved_bytes(identity, n_paths)
     usable = capacity_bytes - overhead - TABLE_HEADER_BYTES
     per_slot = slot_bytes + RECORD_BYTES + -(-table_set_bytes(ways) // ways)
@@ -277,7 +294,7 @@ def geometry(
             f"capacity of {capacity_bytes} bytes holds no complete set: one set of {ways} ways "
             f"over {n_paths} path(s) of {slot_bytes}-byte slots needs at least {need} bytes"
         )
-    return slot_bytes, n_slots
+    return n_slots
 
 
 def _meta_bytes(n_slots: int, ways: int) -> int:

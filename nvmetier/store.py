@@ -380,8 +380,9 @@ class BlockStore:
         return True
 
     def close(self, persist: bool | None = None) -> None:
-        """Finish in-flight ops, stop the engine and detach. The last process
-        attached also marks the store clean. Idempotent.
+        """Finish in-flight ops (waiting ``CLOSE_DRAIN_S`` at most, then
+        warning with what is dropped), stop the engine and detach. The last
+        process attached also marks the store clean. Idempotent.
 
         With ``persist=False`` (default: ``config.persist``) the store's
         directories are removed afterwards, by the last process attached.
@@ -389,7 +390,21 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
-        self.wait_idle()
+        if not self.wait_idle(CLOSE_DRAIN_S):
+            # Bounded: an engine that stopped completing, or a set held by a
+            # stopped sharer, must not hang shutdown. What is left is dropped
+            # (its WRITING slots are reclaimed by the others once we detach).
+            outstanding, jobs = self._table.inflight()
+            _used, _ready, watches, _jobs = self._table.usage()
+            logger.warning(
+                "nvmetier: close gave up after %.1fs waiting for %d jobs in flight "
+                "(%d ops outstanding, %d stores waiting for another process's write); "
+                "they are dropped",
+                CLOSE_DRAIN_S,
+                jobs,
+                outstanding,
+                watches,
+            )
         self.poll()
         self.engine.close()
         self._table.bind(None, None, 0, False, False)  # drop its references to the engine
