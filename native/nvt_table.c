@@ -52,8 +52,12 @@
 #define SET_LOCK_WAIT_MS 20u
 #define SET_STALL_MS 1000u
 #define N_STALLED 8
-/* Sharers this process proved dead (EOWNERDEAD named them), remembered. */
-#define N_DEAD 16
+/* Sharers this process saw die (EOWNERDEAD named them), remembered: their
+ * WRITING slots are rechecked at every look, not only after
+ * DEAD_CHECK_AGE_MS. And how long the locker that saw the death waits (the
+ * set's mutex released, the GIL too) for the dead sharer's OFD lock to go. */
+#define N_DYING 16
+#define DYING_WAIT_MS 50u
 
 /* Why a key of a job failed; the first reason names the job's error, except
  * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
@@ -144,10 +148,10 @@ typedef struct {
     uint64_t watch_timeout_ms;
     /* Sets whose mutex wait timed out: only tried until `until_ms`. */
     struct stalled { uint64_t set, until_ms; } stalled[N_STALLED];
-    /* Sharers proven dead by EOWNERDEAD (registry index, incarnation), whose
+    /* Sharers seen dying by EOWNERDEAD (registry index, incarnation), whose
      * OFD lock the kernel may not have released yet. */
-    struct dead { uint16_t idx, inc; } dead[N_DEAD];
-    uint32_t n_dead;
+    struct dying { uint16_t idx, inc; } dying[N_DYING];
+    uint32_t n_dying;
     /* Completions whose set could not be locked: applied at a later poll. */
     nvt_completion *deferred;
     size_t n_deferred, cap_deferred;
@@ -348,9 +352,6 @@ static inline uint32_t tick(TableObject *t, uint64_t set) {
 static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
     if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
         return 1;
-    for (uint32_t i = 0; i < t->n_dead && i < N_DEAD; i++)
-        if (t->dead[i].idx == owner && t->dead[i].inc == inc)
-            return 0; /* died holding a set mutex (its OFD lock may outlive it a while) */
     nvt_sharer *s = &sharers(t->base)[owner];
     if ((uint16_t)__atomic_load_n(&s->incarnation, __ATOMIC_ACQUIRE) != inc)
         return 0; /* the entry was claimed again: the old owner detached or died */
@@ -365,6 +366,20 @@ static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
     if (fcntl(t->lock_fd, F_OFD_GETLK, &fl) != 0)
         return 1; /* cannot tell: assume alive (the slot stays busy, never wrong) */
     return fl.l_type != F_UNLCK;
+}
+
+/* Whether the sharer that claimed a WRITING slot was seen dying (its OFD
+ * lock, which outlives its threads' I/O, is then rechecked at every look). */
+static int owner_dying(TableObject *t, uint8_t owner, uint16_t inc) {
+    for (uint32_t i = 0; i < t->n_dying && i < N_DYING; i++)
+        if (t->dying[i].idx == owner && t->dying[i].inc == inc)
+            return 1;
+    return 0;
+}
+
+/* Whether a WRITING slot claimed at `stamp` has its owner's liveness checked now. */
+static inline int check_owner(TableObject *t, uint64_t now, uint64_t stamp, uint8_t owner, uint16_t inc) {
+    return age_ms(now, stamp) >= DEAD_CHECK_AGE_MS || owner_dying(t, owner, inc);
 }
 
 /* Free a slot (its record first). The set lock is held. */
@@ -389,7 +404,7 @@ static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ms, 
     int n = 0;
     for (uint32_t w = 0; w < t->ways; w++) {
         slot_ref s = slot_at(t, set, w);
-        if (*s.state == NVT_WRITING && age_ms(now, *s.stamp) >= min_age_ms &&
+        if (*s.state == NVT_WRITING && (age_ms(now, *s.stamp) >= min_age_ms || owner_dying(t, *s.owner, *s.owner_inc)) &&
             !owner_alive(t, *s.owner, *s.owner_inc)) {
             clear_slot_locked(t, s, set * t->ways + w);
             n++;
@@ -427,14 +442,13 @@ static void mark_stalled(TableObject *t, uint64_t set, uint64_t now, int slot) {
     t->stalled[slot].until_ms = now + SET_STALL_MS;
 }
 
-/* Lock a set's mutex. Returns 0 with the set held, or -1 when it could not be
- * taken within the bound (counted; nothing held): the caller turns the key
- * into a miss, a dropped store, or a completion retried later. The first try
- * never waits; a contended mutex is waited for SET_LOCK_WAIT_MS at most with
- * the GIL released, and a set whose wait timed out is only tried (no wait)
- * for SET_STALL_MS, so a stopped holder costs each call one wait per set it
- * holds (a sharer holds one set at a time), not one per key. */
-static int set_lock(TableObject *t, uint64_t set) {
+/* Take a set's mutex within the bound: 0 or EOWNERDEAD (held), or -1
+ * (counted; nothing held). The first try never waits; a contended mutex is
+ * waited for SET_LOCK_WAIT_MS at most with the GIL released, and a set whose
+ * wait timed out is only tried (no wait) for SET_STALL_MS, so a stopped
+ * holder costs each call one wait per set it holds (a sharer holds one set
+ * at a time), not one per key. */
+static int lock_bounded(TableObject *t, uint64_t set) {
     nvt_set_head *h = set_head(t->base, t->set_bytes, set);
     int r = pthread_mutex_trylock(&h->mu);
     if (r == EBUSY) {
@@ -462,27 +476,75 @@ static int set_lock(TableObject *t, uint64_t set) {
         if (st >= 0 && (r == 0 || r == EOWNERDEAD))
             t->stalled[st].until_ms = 0; /* taken again: no longer stalled */
     }
-    if (r == EOWNERDEAD) {
-        /* A sharer died inside this set's critical section: every state it can
-         * have left is a WRITING slot of its own (claims mark the slot before
-         * touching the record), which is reclaimed here. The holder fields
-         * name it (unless it died between taking the mutex and writing them):
-         * it is dead now, even if the kernel has not yet released its OFD
-         * lock, so its WRITING slots in every set are reclaimable at once. */
-        uint16_t holder = h->holder, holder_inc = h->holder_inc;
-        if (holder && holder - 1 < NVT_MAX_SHARERS &&
-            !(t->me >= 0 && holder - 1 == t->me && holder_inc == (uint16_t)t->my_inc)) {
-            t->dead[t->n_dead % N_DEAD].idx = (uint16_t)(holder - 1);
-            t->dead[t->n_dead % N_DEAD].inc = holder_inc;
-            t->n_dead++;
-        }
-        repair_set_locked(t, set, 0, now_ms());
+    return r == 0 || r == EOWNERDEAD ? r : -1; /* ENOTRECOVERABLE: never held */
+}
+
+/* Whether the set (held) has a WRITING slot of sharer (idx, inc). */
+static int set_has_writing_of(TableObject *t, uint64_t set, uint16_t idx, uint16_t inc) {
+    for (uint32_t w = 0; w < t->ways; w++) {
+        slot_ref s = slot_at(t, set, w);
+        if (*s.state == NVT_WRITING && *s.owner == idx && *s.owner_inc == inc)
+            return 1;
+    }
+    return 0;
+}
+
+/* Recover a set whose holder died (EOWNERDEAD: held, inconsistent). Every
+ * state the dead sharer can have left is a WRITING slot of its own (claims
+ * mark the slot before touching the record): those are reclaimed once its
+ * OFD lock is gone. The kernel walks a dying process's robust mutexes before
+ * its other threads' I/O has drained and its files are closed, so that lock
+ * is often still held here: the dead sharer (named by the holder fields,
+ * unless it died between taking the mutex and writing them) is remembered as
+ * dying, and the set's mutex released while its lock is awaited for
+ * DYING_WAIT_MS at most, then the set is repaired again. Returns 0 with the
+ * set held, or -1 (nothing held). */
+static int recover_set(TableObject *t, uint64_t set) {
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    uint16_t holder = h->holder, holder_inc = h->holder_inc;
+    int named = holder && holder - 1 < NVT_MAX_SHARERS &&
+                !(t->me >= 0 && holder - 1 == t->me && holder_inc == (uint16_t)t->my_inc);
+    if (named && !owner_dying(t, (uint8_t)(holder - 1), holder_inc)) {
+        t->dying[t->n_dying % N_DYING].idx = (uint16_t)(holder - 1);
+        t->dying[t->n_dying % N_DYING].inc = holder_inc;
+        t->n_dying++;
+    }
+    repair_set_locked(t, set, 0, now_ms());
+    pthread_mutex_consistent(&h->mu);
+    t->c.lock_recoveries++;
+    if (!named || !set_has_writing_of(t, set, (uint16_t)(holder - 1), holder_inc))
+        return 0;
+    h->holder = 0;
+    pthread_mutex_unlock(&h->mu);
+    uint64_t until = now_mono_ns() + DYING_WAIT_MS * 1000000ULL;
+    Py_BEGIN_ALLOW_THREADS
+    while (owner_alive(t, (uint8_t)(holder - 1), holder_inc) && now_mono_ns() < until) {
+        struct timespec d = {0, 500000L};
+        nanosleep(&d, NULL);
+    }
+    Py_END_ALLOW_THREADS
+    int r = lock_bounded(t, set);
+    if (r < 0)
+        return -1;
+    if (r == EOWNERDEAD) { /* another death meanwhile: no second wait */
         pthread_mutex_consistent(&h->mu);
         t->c.lock_recoveries++;
-        r = 0;
     }
+    repair_set_locked(t, set, 0, now_ms());
+    return 0;
+}
+
+/* Lock a set's mutex (lock_bounded; a dead holder's set is recovered).
+ * Returns 0 with the set held, or -1 when it could not be taken within the
+ * bound (nothing held): the caller turns the key into a miss, a dropped
+ * store, or a completion retried later. */
+static int set_lock(TableObject *t, uint64_t set) {
+    int r = lock_bounded(t, set);
+    if (r == EOWNERDEAD)
+        r = recover_set(t, set);
     if (r != 0)
-        return -1; /* ENOTRECOVERABLE, or no such mutex: never held */
+        return -1;
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
     h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
     h->holder_inc = (uint16_t)t->my_inc;
     return 0;
@@ -1058,7 +1120,7 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
         slot_ref s = slot_at(t, set, w);
         uint8_t st = states[w];
         if (st == NVT_WRITING) {
-            if (age_ms(now, *s.stamp) >= DEAD_CHECK_AGE_MS && !owner_alive(t, *s.owner, *s.owner_inc)) {
+            if (check_owner(t, now, *s.stamp, *s.owner, *s.owner_inc) && !owner_alive(t, *s.owner, *s.owner_inc)) {
                 clear_slot_locked(t, s, set * t->ways + w);
                 t->c.dead_reclaimed++;
                 return (int)w;
@@ -1691,7 +1753,8 @@ static int check_watches(TableObject *self, PyObject *finished) {
         if (set_lock(self, set) == 0) {
             slot_ref s = slot_at(self, set, wt.slot % self->ways);
             if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
-                age_ms(now, *s.stamp) >= DEAD_CHECK_AGE_MS && !owner_alive(self, (*s.owner), (*s.owner_inc))) {
+                check_owner(self, now, *s.stamp, *s.owner, *s.owner_inc) &&
+                !owner_alive(self, (*s.owner), (*s.owner_inc))) {
                 clear_slot_locked(self, s, wt.slot);
                 self->c.dead_reclaimed++;
             }

@@ -57,9 +57,13 @@
  * next locker, which repairs the set (reclaims the dead sharer's WRITING
  * slots) and marks the mutex consistent. The holder fields name the sharer
  * holding the mutex (written just after it is taken, cleared just before it
- * is released: 0 = unknown), so EOWNERDEAD names the dead sharer even while
- * the kernel has not yet released its OFD lock (robust futexes are walked
- * before the dying process's files are closed). A mutex is waited for a
+ * is released: 0 = unknown), so EOWNERDEAD names the dead sharer. The
+ * kernel walks robust futexes before the dying process's other threads have
+ * drained their I/O and before its files (its OFD lock) are closed, so its
+ * WRITING slots are reclaimed only once that OFD lock is gone (an O_DIRECT
+ * write still in flight must not land on a reclaimed slot): the locker waits
+ * a bounded time for it, and the dying sharer's slots are rechecked at every
+ * later look. A mutex is waited for a
  * bounded time (SET_LOCK_WAIT_MS in nvt_table.c): a holder that is stopped
  * (SIGSTOP, a frozen cgroup) costs a miss or a dropped store, never a hang. Sharer liveness is an OFD byte lock
  * on the store's lock file at NVT_REGISTRY_LOCK_BASE + registry index, which

@@ -36,6 +36,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -1075,25 +1076,56 @@ def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared
 SET_STALL_S = 1.05  # nvt_table.c's SET_STALL_MS: a timed-out set is only tried, then waited again
 
 
-def test_a_dead_lock_holders_slots_are_reclaimed_while_its_lock_file_is_still_open(
+def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
     shared: Shared,
 ) -> None:
     """Was a bug: the kernel hands EOWNERDEAD to the next locker before it
     closes the dead process's files, so the survivor saw the dead writer's
     OFD lock still held, reclaimed nothing, and dropped its store as "set
-    busy". The mutex's holder field names the dead sharer instead. (A
-    grandchild keeps the dead child's lock file open, holding that gap open.)"""
+    busy". Its writes may still be in flight until that lock goes, so the
+    survivor waits for it (bounded) instead of concluding. Here a grandchild
+    keeps the dead child's lock file open for 10 ms past the death."""
     b = _handle(shared)
     k1, k2, k3 = SET0_KEYS
     pid, grand = _fork_holder(shared, 0, [k1, k2], "die")
     try:
         os.waitpid(pid, 0)
+        threading.Timer(0.01, os.kill, (grand, 9)).start()
         ops, _ = _store(b, [k3], job_id=5)
         assert len(ops) == 1, "the survivor's store was dropped: the dead writer's slots stayed"
         got = b.counters()
         assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 2
         b.complete(_ok(ops), True, False)
         assert b.contains(k3) and b.usage()[:2] == (1, 1)
+    finally:
+        _reap(pid)
+        _reap(grand)
+
+
+def test_a_dead_lock_holders_slots_stay_while_its_lock_file_is_open_then_go(
+    shared: Shared,
+) -> None:
+    """Stopped is not dead, and an open lock file may mean writes in flight:
+    while the dead child's lock file stays open (a grandchild holds it), its
+    WRITING slots are not reclaimed (a bounded wait, then a dropped store);
+    once it closes, the next store into the set reclaims them."""
+    b = _handle(shared)
+    k1, k2, k3 = SET0_KEYS
+    pid, grand = _fork_holder(shared, 0, [k1, k2], "die")
+    try:
+        os.waitpid(pid, 0)
+        t0 = time.monotonic()
+        dropped, _ = _store(b, [k3], job_id=5, dropped=[0])
+        assert time.monotonic() - t0 < 0.5 and len(dropped) == 0
+        assert b.counters()["dead_slots_reclaimed"] == 0
+        os.kill(grand, 9)
+        deadline = time.monotonic() + 5
+        n_ops = 0
+        while not n_ops and time.monotonic() < deadline:
+            time.sleep(0.01)
+            packed, _failed, _ev, _pending = b.store_ops(6, [k3], _rows(1), 64, False)
+            n_ops = len(_ops(packed))
+        assert n_ops == 1 and b.counters()["dead_slots_reclaimed"] >= 1
     finally:
         _reap(pid)
         _reap(grand)
