@@ -84,6 +84,7 @@ typedef struct {
     uint64_t expected;
     uint32_t epoch; /* a read's lease grant: released at completion (leased) */
     uint8_t leased;
+    uint8_t verify; /* a read's checksum is checked (configured, or the slot is unverified) */
     uint32_t job;
     uint32_t pos;
     uint8_t kind;
@@ -113,7 +114,7 @@ typedef struct {
         loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
         lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
-        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred;
+        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified;
 } counters;
 
 typedef struct {
@@ -187,7 +188,7 @@ static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t se
 
 /* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
 typedef struct {
-    uint8_t *tag, *state, *owner;
+    uint8_t *tag, *state, *owner, *flags;
     uint16_t *owner_inc, *pins;
     uint32_t *last, *gen, *epoch;
     uint64_t *stamp, *fp;
@@ -198,7 +199,7 @@ static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
     const nvt_set_layout *L = &t->layout;
     slot_ref r = {
         (uint8_t *)(b + L->tag) + w,        (uint8_t *)(b + L->state) + w, (uint8_t *)(b + L->owner) + w,
-        (uint16_t *)(b + L->owner_inc) + w, (uint16_t *)(b + L->pins) + w, (uint32_t *)(b + L->last) + w,
+        (uint8_t *)(b + L->flags) + w,      (uint16_t *)(b + L->owner_inc) + w, (uint16_t *)(b + L->pins) + w, (uint32_t *)(b + L->last) + w,
         (uint32_t *)(b + L->gen) + w,       (uint32_t *)(b + L->epoch) + w, (uint64_t *)(b + L->stamp) + w,
         (uint64_t *)(b + L->fp) + w,
     };
@@ -399,6 +400,15 @@ static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
     *s.owner = 0;
 }
 
+/* Free the WRITING slot of a sharer that is gone (the set is held). The slot
+ * stays unverified (its next loads check the payload checksum whatever
+ * verify_checksums says, until one passes): a write of the dead sharer that
+ * was still queued could land on it after this. */
+static void reclaim_dead_locked(TableObject *t, slot_ref s, uint64_t slot) {
+    clear_slot_locked(t, s, slot);
+    *s.flags |= NVT_FLAG_UNVERIFIED;
+}
+
 /* Reclaim WRITING slots of dead sharers in one set (held). */
 static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ms, uint64_t now) {
     int n = 0;
@@ -406,7 +416,7 @@ static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ms, 
         slot_ref s = slot_at(t, set, w);
         if (*s.state == NVT_WRITING && (age_ms(now, *s.stamp) >= min_age_ms || owner_dying(t, *s.owner, *s.owner_inc)) &&
             !owner_alive(t, *s.owner, *s.owner_inc)) {
-            clear_slot_locked(t, s, set * t->ways + w);
+            reclaim_dead_locked(t, s, set * t->ways + w);
             n++;
         }
     }
@@ -1121,7 +1131,7 @@ static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, P
         uint8_t st = states[w];
         if (st == NVT_WRITING) {
             if (check_owner(t, now, *s.stamp, *s.owner, *s.owner_inc) && !owner_alive(t, *s.owner, *s.owner_inc)) {
-                clear_slot_locked(t, s, set * t->ways + w);
+                reclaim_dead_locked(t, s, set * t->ways + w);
                 t->c.dead_reclaimed++;
                 return (int)w;
             }
@@ -1413,7 +1423,10 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
 PyDoc_STRVAR(load_ops_doc,
              "load_ops(job_id, keys, rows, verify) -> (ops, missing)\n\n"
              "Ops (packed nvt_op) reading every READY key into its row; each slot is leased\n"
-             "and touched. missing: positions of keys not READY (or a bad row), or None.");
+             "and touched. An op checks its payload checksum when verify, and always on a\n"
+             "slot still unverified (rebuilt after an unclean shutdown, or reclaimed from\n"
+             "a dead writer) until one check passed. missing: positions of keys not READY\n"
+             "(or a bad row), or None.");
 
 /* Lease every READY key of a load job and build its read op (load_ops and
  * submit_load). Keys not READY (or with a bad row) go to `*missing`
@@ -1437,7 +1450,7 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         int64_t row = row_at(rows, i);
         uint64_t fp = fps[i], set = fp % self->n_sets;
-        int w = -1, leased = 0;
+        int w = -1, leased = 0, check = verify;
         uint32_t gen = 0, epoch = 0;
         uint64_t expected = 0;
         if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
@@ -1445,6 +1458,7 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
             if (w >= 0) {
                 slot_ref s = slot_at(self, set, (uint32_t)w);
                 leased = lease_grant(s, now, until, &epoch); /* released at its completion */
+                check |= (*s.flags & NVT_FLAG_UNVERIFIED) != 0;
                 *s.last = tick(self, set);
                 gen = *s.gen;
                 expected = record_payload(self, set * self->ways + (uint64_t)w);
@@ -1477,11 +1491,12 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
         o->expected = expected;
         o->epoch = epoch;
         o->leased = (uint8_t)leased;
+        o->verify = (uint8_t)check;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
         o->kind = NVT_OP_READ;
         o->key_len = 0;
-        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, verify);
+        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, check);
         self->jobs[job].remaining++;
     }
     goto done;
@@ -1554,7 +1569,7 @@ static PyObject *fail_text(job_info *j) {
 
 /* Apply one completion. Returns 0, 1 when its set could not be locked
  * (nothing changed: apply it again later, see defer), or -1 on out of memory. */
-static int apply_one(TableObject *t, const nvt_completion *c, int verify, int events, PyObject **stored,
+static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObject **stored,
                      PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
@@ -1616,7 +1631,7 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             t->c.read_errors++;
             if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
                 return -1;
-        } else if (verify && c->checksum != o->expected) {
+        } else if (o->verify && c->checksum != o->expected) {
             /* Proven corruption of this very slot: a miss, and the slot is freed. */
             const unsigned char *r = record(t, o->slot);
             int kl = r[5];
@@ -1630,6 +1645,10 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
             if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
                 return -1;
         } else {
+            if (o->verify && (*s.flags & NVT_FLAG_UNVERIFIED)) {
+                *s.flags &= (uint8_t)~NVT_FLAG_UNVERIFIED; /* verified once: trusted now */
+                t->c.loads_verified_unverified++;
+            }
             set_unlock(t, set);
             t->c.ops_read++;
             t->c.bytes_read += (unsigned long long)t->row_bytes;
@@ -1642,10 +1661,11 @@ static int apply_one(TableObject *t, const nvt_completion *c, int verify, int ev
 }
 
 PyDoc_STRVAR(complete_doc,
-             "complete(completions, verify, events) -> (finished, stored, removed)\n\n"
+             "complete(completions, events) -> (finished, stored, removed)\n\n"
              "Apply packed nvt_completion records. A write publishes its record, then its\n"
-             "slot READY; a read succeeds only when its slot's generation is unchanged and\n"
-             "(verify) the checksum matches. finished: (job_id, is_load, moved_bytes,\n"
+             "slot READY; a read succeeds only when its slot's generation is unchanged and,\n"
+             "when its op was verified (load_ops' verify, or an unverified slot), the\n"
+             "checksum matches. finished: (job_id, is_load, moved_bytes,\n"
              "failed_positions or None, first_error or None) per job whose last op this was.\n"
              "stored/removed: keys for KV events (events), or None.");
 
@@ -1755,7 +1775,7 @@ static int check_watches(TableObject *self, PyObject *finished) {
             if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
                 check_owner(self, now, *s.stamp, *s.owner, *s.owner_inc) &&
                 !owner_alive(self, (*s.owner), (*s.owner_inc))) {
-                clear_slot_locked(self, s, wt.slot);
+                reclaim_dead_locked(self, s, wt.slot);
                 self->c.dead_reclaimed++;
             }
             pending = (*s.state) == NVT_WRITING && (*s.gen) == wt.gen;
@@ -1808,12 +1828,12 @@ static int defer(TableObject *self, const nvt_completion *c) {
 }
 
 /* Apply one completion, or defer it; then finish its job if that was its last op. */
-static int apply_or_defer(TableObject *self, const nvt_completion *c, int verify, int events,
-                          PyObject *finished, PyObject **stored, PyObject **removed) {
+static int apply_or_defer(TableObject *self, const nvt_completion *c, int events, PyObject *finished,
+                          PyObject **stored, PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
     uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
-    int r = apply_one(self, c, verify, events, stored, removed);
+    int r = apply_one(self, c, events, stored, removed);
     if (r < 0)
         return -1;
     if (r > 0)
@@ -1824,7 +1844,7 @@ static int apply_or_defer(TableObject *self, const nvt_completion *c, int verify
 }
 
 /* Apply the completions deferred by earlier calls (each is tried once). */
-static int apply_deferred(TableObject *self, int verify, int events, PyObject *finished, PyObject **stored,
+static int apply_deferred(TableObject *self, int events, PyObject *finished, PyObject **stored,
                           PyObject **removed) {
     size_t n = self->n_deferred;
     if (!n)
@@ -1834,7 +1854,7 @@ static int apply_deferred(TableObject *self, int verify, int events, PyObject *f
     self->n_deferred = self->cap_deferred = 0;
     int rc = 0;
     for (size_t i = 0; i < n; i++) {
-        if (rc == 0 && apply_or_defer(self, &old[i], verify, events, finished, stored, removed) < 0)
+        if (rc == 0 && apply_or_defer(self, &old[i], events, finished, stored, removed) < 0)
             rc = -1;
         if (rc < 0 && defer(self, &old[i]) < 0) /* keep the rest for later */
             PyErr_Clear();
@@ -1845,9 +1865,9 @@ static int apply_deferred(TableObject *self, int verify, int events, PyObject *f
 
 /* Apply `n` completions, then resolve watches; finished jobs go to
  * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
-static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int verify, int events,
+static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events,
                        PyObject *finished, PyObject **stored, PyObject **removed) {
-    if (apply_deferred(self, verify, events, finished, stored, removed) < 0)
+    if (apply_deferred(self, events, finished, stored, removed) < 0)
         return -1;
     /* Prefetch (prefetch_set's comment): each op's slab entry, then once
      * those arrive, its set's head and state line and its record. */
@@ -1865,7 +1885,7 @@ static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n
         }
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (apply_or_defer(self, &cs[i], verify, events, finished, stored, removed) < 0)
+        if (apply_or_defer(self, &cs[i], events, finished, stored, removed) < 0)
             return -1;
     if (self->n_watches && check_watches(self, finished) < 0)
         return -1;
@@ -1874,14 +1894,14 @@ static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n
 
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
     Py_buffer comps;
-    int verify, events;
-    if (!PyArg_ParseTuple(args, "y*pp", &comps, &verify, &events))
+    int events;
+    if (!PyArg_ParseTuple(args, "y*p", &comps, &events))
         return NULL;
     Py_ssize_t n = comps.len / (Py_ssize_t)sizeof(nvt_completion);
     PyObject *finished = PyList_New(0), *stored = NULL, *removed = NULL;
     if (!finished)
         goto error;
-    if (apply_batch(self, comps.buf, n, verify, events, finished, &stored, &removed) < 0)
+    if (apply_batch(self, comps.buf, n, events, finished, &stored, &removed) < 0)
         goto error;
     PyBuffer_Release(&comps);
     publish_counts(self);
@@ -1953,7 +1973,7 @@ static int collect(TableObject *self, PyObject *timeout) {
     int rc = 0;
     if (n || self->n_deferred || self->n_watches) {
         PyObject *stored = NULL, *removed = NULL;
-        rc = apply_batch(self, n ? b.buf : NULL, n, self->verify, self->events_on, NULL, &stored, &removed);
+        rc = apply_batch(self, n ? b.buf : NULL, n, self->events_on, NULL, &stored, &removed);
         if (rc == 0 && stored)
             rc = push_event(self, 0, stored);
         if (rc == 0 && removed)
@@ -2044,7 +2064,7 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t i = 0; i < n_ops; i++) {
                 nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
-                int r = apply_one(self, &c, 0, 0, NULL, NULL);
+                int r = apply_one(self, &c, 0, NULL, NULL);
                 if (r < 0 || (r > 0 && defer(self, &c) < 0)) /* only out of memory */
                     PyErr_Clear();
             }
@@ -2221,13 +2241,19 @@ static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
 }
 
 PyDoc_STRVAR(load_doc,
-             "load(slots)\n\n"
+             "load(slots, unverified)\n\n"
              "Rebuild: mark READY every slot of `slots` (int64 buffer) whose record the\n"
              "caller proved valid, with its fingerprint from the record's key; `slots` in\n"
              "the order of the records' store times, oldest first (the recency order).\n"
-             "Only while no other sharer is attached.");
+             "unverified: the store was not closed cleanly (a crash or a power loss may have\n"
+             "left a record over another key's bytes): every loaded slot is checked at its\n"
+             "next load, whatever verify_checksums says. Only while no other sharer is attached.");
 
-static PyObject *Table_load(TableObject *self, PyObject *arg) {
+static PyObject *Table_load(TableObject *self, PyObject *args) {
+    PyObject *arg;
+    int unverified;
+    if (!PyArg_ParseTuple(args, "Op", &arg, &unverified))
+        return NULL;
     Py_buffer v;
     if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -2255,6 +2281,7 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
         (*s.stamp) = 0;
         (*s.pins) = 0;
         (*s.owner) = 0;
+        (*s.flags) = unverified ? NVT_FLAG_UNVERIFIED : 0;
         (*s.gen)++;
         (*s.state) = NVT_READY;
     }
@@ -2267,7 +2294,7 @@ PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative coun
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     counters *c = &self->c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -2276,6 +2303,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
         "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
         "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled,
+        "loads_verified_unverified", c->loads_verified_unverified,
         "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
         c->completions_deferred);
@@ -2337,7 +2365,7 @@ static PyMethodDef Table_methods[] = {
     {"invalidate", (PyCFunction)Table_invalidate, METH_O, invalidate_doc},
     {"release_leases", (PyCFunction)Table_release_leases, METH_NOARGS, release_leases_doc},
     {"sweep", (PyCFunction)Table_sweep, METH_NOARGS, sweep_doc},
-    {"load", (PyCFunction)Table_load, METH_O, load_doc},
+    {"load", (PyCFunction)Table_load, METH_VARARGS, load_doc},
     {"counters", (PyCFunction)Table_counters, METH_NOARGS, counters_doc},
     {"usage", (PyCFunction)Table_usage, METH_NOARGS, usage_doc},
     {"bind", (PyCFunction)Table_bind, METH_VARARGS, bind_doc},

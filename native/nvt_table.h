@@ -32,7 +32,7 @@
  * checksum seed); tag is its top byte with the low bit set, 0 for an EMPTY
  * way; gen changes on every claim and every clear; last is the recency (the
  * set's own clock, in its head beside the mutex; ages are clock - last, exact
- * modulo 2^32); flags is reserved (0).
+ * modulo 2^32); flags holds NVT_FLAG_UNVERIFIED (below).
  *
  * Times are CLOCK_MONOTONIC milliseconds in 64 bits (no wrap): stamp is a
  * WRITING slot's claim time, or a READY/BAD slot's lease end. Leases: pins
@@ -90,6 +90,11 @@
 #define NVT_MAX_WAYS 4096
 
 enum { NVT_EMPTY = 0, NVT_WRITING = 1, NVT_READY = 2, NVT_BAD = 3 };
+/* Slot flags. UNVERIFIED: the slot's bytes may not be its record's (it was
+ * rebuilt after an unclean shutdown, or reclaimed from a writer that died):
+ * loads check its payload checksum whatever verify_checksums says, until one
+ * check passes. Sticky across claims and writes of the slot. */
+enum { NVT_FLAG_UNVERIFIED = 1 };
 
 typedef struct {
     uint32_t pid;

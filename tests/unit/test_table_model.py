@@ -264,6 +264,7 @@ class MOp:
     pos: int
     lease: int | None = None  # a load's grant token
     expected: int = 0
+    verify: bool = False  # a load whose checksum is checked
 
 
 @dataclasses.dataclass
@@ -453,8 +454,12 @@ class TableModel(RuleBasedStateMachine):
             assert int(op["op_id"]) not in h.ops
             h.ops[int(op["op_id"])] = mop
 
-    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
-    def load(self, hi: int, keys: list[bytes]) -> None:
+    @rule(
+        hi=st.integers(0, 2),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        verify=st.booleans(),
+    )
+    def load(self, hi: int, keys: list[bytes], verify: bool) -> None:
         h = self.handles[hi % len(self.handles)]
         job_id = self.next_job
         self.next_job += 1
@@ -471,8 +476,8 @@ class TableModel(RuleBasedStateMachine):
             token = self.grant(slot)  # every grant is a lease of its own
             s.last_used = self.tick()
             want_ops.append((pos, slot))
-            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload))
-        packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), True)
+            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload, verify))
+        packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), verify)
         ops = _ops(packed)
         got = [
             (int(op["buf_offset"]) // ROW_BYTES, int(op["file_offset"]) // ROW_BYTES) for op in ops
@@ -482,23 +487,23 @@ class TableModel(RuleBasedStateMachine):
         if mops:
             h.jobs[job_id] = MJob(is_load=True, remaining=len(mops))
         for op, mop in zip(ops, mops, strict=True):
-            assert op["kind"] == OP_READ and op["checksum"] == 1
+            assert op["kind"] == OP_READ and op["checksum"] == int(verify)
             assert int(op["seed"]) == fingerprint(mop.key)
             assert int(op["op_id"]) not in h.ops
             h.ops[int(op["op_id"])] = mop
 
-    @rule(hi=st.integers(0, 2), verify=st.booleans(), data=st.data())
-    def complete(self, hi: int, verify: bool, data: st.DataObject) -> None:
+    @rule(hi=st.integers(0, 2), data=st.data())
+    def complete(self, hi: int, data: st.DataObject) -> None:
         """The engine reports some of this handle's ops (any order, any outcome),
         maybe with a stale op id; then the handle's waiting stores are checked."""
-        self._complete(self.handles[hi % len(self.handles)], verify, data)
+        self._complete(self.handles[hi % len(self.handles)], data)
 
     @rule(hi=st.integers(0, 2), data=st.data())
-    def complete_verified(self, hi: int, data: st.DataObject) -> None:
-        """``complete`` again (twice as likely as other steps), verifying."""
-        self._complete(self.handles[hi % len(self.handles)], True, data)
+    def complete_again(self, hi: int, data: st.DataObject) -> None:
+        """``complete`` again (twice as likely as other steps)."""
+        self._complete(self.handles[hi % len(self.handles)], data)
 
-    def _complete(self, h: MHandle, verify: bool, data: st.DataObject) -> None:
+    def _complete(self, h: MHandle, data: st.DataObject) -> None:
         ids = data.draw(st.permutations(sorted(h.ops)))
         if not data.draw(st.booleans()):  # else every op of the handle
             ids = ids[: data.draw(st.integers(0, len(ids)))]
@@ -570,7 +575,7 @@ class TableModel(RuleBasedStateMachine):
                     event("read error: BAD")
                     h.counters["read_errors"] += 1
                     job.fail(op.pos, _io_error("read", -result))
-                elif verify and checksum != op.expected:
+                elif op.verify and checksum != op.expected:
                     removed.append(s.key)  # type: ignore[arg-type]
                     self.clear(op.slot)
                     h.counters["checksum_failures"] += 1
@@ -604,7 +609,7 @@ class TableModel(RuleBasedStateMachine):
             self.finish_if_done(h, job_id, finished)
         h.watches = keep
 
-        got_finished, got_stored, got_removed = h.table.complete(_completions(comps), verify, True)
+        got_finished, got_stored, got_removed = h.table.complete(_completions(comps), True)
         assert got_finished == finished
         assert (got_stored or []) == stored
         assert (got_removed or []) == removed
@@ -736,7 +741,7 @@ def test_fingerprint_and_set_match_the_native_hash(shared: Shared) -> None:
         ops, _ = _store(a, [key], job_id=i)
         assert int(ops[0]["seed"]) == fingerprint(key)
         assert int(ops[0]["file_offset"]) // ROW_BYTES // WAYS == set_of(key)
-        a.complete(_ok(ops), True, False)
+        a.complete(_ok(ops), False)
 
 
 def test_store_of_a_key_another_sharer_is_writing_waits_for_that_write(shared: Shared) -> None:
@@ -746,10 +751,10 @@ def test_store_of_a_key_another_sharer_is_writing_waits_for_that_write(shared: S
     a_ops, _ = _store(a, [key], job_id=1)
     b_ops, pending = _store(b, [key], job_id=2)
     assert len(b_ops) == 0 and pending == 1
-    assert b.complete(b"", True, False)[0] == []
+    assert b.complete(b"", False)[0] == []
     assert b.usage()[2] == 1
-    a.complete(_ok(a_ops), True, False)
-    assert b.complete(b"", True, False)[0] == [(2, False, 0, None, None)]
+    a.complete(_ok(a_ops), False)
+    assert b.complete(b"", False)[0] == [(2, False, 0, None, None)]
     assert b.contains(key)
 
 
@@ -769,11 +774,11 @@ def test_dead_writers_slot_is_reclaimed_by_a_store_into_its_set(shared: Shared) 
     ops, _ = _store(b, [other, SET0_KEYS[2]], job_id=3)
     assert len(ops) == 2
     assert b.counters()["dead_slots_reclaimed"] == before + 1
-    finished, _, _ = b.complete(b"", True, False)
+    finished, _, _ = b.complete(b"", False)
     assert finished == [(2, False, 0, [0], None)]  # the waited-for write never landed: not stored
     assert b.counters()["stores_dropped_watch_failed"] == 1
     assert b.usage()[2] == 0
-    finished, _, _ = b.complete(_ok(ops), True, False)
+    finished, _, _ = b.complete(_ok(ops), False)
     assert finished == [(3, False, 2 * ROW_BYTES, None, None)]
     assert b.contains(other) and b.contains(SET0_KEYS[2]) and not b.contains(key)
     assert b.usage()[:2] == (2, 2)
@@ -790,7 +795,7 @@ def test_waiting_store_fails_when_its_dead_writer_is_reclaimed(shared: Shared) -
     a.detach()
     shared.close_fd(a_fd)
     time.sleep(0.25)
-    finished, _, _ = b.complete(b"", True, False)
+    finished, _, _ = b.complete(b"", False)
     assert finished == [(2, False, 0, [0], None)]
     assert b.counters()["dead_slots_reclaimed"] == 1
     assert b.counters()["stores_dropped_watch_failed"] == 1
@@ -806,7 +811,7 @@ def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
     assert len(ops) == 1  # one free way; the other is A's, busy: that key is not stored
     assert b.counters()["dead_slots_reclaimed"] == 0
     assert b.counters()["stores_dropped_set_busy"] == 1
-    finished, _, _ = a.complete(_ok(a_ops), True, False)
+    finished, _, _ = a.complete(_ok(a_ops), False)
     assert finished == [(1, False, ROW_BYTES, None, None)]
     assert b.contains(SET0_KEYS[0])
 
@@ -822,15 +827,15 @@ def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Sh
     b, _ = shared.handle()
     key, k2, k3 = SET0_KEYS
     ops, _ = _store(a, [key], job_id=1)
-    a.complete(_ok(ops, checksum=11), True, False)
+    a.complete(_ok(ops, checksum=11), False)
     load_packed, missing = a.load_ops(2, [key], _rows(1), True)
     assert missing is None
     assert b.lookup(key)
     b.release_leases()  # end of B's step: drops only B's lookup lease
     ops2, _ = _store(b, [k2], job_id=3)  # the free way
     ops3, _ = _store(b, [k3], job_id=4, dropped=[0])  # the set is full: the loading key must stay
-    b.complete(_ok(np.concatenate([ops2, ops3])), True, False)
-    finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), True, False)
+    b.complete(_ok(np.concatenate([ops2, ops3])), False)
+    finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), False)
     assert len(ops3) == 0, "a slot being loaded was evicted after another lookup's lease ended"
     assert finished == [(2, True, ROW_BYTES, None, None)]
 
@@ -851,7 +856,7 @@ t.store_ops(1, [b"k"], np.arange(1, dtype=np.int64), 8, False)  # op 0; the slab
 for op_id in range(1, 1024):  # inside the slab, never handed out
     c = np.zeros(1, COMPLETION_DTYPE)
     c[0] = (op_id, 4096, 0)
-    assert t.complete(c.tobytes(), True, False) == ([], None, None), op_id
+    assert t.complete(c.tobytes(), False) == ([], None, None), op_id
 """
 
 
@@ -909,7 +914,7 @@ def _handle(shared: Shared, lease_ms: int = 1000, watch_ms: int = 2000) -> _tabl
 
 def _stored(table: _table.Table, key: bytes, job_id: int = 100, checksum: int = 11) -> None:
     ops, _ = _store(table, [key], job_id=job_id)
-    table.complete(_ok(ops, checksum=checksum), True, False)
+    table.complete(_ok(ops, checksum=checksum), False)
     assert table.contains(key)
 
 
@@ -922,13 +927,13 @@ def test_two_overlapping_loads_each_keep_their_own_lease(shared: Shared, clock) 
     _stored(a, key)
     first, _ = a.load_ops(2, [key], _rows(1), True)
     second, _ = b.load_ops(3, [key], _rows(1), True)
-    done, _, _ = b.complete(_ok(_ops(second), checksum=11), True, False)
+    done, _, _ = b.complete(_ok(_ops(second), checksum=11), False)
     assert done == [(3, True, ROW_BYTES, None, None)]
     _stored(b, k2, job_id=4)  # the free way
     assert b.lookup(k2)  # leased too: the set's only victim would be the loading key
     ops3, _ = _store(b, [k3], job_id=5, dropped=[0])  # the loading key must stay
     assert len(ops3) == 0
-    done, _, _ = a.complete(_ok(_ops(first), checksum=11), True, False)
+    done, _, _ = a.complete(_ok(_ops(first), checksum=11), False)
     assert done == [(2, True, ROW_BYTES, None, None)]
     ops3, _ = _store(b, [k3], job_id=6)  # both loads done: now evictable
     assert len(ops3) == 1
@@ -959,7 +964,7 @@ def test_no_stamp_wraps_however_long_the_clock_has_run(shared: Shared, clock, da
     _stored(a, key)
     load, _ = a.load_ops(2, [key], _rows(1), True)
     assert b.lookup(key)
-    a.complete(_ok(_ops(load), checksum=11), True, False)
+    a.complete(_ok(_ops(load), checksum=11), False)
     b.release_leases()
     assert a.invalidate(key), "no lease is left once its load and lookup ended"
     _stored(a, key, job_id=3)
@@ -977,12 +982,12 @@ def test_a_store_waiting_for_a_stopped_writer_fails_after_its_bound(shared: Shar
     _ops_b, pending = _store(b, [key], job_id=2)
     assert pending == 1
     _set_clock(clock, 1999)
-    assert b.complete(b"", True, False)[0] == []
+    assert b.complete(b"", False)[0] == []
     _set_clock(clock, 2000)
-    assert b.complete(b"", True, False)[0] == [(2, False, 0, [0], None)]  # not stored: quiet
+    assert b.complete(b"", False)[0] == [(2, False, 0, [0], None)]  # not stored: quiet
     assert b.counters()["stores_dropped_watch_timeout"] == 1
     assert b.usage()[2:] == (0, 0)
-    a.complete(_ok(a_ops), True, False)  # A resumes: its own store still lands
+    a.complete(_ok(a_ops), False)  # A resumes: its own store still lands
     assert b.contains(key)
 
 
@@ -995,8 +1000,8 @@ def test_a_store_waiting_for_a_write_that_fails_is_not_reported_stored(
     key = SET1_KEYS[0]
     a_ops, _ = _store(a, [key], job_id=1)
     _store(b, [key], job_id=2)
-    a.complete(_completions([(int(a_ops[0]["op_id"]), result, 0)]), True, False)
-    assert b.complete(b"", True, False)[0] == [(2, False, 0, [0], None)]
+    a.complete(_completions([(int(a_ops[0]["op_id"]), result, 0)]), False)
+    assert b.complete(b"", False)[0] == [(2, False, 0, [0], None)]
     assert b.counters()["stores_dropped_watch_failed"] == 1
     assert not b.contains(key)
 
@@ -1057,7 +1062,7 @@ def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared
         t0 = time.monotonic()
         ops, _ = _store(a, [k2], job_id=2, dropped=[0])  # a dropped store, no second wait
         _packed, missing = a.load_ops(3, [k2], _rows(1), True)
-        done, _, _ = a.complete(_ok(a_ops), True, False)  # deferred: the set is held
+        done, _, _ = a.complete(_ok(a_ops), False)  # deferred: the set is held
         later = time.monotonic() - t0
         assert first < 0.5 and later < 0.05, (first, later)
         assert len(ops) == 0 and missing == [0] and done == []
@@ -1068,7 +1073,7 @@ def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared
         _reap(pid)  # dies holding the mutex: the next locker recovers it
         _reap(grand)
     time.sleep(SET_STALL_S)
-    done, _, _ = a.complete(b"", True, False)  # the deferred completion applies
+    done, _, _ = a.complete(b"", False)  # the deferred completion applies
     assert done == [(1, False, ROW_BYTES, None, None)]
     assert a.contains(key) and a.counters()["lock_recoveries"] == 1
 
@@ -1095,7 +1100,7 @@ def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
         assert len(ops) == 1, "the survivor's store was dropped: the dead writer's slots stayed"
         got = b.counters()
         assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 2
-        b.complete(_ok(ops), True, False)
+        b.complete(_ok(ops), False)
         assert b.contains(k3) and b.usage()[:2] == (1, 1)
     finally:
         _reap(pid)
@@ -1129,3 +1134,36 @@ def test_a_dead_lock_holders_slots_stay_while_its_lock_file_is_open_then_go(
     finally:
         _reap(pid)
         _reap(grand)
+
+
+def test_a_slot_reclaimed_from_a_dead_writer_is_verified_once_whatever_the_config(
+    shared: Shared,
+) -> None:
+    """A dead writer's queued write may land after its slot was reclaimed: the
+    slot's next loads check the checksum even when verification is off,
+    until one check passes; a failed check is a miss, never its bytes."""
+    a = _handle(shared)
+    b = _handle(shared)
+    key, other = SET0_KEYS[0], SET0_KEYS[1]
+    _store(a, [key], job_id=1)
+    a.detach()  # A is gone (its OFD lock with it) with its slot WRITING
+    time.sleep(0.25)
+    b.sweep()
+    assert b.counters()["dead_slots_reclaimed"] == 1
+    ops, _ = _store(b, [key, other], job_id=2)
+    b.complete(_ok(ops, checksum=5), False)
+    packed, _ = b.load_ops(3, [key, other], _rows(2), False)
+    loads = _ops(packed)
+    assert [int(op["checksum"]) for op in loads] == [1, 0]  # only the reclaimed slot
+    # A late write of the dead writer landed: the check fails, the key is a miss.
+    done, _, _ = b.complete(_ok(loads[:1], checksum=6), False)
+    assert done == []
+    b.complete(_ok(loads[1:], checksum=5), False)
+    assert not b.contains(key) and b.counters()["checksum_failures"] == 1
+    ops, _ = _store(b, [key], job_id=4)
+    b.complete(_ok(ops, checksum=5), False)
+    packed, _ = b.load_ops(5, [key], _rows(1), False)
+    b.complete(_ok(_ops(packed), checksum=5), False)  # verified once: trusted now
+    assert b.counters()["loads_verified_unverified"] == 1
+    packed, _ = b.load_ops(6, [key], _rows(1), False)
+    assert int(_ops(packed)[0]["checksum"]) == 0
