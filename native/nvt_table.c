@@ -13,8 +13,9 @@
  * another process is waited for at most SET_LOCK_WAIT_MS (GIL released; a
  * set that timed out is only tried, not waited for, for SET_STALL_MS), after
  * which the key is a miss or a dropped store and a completion is retried at
- * a later poll; a store of a key another sharer is writing waits at most the
- * watch timeout, then fails. A holder that dies is recovered through
+ * later polls (for the watch timeout at most: then its key fails, and the
+ * completion is applied without a job once the set can be locked); a store of
+ * a key another sharer is writing waits at most the watch timeout, then fails. A holder that dies is recovered through
  * EOWNERDEAD.
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
@@ -78,6 +79,9 @@ enum {
 
 static inline int fail_quiet(int kind) { return kind == FAIL_MISSING || kind == FAIL_DROPPED; }
 
+/* op_info.job of an op whose job stopped waiting for it (abandon_op). */
+#define JOB_NONE UINT32_MAX
+
 typedef struct {
     uint32_t slot;
     uint32_t gen;
@@ -114,7 +118,8 @@ typedef struct {
         loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
         lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
-        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified;
+        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified,
+        completions_abandoned;
 } counters;
 
 typedef struct {
@@ -153,8 +158,13 @@ typedef struct {
      * OFD lock the kernel may not have released yet. */
     struct dying { uint16_t idx, inc; } dying[N_DYING];
     uint32_t n_dying;
-    /* Completions whose set could not be locked: applied at a later poll. */
-    nvt_completion *deferred;
+    /* Completions whose set could not be locked: applied at a later poll.
+     * Past its deadline (watch_timeout_ms after it was first deferred) its
+     * job gives up on it (the key fails) and it is applied jobless later. */
+    struct deferred {
+        nvt_completion c;
+        uint64_t deadline_ms;
+    } *deferred;
     size_t n_deferred, cap_deferred;
     counters c;
     /* Changes to the header's used/ready gauges not yet published: added with
@@ -716,6 +726,8 @@ static void job_release(TableObject *t, uint32_t i) {
 }
 
 static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
+    if (!j->in_use)
+        return 0; /* the stand-in job of an abandoned op (apply_one) */
     if (j->n_failed == j->cap_failed) {
         uint32_t cap = j->cap_failed ? j->cap_failed * 2 : 8;
         uint32_t *f = PyMem_Realloc(j->failed, cap * sizeof(uint32_t));
@@ -1576,7 +1588,9 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
     if (raw >= t->n_ops_cap || !t->ops[oi].in_use)
         return 0; /* not ours (a stale completion): ignore */
     op_info *o = &t->ops[oi];
-    job_info *j = &t->jobs[o->job];
+    job_info none; /* an abandoned op's job: not in use, so job_fail ignores it */
+    memset(&none, 0, sizeof(none));
+    job_info *j = o->job == JOB_NONE ? &none : &t->jobs[o->job];
     uint64_t set = o->slot / t->ways;
     slot_ref s = slot_at(t, set, o->slot % t->ways);
     int ok = c->result == t->row_bytes;
@@ -1810,11 +1824,12 @@ static int check_watches(TableObject *self, PyObject *finished) {
 }
 
 /* Keep a completion whose set could not be locked, to apply at a later
- * poll (its op stays in flight, its job unfinished). -1 on out of memory. */
-static int defer(TableObject *self, const nvt_completion *c) {
+ * poll (its op stays in flight, its job unfinished until `deadline_ms`, 0: a
+ * new deferral). -1 on out of memory. */
+static int defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms) {
     if (self->n_deferred == self->cap_deferred) {
         size_t cap = self->cap_deferred ? self->cap_deferred * 2 : 64;
-        nvt_completion *d = PyMem_Realloc(self->deferred, cap * sizeof(nvt_completion));
+        struct deferred *d = PyMem_Realloc(self->deferred, cap * sizeof(struct deferred));
         if (!d) {
             PyErr_NoMemory();
             return -1;
@@ -1822,23 +1837,50 @@ static int defer(TableObject *self, const nvt_completion *c) {
         self->deferred = d;
         self->cap_deferred = cap;
     }
-    self->deferred[self->n_deferred++] = *c;
-    self->c.completions_deferred++;
+    if (!deadline_ms) {
+        deadline_ms = now_ms() + self->watch_timeout_ms;
+        self->c.completions_deferred++;
+    }
+    self->deferred[self->n_deferred].c = *c;
+    self->deferred[self->n_deferred].deadline_ms = deadline_ms;
+    self->n_deferred++;
     return 0;
 }
 
+/* A deferred completion past its deadline: its job stops waiting for it (the
+ * key fails quietly: not stored, or not loaded) and may finish; the op stays,
+ * jobless, until its set can be locked (then its slot is published or freed,
+ * or its lease released). -1 on out of memory. */
+static int abandon_op(TableObject *self, uint32_t oi, PyObject *finished) {
+    op_info *o = &self->ops[oi];
+    uint32_t ji = o->job;
+    o->job = JOB_NONE;
+    self->c.completions_abandoned++;
+    job_info *j = &self->jobs[ji];
+    if (job_fail(j, o->pos, FAIL_DROPPED, 0) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    j->remaining--;
+    return maybe_finish(self, ji, finished);
+}
+
 /* Apply one completion, or defer it; then finish its job if that was its last op. */
-static int apply_or_defer(TableObject *self, const nvt_completion *c, int events, PyObject *finished,
-                          PyObject **stored, PyObject **removed) {
+static int apply_or_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms, int events,
+                          PyObject *finished, PyObject **stored, PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
-    uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
+    int live = raw < self->n_ops_cap && self->ops[oi].in_use;
+    uint32_t ji = live ? self->ops[oi].job : JOB_NONE;
     int r = apply_one(self, c, events, stored, removed);
     if (r < 0)
         return -1;
-    if (r > 0)
-        return defer(self, c);
-    if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
+    if (r > 0) {
+        if (deadline_ms && ji != JOB_NONE && now_ms() >= deadline_ms && abandon_op(self, oi, finished) < 0)
+            return -1;
+        return defer(self, c, deadline_ms);
+    }
+    if (ji != JOB_NONE && maybe_finish(self, ji, finished) < 0)
         return -1;
     return 0;
 }
@@ -1849,14 +1891,15 @@ static int apply_deferred(TableObject *self, int events, PyObject *finished, PyO
     size_t n = self->n_deferred;
     if (!n)
         return 0;
-    nvt_completion *old = self->deferred;
+    struct deferred *old = self->deferred;
     self->deferred = NULL;
     self->n_deferred = self->cap_deferred = 0;
     int rc = 0;
     for (size_t i = 0; i < n; i++) {
-        if (rc == 0 && apply_or_defer(self, &old[i], events, finished, stored, removed) < 0)
+        if (rc == 0 &&
+            apply_or_defer(self, &old[i].c, old[i].deadline_ms, events, finished, stored, removed) < 0)
             rc = -1;
-        if (rc < 0 && defer(self, &old[i]) < 0) /* keep the rest for later */
+        else if (rc < 0 && defer(self, &old[i].c, old[i].deadline_ms) < 0) /* keep the rest for later */
             PyErr_Clear();
     }
     PyMem_Free(old);
@@ -1885,7 +1928,7 @@ static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n
         }
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (apply_or_defer(self, &cs[i], events, finished, stored, removed) < 0)
+        if (apply_or_defer(self, &cs[i], 0, events, finished, stored, removed) < 0)
             return -1;
     if (self->n_watches && check_watches(self, finished) < 0)
         return -1;
@@ -2065,7 +2108,7 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
             for (Py_ssize_t i = 0; i < n_ops; i++) {
                 nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
                 int r = apply_one(self, &c, 0, NULL, NULL);
-                if (r < 0 || (r > 0 && defer(self, &c) < 0)) /* only out of memory */
+                if (r < 0 || (r > 0 && defer(self, &c, 0) < 0)) /* only out of memory */
                     PyErr_Clear();
             }
             publish_counts(self);
@@ -2294,7 +2337,7 @@ PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative coun
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     counters *c = &self->c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -2306,7 +2349,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         "loads_verified_unverified", c->loads_verified_unverified,
         "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
-        c->completions_deferred);
+        c->completions_deferred, "completions_abandoned", c->completions_abandoned);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"

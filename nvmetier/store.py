@@ -78,6 +78,18 @@ COUNTERS = (
     "loads_raced",
     "dead_slots_reclaimed",
     "lock_recoveries",
+    # Bounds on waiting for other processes (issue 15): a store of a key
+    # another process was writing that gave up (timeout) or whose write did
+    # not land; set mutex waits that timed out; completions whose set was
+    # held (deferred) and those whose job gave up on them (abandoned).
+    "stores_dropped_watch_timeout",
+    "stores_dropped_watch_failed",
+    "set_lock_timeouts",
+    "completions_deferred",
+    "completions_abandoned",
+    # Loads of slots left unverified by a crash or a dead writer, checked
+    # whatever verify_checksums says, that verified.
+    "loads_verified_unverified",
 )
 
 

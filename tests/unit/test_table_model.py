@@ -1046,11 +1046,13 @@ def _reap(pid: int) -> None:
         pass
 
 
-def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared) -> None:
+def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared, clock) -> None:
     """Was a bug: set mutexes were waited for without bound (GIL held): a
     sharer stopped inside a critical section froze every other sharer's
-    scheduler thread on its first key in that set."""
-    a = _handle(shared)
+    scheduler thread on its first key in that set. A completion into that set
+    waits for it the watch timeout at most: then its job fails the key, and
+    the completion is applied once the set is free."""
+    a = _handle(shared, watch_ms=2000)
     key, k2 = SET0_KEYS[0], SET0_KEYS[1]
     a_ops, _ = _store(a, [key], job_id=1)
     pid, grand = _fork_holder(shared, 0, [], "stop")
@@ -1069,16 +1071,17 @@ def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared
         got = a.counters()
         assert got["set_lock_timeouts"] >= 4 and got["completions_deferred"] == 1
         assert got["stores_dropped_set_busy"] == 1
+        _set_clock(clock, 1500)
+        assert a.complete(b"", False)[0] == []
+        _set_clock(clock, 2000)  # past the bound: the job gives up on its key
+        assert a.complete(b"", False)[0] == [(1, False, 0, [0], None)]
+        assert a.counters()["completions_abandoned"] == 1 and a.usage()[3] == 0
     finally:
         _reap(pid)  # dies holding the mutex: the next locker recovers it
         _reap(grand)
-    time.sleep(SET_STALL_S)
-    done, _, _ = a.complete(b"", False)  # the deferred completion applies
-    assert done == [(1, False, ROW_BYTES, None, None)]
+    _set_clock(clock, 4000)  # past the stall mark: the set is waited for again
+    assert a.complete(b"", False)[0] == []  # the jobless completion applies
     assert a.contains(key) and a.counters()["lock_recoveries"] == 1
-
-
-SET_STALL_S = 1.05  # nvt_table.c's SET_STALL_MS: a timed-out set is only tried, then waited again
 
 
 def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
