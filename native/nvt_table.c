@@ -1,22 +1,26 @@
 /*
- * nvmetier._table: the process-shared slot table and the per-process data
- * path over it (see nvt_table.h for the shared layout and its lock rules).
+ * nvmetier._table: the per-process job path over the process-shared slot
+ * table, and its CPython type. The table's rules (layout, set locks, ways,
+ * leases, records, sharers, rebuild, sweep) are nvt_core.c, with no Python
+ * in them; nvt_table.h has the shared layout and its lock rules.
  *
- * Owns, per process (a `Table` object): the in-flight op slab and job slab,
- * the counters, and this process's entry in the sharer registry. The shared
- * table and the index records belong to the store (mapped by files.py).
+ * Owns, per process (a `Table` object): an nvt_core (this process's view of
+ * the table: its registry entry and counters), the in-flight op slab and job
+ * slab, watches, deferred completions, and the submit/poll binding to an
+ * engine. The shared table and the index records belong to the store (mapped
+ * by files.py).
  *
  * Threads: every method is called with the GIL held by the store's caller
- * (vLLM's scheduler thread, under its manager lock). Methods
- * take set mutexes for a few hundred nanoseconds each and never wait for I/O.
- * Nothing waits without bound on another process: a set mutex held by
- * another process is waited for at most SET_LOCK_WAIT_MS (GIL released; a
- * set that timed out is only tried, not waited for, for SET_STALL_MS), after
+ * (vLLM's scheduler thread, under its manager lock). Methods take set
+ * mutexes for a few hundred nanoseconds each and never wait for I/O. Nothing
+ * waits without bound on another process: a set mutex held by another
+ * process is waited for at most SET_LOCK_WAIT_MS (the GIL released; a set
+ * that timed out is only tried, not waited for, for SET_STALL_MS), after
  * which the key is a miss or a dropped store and a completion is retried at
  * later polls (for the watch timeout at most: then its key fails, and the
  * completion is applied without a job once the set can be locked); a store of
- * a key another sharer is writing waits at most the watch timeout, then fails. A holder that dies is recovered through
- * EOWNERDEAD.
+ * a key another sharer is writing waits at most the watch timeout, then
+ * fails. A holder that dies is recovered through EOWNERDEAD (nvt_core.c).
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
  * layout, op_id = an index into the op slab) that an engine takes as one
@@ -27,38 +31,15 @@
 #include <Python.h>
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 
+#include "nvt_core.h"
 #include "nvt_engine.h"
 #include "nvt_hash.h"
-#include "nvt_table.h"
 
-/* Index record layout (format.py; changing it requires bumping FORMAT_VERSION). */
-#define REC_BYTES 128
-#define REC_BODY_BYTES 120
-#define REC_MAGIC 0x5254564Eu
-#define REC_KEY_OFFSET 32
-#define REC_KEY_MAX 88
-#define REC_STATE_VALID 1
-/* A WRITING slot older than this has its owner's liveness checked. */
-#define DEAD_CHECK_AGE_MS 200u
-/* The longest one wait for a set mutex held by another process (a holder
- * holds it for nanoseconds unless it is stopped, or preempted on a busy
- * machine), and how long a set whose wait timed out is then only tried. */
-#define SET_LOCK_WAIT_MS 20u
-#define SET_STALL_MS 1000u
-#define N_STALLED 8
-/* Sharers this process saw die (EOWNERDEAD named them), remembered: their
- * WRITING slots are rechecked at every look, not only after
- * DEAD_CHECK_AGE_MS. And how long the locker that saw the death waits (the
- * set's mutex released, the GIL too) for the dead sharer's OFD lock to go. */
-#define N_DYING 16
-#define DYING_WAIT_MS 50u
 
 /* Why a key of a job failed; the first reason names the job's error, except
  * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
@@ -113,30 +94,13 @@ typedef struct {
     uint64_t start_ns;
 } job_info;
 
-typedef struct {
-    unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
-        loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
-        load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
-        lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
-        stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified,
-        completions_abandoned;
-} counters;
 
 typedef struct {
     PyObject_HEAD
     Py_buffer tbuf, ibuf;
     int have_tbuf, have_ibuf;
-    char *base;      /* table mapping */
-    char *index;     /* index record mapping */
-    nvt_table_header *hdr;
-    uint64_t n_slots, n_sets;
-    uint32_t ways, set_bytes;
-    nvt_set_layout layout;
-    int lock_fd;
+    nvt_core core; /* the table itself: mappings, geometry, registry entry, counters */
     int64_t n_paths, slot_bytes, row_bytes, n_rows;
-    uint32_t lease_ms;
-    int me;            /* registry index, -1 before attach */
-    uint32_t my_inc;
     op_info *ops;
     uint32_t n_ops_cap, *op_free, n_op_free;
     job_info *jobs;
@@ -151,13 +115,6 @@ typedef struct {
         uint64_t deadline_ms; /* past it the key fails (not stored by this job) */
     } *watches;
     size_t n_watches, cap_watches;
-    uint64_t watch_timeout_ms;
-    /* Sets whose mutex wait timed out: only tried until `until_ms`. */
-    struct stalled { uint64_t set, until_ms; } stalled[N_STALLED];
-    /* Sharers seen dying by EOWNERDEAD (registry index, incarnation), whose
-     * OFD lock the kernel may not have released yet. */
-    struct dying { uint16_t idx, inc; } dying[N_DYING];
-    uint32_t n_dying;
     /* Completions whose set could not be locked: applied at a later poll.
      * Past its deadline (watch_timeout_ms after it was first deferred) its
      * job gives up on it (the key fails) and it is applied jobless later. */
@@ -166,10 +123,6 @@ typedef struct {
         uint64_t deadline_ms;
     } *deferred;
     size_t n_deferred, cap_deferred;
-    counters c;
-    /* Changes to the header's used/ready gauges not yet published: added with
-     * one atomic each per call (publish_counts), not one per op. */
-    int64_t d_used, d_ready;
     /* The submit/poll path (bind): the engine's submit_raw and wait_raw, ops
      * handed to it and not yet collected, finished jobs not yet polled, and
      * KV events not yet taken. */
@@ -180,412 +133,6 @@ typedef struct {
 } TableObject;
 
 /* ------------------------------------------------------------------ helpers */
-static inline uint64_t now_mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static inline uint64_t now_wall_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t set) {
-    return (nvt_set_head *)(base + NVT_TABLE_HEADER_BYTES + set * (uint64_t)set_bytes);
-}
-
-/* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
-typedef struct {
-    uint8_t *tag, *state, *owner, *flags;
-    uint16_t *owner_inc, *pins;
-    uint32_t *last, *gen, *epoch;
-    uint64_t *stamp, *fp;
-} slot_ref;
-
-static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
-    char *b = (char *)set_head(t->base, t->set_bytes, set);
-    const nvt_set_layout *L = &t->layout;
-    slot_ref r = {
-        (uint8_t *)(b + L->tag) + w,        (uint8_t *)(b + L->state) + w, (uint8_t *)(b + L->owner) + w,
-        (uint8_t *)(b + L->flags) + w,      (uint16_t *)(b + L->owner_inc) + w, (uint16_t *)(b + L->pins) + w, (uint32_t *)(b + L->last) + w,
-        (uint32_t *)(b + L->gen) + w,       (uint32_t *)(b + L->epoch) + w, (uint64_t *)(b + L->stamp) + w,
-        (uint64_t *)(b + L->fp) + w,
-    };
-    return r;
-}
-
-/* Start loading the cache lines of `set` that a claim or lookup reads first:
- * its head (the mutex), tags and states, and when `scan` the recency and
- * lease stamps a full set's eviction reads. A job's keys land in random sets
- * and a poll's completions in random slots, so the data path walks them
- * twice: a first pass that only computes where each goes and prefetches, so
- * that the misses of a whole job overlap instead of following each other. */
-static inline void prefetch_set(TableObject *t, uint64_t set, int scan) {
-    const char *b = (const char *)set_head(t->base, t->set_bytes, set);
-    const nvt_set_layout *L = &t->layout;
-    __builtin_prefetch(b, 1);
-    __builtin_prefetch(b + L->tag, 1);
-    __builtin_prefetch(b + L->state, 1);
-    if (scan) {
-        for (uint32_t off = 0; off < 4 * t->ways; off += 64)
-            __builtin_prefetch(b + L->last + off, 1);
-        for (uint32_t off = 0; off < 8 * t->ways; off += 64)
-            __builtin_prefetch(b + L->stamp + off, 1);
-        for (uint32_t off = 0; off < 2 * t->ways; off += 64)
-            __builtin_prefetch(b + L->pins + off, 1);
-    }
-}
-
-/* How many keys ahead of the one being applied a job prefetches. */
-#define PREFETCH_AHEAD 8
-
-static inline uint8_t *set_tags(TableObject *t, uint64_t set) {
-    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
-}
-
-static inline uint8_t *set_states(TableObject *t, uint64_t set) {
-    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.state;
-}
-
-/* The table's clock: CLOCK_MONOTONIC milliseconds in 64 bits (no wrap), plus
- * an offset that only tests set (_set_clock_offset_ns: a lease or a watch runs
- * out without waiting). Stamps of 0 mean none. */
-static int64_t clock_offset_ns;
-
-static inline uint64_t now_ms(void) {
-    return ((uint64_t)((int64_t)now_mono_ns() + clock_offset_ns)) / 1000000ULL + 1;
-}
-
-/* Milliseconds since `stamp` (0 when the stamp is in the future). */
-static inline uint64_t age_ms(uint64_t now, uint64_t stamp) { return now > stamp ? now - stamp : 0; }
-
-/* A lease whose end passed is zeroed where it is seen (the set is locked):
- * its grants' late releases then name an old epoch and take no pin. */
-static inline void lease_expire_locked(slot_ref s, uint64_t now) {
-    if (*s.pins && *s.stamp <= now) {
-        *s.pins = 0;
-        *s.stamp = 0;
-        (*s.epoch)++;
-    }
-}
-
-/* Whether a READY/BAD slot is leased (the set is locked). */
-static inline int leased_locked(slot_ref s, uint64_t now) {
-    lease_expire_locked(s, now);
-    return *s.pins != 0;
-}
-
-/* Grant a lease ending at `until` or later (the set is locked): one pin of
- * its own, released by lease_release with the returned epoch. Returns 0 when
- * the pin count is full (the lease then only runs out: nothing to release). */
-static inline int lease_grant(slot_ref s, uint64_t now, uint64_t until, uint32_t *epoch) {
-    lease_expire_locked(s, now);
-    if (*s.stamp < until)
-        *s.stamp = until;
-    *epoch = *s.epoch;
-    if (*s.pins == UINT16_MAX)
-        return 0;
-    (*s.pins)++;
-    return 1;
-}
-
-/* Release one grant of (gen, epoch), if the slot still carries it. */
-static inline void lease_release(slot_ref s, uint32_t gen, uint32_t epoch) {
-    if (*s.gen != gen || *s.epoch != epoch || !*s.pins || (*s.state != NVT_READY && *s.state != NVT_BAD))
-        return;
-    if (--(*s.pins) == 0)
-        *s.stamp = 0;
-}
-
-static inline void publish_counts(TableObject *t) {
-    if (t->d_used) {
-        __atomic_add_fetch(&t->hdr->used, t->d_used, __ATOMIC_RELAXED);
-        t->d_used = 0;
-    }
-    if (t->d_ready) {
-        __atomic_add_fetch(&t->hdr->ready, t->d_ready, __ATOMIC_RELAXED);
-        t->d_ready = 0;
-    }
-}
-
-static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
-
-static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
-
-static inline unsigned char *record(TableObject *t, uint64_t slot) {
-    return (unsigned char *)t->index + slot * REC_BYTES;
-}
-
-static int record_has_key(TableObject *t, uint64_t slot, const char *key, Py_ssize_t n) {
-    const unsigned char *r = record(t, slot);
-    uint32_t magic;
-    memcpy(&magic, r, 4);
-    return magic == REC_MAGIC && r[4] == REC_STATE_VALID && r[5] == (unsigned char)n &&
-           memcmp(r + REC_KEY_OFFSET, key, (size_t)n) == 0;
-}
-
-static uint64_t record_payload(TableObject *t, uint64_t slot) {
-    uint64_t v;
-    memcpy(&v, record(t, slot) + 8, 8);
-    return v;
-}
-
-static void write_record(TableObject *t, uint64_t slot, const char *key, uint8_t key_len,
-                         uint64_t payload) {
-    unsigned char body[REC_BYTES];
-    memset(body, 0, sizeof(body));
-    uint32_t magic = REC_MAGIC, slot32 = (uint32_t)slot;
-    uint64_t stored = now_wall_ns();
-    memcpy(body, &magic, 4);
-    body[4] = REC_STATE_VALID;
-    body[5] = key_len;
-    memcpy(body + 8, &payload, 8);
-    memcpy(body + 16, &stored, 8);
-    memcpy(body + 28, &slot32, 4);
-    memcpy(body + REC_KEY_OFFSET, key, key_len);
-    uint64_t sum = nvt_xxh3(body, REC_BODY_BYTES, slot);
-    memcpy(body + REC_BODY_BYTES, &sum, 8);
-    memcpy(record(t, slot), body, REC_BYTES);
-}
-
-static inline void zero_record(TableObject *t, uint64_t slot) { memset(record(t, slot), 0, REC_BYTES); }
-
-/* The recency clock of one set (in its head line, beside the mutex; the set
- * is locked): eviction compares ways of one set only, so each set counts its
- * own accesses and no line is shared between sets or processes. */
-static inline uint32_t tick(TableObject *t, uint64_t set) {
-    return ++set_head(t->base, t->set_bytes, set)->clock;
-}
-
-/* Whether the sharer that claimed a WRITING slot is still attached. */
-static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
-    if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
-        return 1;
-    nvt_sharer *s = &sharers(t->base)[owner];
-    if ((uint16_t)__atomic_load_n(&s->incarnation, __ATOMIC_ACQUIRE) != inc)
-        return 0; /* the entry was claimed again: the old owner detached or died */
-    if (t->lock_fd < 0)
-        return 1;
-    struct flock fl;
-    memset(&fl, 0, sizeof(fl));
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = NVT_REGISTRY_LOCK_BASE + owner;
-    fl.l_len = 1;
-    if (fcntl(t->lock_fd, F_OFD_GETLK, &fl) != 0)
-        return 1; /* cannot tell: assume alive (the slot stays busy, never wrong) */
-    return fl.l_type != F_UNLCK;
-}
-
-/* Whether the sharer that claimed a WRITING slot was seen dying (its OFD
- * lock, which outlives its threads' I/O, is then rechecked at every look). */
-static int owner_dying(TableObject *t, uint8_t owner, uint16_t inc) {
-    for (uint32_t i = 0; i < t->n_dying && i < N_DYING; i++)
-        if (t->dying[i].idx == owner && t->dying[i].inc == inc)
-            return 1;
-    return 0;
-}
-
-/* Whether a WRITING slot claimed at `stamp` has its owner's liveness checked now. */
-static inline int check_owner(TableObject *t, uint64_t now, uint64_t stamp, uint8_t owner, uint16_t inc) {
-    return age_ms(now, stamp) >= DEAD_CHECK_AGE_MS || owner_dying(t, owner, inc);
-}
-
-/* Free a slot (its record first). The set lock is held. */
-static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
-    zero_record(t, slot);
-    if (*s.state == NVT_READY)
-        t->d_ready--;
-    if (*s.state != NVT_EMPTY)
-        t->d_used--;
-    __atomic_store_n(s.state, NVT_EMPTY, __ATOMIC_RELEASE);
-    *s.tag = 0;
-    *s.fp = 0;
-    (*s.gen)++;
-    (*s.epoch)++;
-    *s.stamp = 0;
-    *s.pins = 0;
-    *s.owner = 0;
-}
-
-/* Free the WRITING slot of a sharer that is gone (the set is held). The slot
- * stays unverified (its next loads check the payload checksum whatever
- * verify_checksums says, until one passes): a write of the dead sharer that
- * was still queued could land on it after this. */
-static void reclaim_dead_locked(TableObject *t, slot_ref s, uint64_t slot) {
-    clear_slot_locked(t, s, slot);
-    *s.flags |= NVT_FLAG_UNVERIFIED;
-}
-
-/* Reclaim WRITING slots of dead sharers in one set (held). */
-static int repair_set_locked(TableObject *t, uint64_t set, uint64_t min_age_ms, uint64_t now) {
-    int n = 0;
-    for (uint32_t w = 0; w < t->ways; w++) {
-        slot_ref s = slot_at(t, set, w);
-        if (*s.state == NVT_WRITING && (age_ms(now, *s.stamp) >= min_age_ms || owner_dying(t, *s.owner, *s.owner_inc)) &&
-            !owner_alive(t, *s.owner, *s.owner_inc)) {
-            reclaim_dead_locked(t, s, set * t->ways + w);
-            n++;
-        }
-    }
-    t->c.dead_reclaimed += (unsigned long long)n;
-    return n;
-}
-
-/* Whether `set` is marked stalled (its last wait timed out) and still is. */
-static int set_stalled(TableObject *t, uint64_t set, uint64_t now, int *slot) {
-    *slot = -1;
-    for (int i = 0; i < N_STALLED; i++) {
-        if (t->stalled[i].until_ms && t->stalled[i].set == set) {
-            *slot = i;
-            return now < t->stalled[i].until_ms;
-        }
-    }
-    return 0;
-}
-
-static void mark_stalled(TableObject *t, uint64_t set, uint64_t now, int slot) {
-    if (slot < 0) { /* a free entry, else the one that ends first */
-        slot = 0;
-        for (int i = 0; i < N_STALLED; i++) {
-            if (!t->stalled[i].until_ms) {
-                slot = i;
-                break;
-            }
-            if (t->stalled[i].until_ms < t->stalled[slot].until_ms)
-                slot = i;
-        }
-    }
-    t->stalled[slot].set = set;
-    t->stalled[slot].until_ms = now + SET_STALL_MS;
-}
-
-/* Take a set's mutex within the bound: 0 or EOWNERDEAD (held), or -1
- * (counted; nothing held). The first try never waits; a contended mutex is
- * waited for SET_LOCK_WAIT_MS at most with the GIL released, and a set whose
- * wait timed out is only tried (no wait) for SET_STALL_MS, so a stopped
- * holder costs each call one wait per set it holds (a sharer holds one set
- * at a time), not one per key. */
-static int lock_bounded(TableObject *t, uint64_t set) {
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    int r = pthread_mutex_trylock(&h->mu);
-    if (r == EBUSY) {
-        uint64_t now = now_ms();
-        int st;
-        if (set_stalled(t, set, now, &st)) {
-            t->c.set_lock_timeouts++;
-            return -1;
-        }
-        struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        until.tv_nsec += (long)SET_LOCK_WAIT_MS * 1000000L;
-        if (until.tv_nsec >= 1000000000L) {
-            until.tv_sec++;
-            until.tv_nsec -= 1000000000L;
-        }
-        Py_BEGIN_ALLOW_THREADS
-        r = pthread_mutex_clocklock(&h->mu, CLOCK_MONOTONIC, &until);
-        Py_END_ALLOW_THREADS
-        if (r == ETIMEDOUT) {
-            mark_stalled(t, set, now, st);
-            t->c.set_lock_timeouts++;
-            return -1;
-        }
-        if (st >= 0 && (r == 0 || r == EOWNERDEAD))
-            t->stalled[st].until_ms = 0; /* taken again: no longer stalled */
-    }
-    return r == 0 || r == EOWNERDEAD ? r : -1; /* ENOTRECOVERABLE: never held */
-}
-
-/* Whether the set (held) has a WRITING slot of sharer (idx, inc). */
-static int set_has_writing_of(TableObject *t, uint64_t set, uint16_t idx, uint16_t inc) {
-    for (uint32_t w = 0; w < t->ways; w++) {
-        slot_ref s = slot_at(t, set, w);
-        if (*s.state == NVT_WRITING && *s.owner == idx && *s.owner_inc == inc)
-            return 1;
-    }
-    return 0;
-}
-
-/* Recover a set whose holder died (EOWNERDEAD: held, inconsistent). Every
- * state the dead sharer can have left is a WRITING slot of its own (claims
- * mark the slot before touching the record): those are reclaimed once its
- * OFD lock is gone. The kernel walks a dying process's robust mutexes before
- * its other threads' I/O has drained and its files are closed, so that lock
- * is often still held here: the dead sharer (named by the holder fields,
- * unless it died between taking the mutex and writing them) is remembered as
- * dying, and the set's mutex released while its lock is awaited for
- * DYING_WAIT_MS at most, then the set is repaired again. Returns 0 with the
- * set held, or -1 (nothing held). */
-static int recover_set(TableObject *t, uint64_t set) {
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    uint16_t holder = h->holder, holder_inc = h->holder_inc;
-    int named = holder && holder - 1 < NVT_MAX_SHARERS &&
-                !(t->me >= 0 && holder - 1 == t->me && holder_inc == (uint16_t)t->my_inc);
-    if (named && !owner_dying(t, (uint8_t)(holder - 1), holder_inc)) {
-        t->dying[t->n_dying % N_DYING].idx = (uint16_t)(holder - 1);
-        t->dying[t->n_dying % N_DYING].inc = holder_inc;
-        t->n_dying++;
-    }
-    repair_set_locked(t, set, 0, now_ms());
-    pthread_mutex_consistent(&h->mu);
-    t->c.lock_recoveries++;
-    if (!named || !set_has_writing_of(t, set, (uint16_t)(holder - 1), holder_inc))
-        return 0;
-    h->holder = 0;
-    pthread_mutex_unlock(&h->mu);
-    uint64_t until = now_mono_ns() + DYING_WAIT_MS * 1000000ULL;
-    Py_BEGIN_ALLOW_THREADS
-    while (owner_alive(t, (uint8_t)(holder - 1), holder_inc) && now_mono_ns() < until) {
-        struct timespec d = {0, 500000L};
-        nanosleep(&d, NULL);
-    }
-    Py_END_ALLOW_THREADS
-    int r = lock_bounded(t, set);
-    if (r < 0)
-        return -1;
-    if (r == EOWNERDEAD) { /* another death meanwhile: no second wait */
-        pthread_mutex_consistent(&h->mu);
-        t->c.lock_recoveries++;
-    }
-    repair_set_locked(t, set, 0, now_ms());
-    return 0;
-}
-
-/* Lock a set's mutex (lock_bounded; a dead holder's set is recovered).
- * Returns 0 with the set held, or -1 when it could not be taken within the
- * bound (nothing held): the caller turns the key into a miss, a dropped
- * store, or a completion retried later. */
-static int set_lock(TableObject *t, uint64_t set) {
-    int r = lock_bounded(t, set);
-    if (r == EOWNERDEAD)
-        r = recover_set(t, set);
-    if (r != 0)
-        return -1;
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
-    h->holder_inc = (uint16_t)t->my_inc;
-    return 0;
-}
-
-static inline void set_unlock(TableObject *t, uint64_t set) {
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    h->holder = 0;
-    pthread_mutex_unlock(&h->mu);
-}
-
-static int init_mutex(pthread_mutex_t *mu) {
-    pthread_mutexattr_t a;
-    if (pthread_mutexattr_init(&a))
-        return -1;
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int r = pthread_mutex_init(mu, &a);
-    pthread_mutexattr_destroy(&a);
-    return r ? -1 : 0;
-}
 
 static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
     if (!PyBytes_Check(key)) {
@@ -617,7 +164,7 @@ static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *
         }
         fps[i] = nvt_xxh3(k, (size_t)n, 0);
         if (i < PREFETCH_AHEAD)
-            prefetch_set(t, fps[i] % t->n_sets, scan);
+            prefetch_set(&t->core, fps[i] % t->core.n_sets, scan);
     }
     return fps;
 }
@@ -627,23 +174,6 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
         PyMem_Free(fps);
 }
 
-/* Way of `fp`/key in `set` in one of the states of `mask`, or -1: the tags
- * filter, the fingerprint and (READY) the record's key confirm. */
-static int find_way(TableObject *t, uint64_t set, uint64_t fp, const char *key, Py_ssize_t n,
-                    unsigned mask) {
-    const uint8_t *tags = set_tags(t, set), tag = tag_of(fp);
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag)
-            continue;
-        slot_ref s = slot_at(t, set, w);
-        if (*s.fp != fp || !((1u << *s.state) & mask))
-            continue;
-        if (*s.state == NVT_READY && !record_has_key(t, set * t->ways + w, key, n))
-            continue; /* a fingerprint collision: another key */
-        return (int)w;
-    }
-    return -1;
-}
 
 /* Parse `key`, lock its set and find the key in the states of `mask`.
  * Returns 0 with the set locked (*w: the way, or -1), 1 when the set could not
@@ -654,11 +184,11 @@ static int locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, i
     if (key_arg(key, &k, &n) < 0)
         return -1;
     uint64_t fp = nvt_xxh3(k, (size_t)n, 0);
-    *set = fp % t->n_sets;
+    *set = fp % t->core.n_sets;
     *w = -1;
-    if (set_lock(t, *set) != 0)
+    if (nvt_set_lock(&t->core, *set) != 0)
         return 1;
-    *w = find_way(t, *set, fp, k, n, mask);
+    *w = nvt_find_way(&t->core, *set, fp, k, n, mask);
     return 0;
 }
 
@@ -854,43 +384,11 @@ static void Table_dealloc(TableObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static uint64_t table_bytes(uint64_t n_slots, uint32_t ways) {
-    return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * (uint64_t)nvt_layout(ways).set_bytes;
-}
 
-/* Whether a geometry is one this table can index: ways from 1 to
- * NVT_MAX_WAYS, n_slots a positive multiple of ways below 2^32 (slot numbers
- * are 32-bit). NULL when it is, else why not. */
-static const char *bad_geometry(uint64_t n_slots, uint64_t ways) {
-    if (ways < 1 || ways > NVT_MAX_WAYS)
-        return "ways must be from 1 to 4096";
-    if (n_slots == 0 || n_slots % ways)
-        return "n_slots must be a positive multiple of ways";
-    if (n_slots >= NVT_MAX_SLOTS)
-        return "n_slots must be below 2^32 (slot numbers are 32-bit): use larger chunks or less capacity";
-    return NULL;
-}
+/* The core's hooks around a wait for another process: the GIL is released. */
+static void *gil_release(void) { return PyEval_SaveThread(); }
 
-/* Check every header field against this version and the mapping's size
- * before any of them is used as an index. NULL when valid, else why not. */
-static const char *bad_header(const nvt_table_header *h, uint64_t len) {
-    if (len < NVT_TABLE_HEADER_BYTES)
-        return "the table is shorter than its header";
-    if (h->magic != NVT_TABLE_MAGIC || h->version != NVT_TABLE_VERSION)
-        return "the table is not formatted by this version (magic or version)";
-    if (h->header_bytes != NVT_TABLE_HEADER_BYTES || h->max_sharers != NVT_MAX_SHARERS)
-        return "the table header's size or registry size is not this version's";
-    const char *why = bad_geometry(h->n_slots, h->ways);
-    if (why)
-        return why;
-    if (h->n_sets != h->n_slots / h->ways)
-        return "the table header's n_sets is not n_slots / ways";
-    if (h->set_bytes != nvt_layout(h->ways).set_bytes)
-        return "the table header's set size is not this version's layout";
-    if (len < table_bytes(h->n_slots, h->ways))
-        return "the table is shorter than its header's geometry";
-    return NULL;
-}
+static void gil_restore(void *state) { PyEval_RestoreThread(state); }
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
@@ -905,7 +403,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     TableObject *self = (TableObject *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
-    self->me = -1;
+    self->core.me = -1;
     self->done = PyList_New(0);
     self->events = PyList_New(0);
     if (!self->done || !self->events)
@@ -916,38 +414,28 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyObject_GetBuffer(iobj, &self->ibuf, PyBUF_WRITABLE) < 0)
         goto fail;
     self->have_ibuf = 1;
-    self->base = self->tbuf.buf;
-    self->index = self->ibuf.buf;
-    self->hdr = (nvt_table_header *)self->base;
-    /* Every field is read once, checked, and only the checked copies used
-     * (another process may write the header; a corrupt one is refused). */
-    nvt_table_header h;
-    memset(&h, 0, sizeof(h));
-    if (self->tbuf.len >= (Py_ssize_t)sizeof(h))
-        memcpy(&h, self->base, sizeof(h));
-    const char *why = bad_header(&h, (uint64_t)self->tbuf.len);
+    /* Every header field is read once, checked, and only the checked copies
+     * used (another process may write the header; a corrupt one is refused). */
+    const char *why = nvt_core_init(&self->core, self->tbuf.buf, (uint64_t)self->tbuf.len, self->ibuf.buf,
+                                    (uint64_t)self->ibuf.len, lock_fd);
     if (why) {
         PyErr_Format(PyExc_ValueError, "the table is not usable: %s (format() it, or remove the store)", why);
         goto fail;
     }
-    self->n_slots = h.n_slots;
-    self->ways = h.ways;
-    self->n_sets = h.n_sets;
-    self->set_bytes = h.set_bytes;
-    self->layout = nvt_layout(self->ways);
-    if ((uint64_t)self->ibuf.len / REC_BYTES < self->n_slots || n_paths < 1 ||
-        self->n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes || n_rows < 0) {
+    if (n_paths < 1 || self->core.n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes ||
+        n_rows < 0) {
         PyErr_SetString(PyExc_ValueError, "table, index and geometry do not match");
         goto fail;
     }
-    self->lock_fd = lock_fd;
+    self->core.unblock = gil_release;
+    self->core.reblock = gil_restore;
     self->n_paths = n_paths;
     self->slot_bytes = slot_bytes;
     self->row_bytes = row_bytes;
     self->n_rows = n_rows;
-    self->lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
+    self->core.lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
                      : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
-    self->watch_timeout_ms = watch_ns / 1000000ULL;
+    self->core.watch_timeout_ms = watch_ns / 1000000ULL;
     return (PyObject *)self;
 fail:
     Py_DECREF(self);
@@ -960,51 +448,22 @@ PyDoc_STRVAR(attach_doc, "attach() -> (index, incarnation)\n\n"
                          "pid, incarnation and time. Raises OSError when all entries are taken.");
 
 static PyObject *Table_attach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->me >= 0)
-        return Py_BuildValue("(iI)", self->me, self->my_inc);
-    for (int i = 0; i < NVT_MAX_SHARERS; i++) {
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_WRLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
-        fl.l_len = 1;
-        if (fcntl(self->lock_fd, F_OFD_SETLK, &fl) != 0) {
-            if (errno == EAGAIN || errno == EACCES)
-                continue;
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-        nvt_sharer *s = &sharers(self->base)[i];
-        uint32_t inc = s->incarnation + 1;
-        if ((inc & 0xffff) == 0)
-            inc++;
-        s->pid = (uint32_t)getpid();
-        s->attached_ns = now_wall_ns();
-        __atomic_store_n(&s->incarnation, inc, __ATOMIC_RELEASE);
-        self->me = i;
-        self->my_inc = inc;
-        return Py_BuildValue("(iI)", i, inc);
+    int i = nvt_attach(&self->core);
+    if (i == -EUSERS) {
+        errno = EUSERS;
+        return PyErr_Format(PyExc_OSError, "the store already has %d sharers attached", NVT_MAX_SHARERS);
     }
-    errno = EUSERS;
-    PyErr_Format(PyExc_OSError, "the store already has %d sharers attached", NVT_MAX_SHARERS);
-    return NULL;
+    if (i < 0) {
+        errno = -i;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(iI)", i, self->core.my_inc);
 }
 
 PyDoc_STRVAR(detach_doc, "detach()\n\nLeave the sharer registry (pid cleared, OFD lock released).");
 
 static PyObject *Table_detach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->me >= 0) {
-        nvt_sharer *s = &sharers(self->base)[self->me];
-        s->pid = 0;
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_UNLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + self->me;
-        fl.l_len = 1;
-        fcntl(self->lock_fd, F_OFD_SETLK, &fl);
-        self->me = -1;
-    }
+    nvt_detach(&self->core);
     Py_RETURN_NONE;
 }
 
@@ -1020,11 +479,11 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            slot_ref s = slot_at(self, set, (uint32_t)w);
-            uint64_t now = now_ms();
+            slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+            uint64_t now = nvt_now_ms();
             uint32_t epoch;
-            int pinned = lease_grant(s, now, now + self->lease_ms, &epoch);
-            *s.last = tick(self, set);
+            int pinned = lease_grant(s, now, now + self->core.lease_ms, &epoch);
+            *s.last = tick(&self->core, set);
             hit = 1;
             if (pinned && self->n_held == self->cap_held) {
                 size_t cap = self->cap_held ? self->cap_held * 2 : 256;
@@ -1035,20 +494,20 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
                 }
             }
             if (pinned && self->n_held < self->cap_held) {
-                self->held[2 * self->n_held] = set * self->ways + (uint64_t)w;
+                self->held[2 * self->n_held] = set * self->core.ways + (uint64_t)w;
                 self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
                 self->n_held++;
             } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
                 PyErr_Clear();
             }
         }
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
     }
     if (hit) {
-        self->c.hits++;
+        self->core.c.hits++;
         Py_RETURN_TRUE;
     }
-    self->c.misses++;
+    self->core.c.misses++;
     Py_RETURN_FALSE;
 }
 
@@ -1059,8 +518,8 @@ static int64_t ready_slot(TableObject *self, PyObject *key) {
     if (r < 0)
         return -2;
     if (r == 0)
-        set_unlock(self, set);
-    return w < 0 ? -1 : (int64_t)(set * self->ways + (uint64_t)w);
+        set_unlock(&self->core, set);
+    return w < 0 ? -1 : (int64_t)(set * self->core.ways + (uint64_t)w);
 }
 
 PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
@@ -1098,73 +557,13 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         if (r)
             continue;
         if (w >= 0)
-            *slot_at(self, set, (uint32_t)w).last = tick(self, set);
-        set_unlock(self, set);
+            *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
+        set_unlock(&self->core, set);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
 }
 
-/* Choose the way to write `fp` into (the set is locked). Returns the way, or
- * -1 when every way is being written or leased, or -2 when the key is already
- * present or being written. *evict is set when a READY/BAD key is displaced. */
-static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, Py_ssize_t n,
-                     uint64_t now, int *evict) {
-    const uint8_t *tags = set_tags(t, set), *states = set_states(t, set), tag = tag_of(fp);
-    int empty = -1;
-    *evict = 0;
-    /* This key in any state (tags filter), and the first empty way. */
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag) {
-            if (empty < 0 && states[w] == NVT_EMPTY)
-                empty = (int)w;
-            continue;
-        }
-        slot_ref s = slot_at(t, set, w);
-        uint8_t st = *s.state;
-        if (st == NVT_EMPTY || *s.fp != fp)
-            continue;
-        if (st == NVT_WRITING)
-            return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-        if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
-            return -2;
-        if (st == NVT_BAD) /* a failed load left it: rewrite in place */
-            return (int)w;
-    }
-    if (empty >= 0)
-        return empty;
-    /* A full set: the least recently used way no lease protects, BAD first;
-     * WRITING ways of sharers that died are reclaimed on the way. */
-    const uint32_t clock = set_head(t->base, t->set_bytes, set)->clock;
-    int victim = -1, victim_bad = 0;
-    uint32_t victim_age = 0;
-    for (uint32_t w = 0; w < t->ways; w++) {
-        slot_ref s = slot_at(t, set, w);
-        uint8_t st = states[w];
-        if (st == NVT_WRITING) {
-            if (check_owner(t, now, *s.stamp, *s.owner, *s.owner_inc) && !owner_alive(t, *s.owner, *s.owner_inc)) {
-                reclaim_dead_locked(t, s, set * t->ways + w);
-                t->c.dead_reclaimed++;
-                return (int)w;
-            }
-            continue;
-        }
-        if (st == NVT_EMPTY)
-            return (int)w;
-        if (leased_locked(s, now))
-            continue; /* a lookup hit or a load in flight */
-        int bad = st == NVT_BAD;
-        uint32_t age = clock - *s.last;
-        if (victim < 0 || bad > victim_bad || (bad == victim_bad && age > victim_age)) {
-            victim = (int)w;
-            victim_bad = bad;
-            victim_age = age;
-        }
-    }
-    if (victim >= 0)
-        *evict = 1;
-    return victim;
-}
 
 /* The common arguments of a job: keys as a fast sequence, rows as an int
  * buffer of as many, and an output buffer for one op per key. Returns the key
@@ -1224,13 +623,13 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
     Py_ssize_t n_ops = *n_ops_io;
     int64_t job = *job_io;
     int rc = 0;
-    uint64_t now = now_ms();
+    uint64_t now = nvt_now_ms();
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
     if (!fps)
         goto error;
     for (Py_ssize_t i = 0; i < m; i++) {
         if (i + PREFETCH_AHEAD < m)
-            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 1);
+            prefetch_set(&self->core, fps[i + PREFETCH_AHEAD] % self->core.n_sets, 1);
         if (skip && skip[i])
             continue;
         const char *k = NULL;
@@ -1247,25 +646,25 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
             continue;
         }
         if (n_ops >= max_ops) {
-            self->c.stores_dropped_queue_full++;
+            self->core.c.stores_dropped_queue_full++;
             if (store_dropped(self, job, i, failed) < 0)
                 goto error;
             continue;
         }
-        uint64_t fp = fps[i], set = fp % self->n_sets;
-        if (set_lock(self, set) != 0) {
-            self->c.stores_dropped_set_busy++;
+        uint64_t fp = fps[i], set = fp % self->core.n_sets;
+        if (nvt_set_lock(&self->core, set) != 0) {
+            self->core.c.stores_dropped_set_busy++;
             if (store_dropped(self, job, i, failed) < 0)
                 goto error;
             continue;
         }
         int evict;
-        int w = claim_way(self, set, fp, k, n, now, &evict);
+        int w = nvt_claim_way(&self->core, set, fp, k, n, now, &evict);
         if (w <= -3) { /* being written: finish this job only once that write is done */
             uint32_t ww = (uint32_t)(-3 - w);
-            uint32_t gen = *slot_at(self, set, ww).gen;
-            set_unlock(self, set);
-            self->c.stores_skipped_present++;
+            uint32_t gen = *slot_at(&self->core, set, ww).gen;
+            set_unlock(&self->core, set);
+            self->core.c.stores_skipped_present++;
             if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
                 PyErr_NoMemory();
                 goto error;
@@ -1281,44 +680,44 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
                 self->cap_watches = cap;
             }
             struct watch *wt = &self->watches[self->n_watches++];
-            wt->slot = (uint32_t)(set * self->ways + ww);
+            wt->slot = (uint32_t)(set * self->core.ways + ww);
             wt->gen = gen;
             wt->job = (uint32_t)job;
             wt->pos = (uint32_t)i;
-            wt->deadline_ms = now + self->watch_timeout_ms;
+            wt->deadline_ms = now + self->core.watch_timeout_ms;
             self->jobs[job].remaining++;
             continue;
         }
         if (w < 0) {
-            set_unlock(self, set);
+            set_unlock(&self->core, set);
             if (w == -2) {
-                self->c.stores_skipped_present++;
+                self->core.c.stores_skipped_present++;
             } else {
-                self->c.stores_dropped_set_busy++;
+                self->core.c.stores_dropped_set_busy++;
                 if (store_dropped(self, job, i, failed) < 0)
                     goto error;
             }
             continue;
         }
-        uint64_t slot = set * self->ways + (uint64_t)w;
-        slot_ref s = slot_at(self, set, (uint32_t)w);
+        uint64_t slot = set * self->core.ways + (uint64_t)w;
+        slot_ref s = slot_at(&self->core, set, (uint32_t)w);
         if (evict) {
-            self->c.evictions++;
-            const unsigned char *r = record(self, slot);
-            if (events && r[5] <= REC_KEY_MAX && record_has_key(self, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
+            self->core.c.evictions++;
+            const unsigned char *r = record(&self->core, slot);
+            if (events && r[5] <= REC_KEY_MAX && nvt_record_has_key(&self->core, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
                 append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
-                set_unlock(self, set);
+                set_unlock(&self->core, set);
                 goto error;
             }
         }
         if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
-            set_unlock(self, set);
+            set_unlock(&self->core, set);
             PyErr_NoMemory();
             goto error;
         }
         int64_t oi = op_alloc(self);
         if (oi < 0) {
-            set_unlock(self, set);
+            set_unlock(&self->core, set);
             PyErr_NoMemory();
             goto error;
         }
@@ -1326,11 +725,11 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
          * leaves a WRITING slot of a dead sharer, which is reclaimed. */
         uint8_t old = *s.state;
         if (old == NVT_EMPTY)
-            self->d_used++;
+            self->core.d_used++;
         else if (old == NVT_READY)
-            self->d_ready--;
-        *s.owner = (uint8_t)(self->me < 0 ? 0 : self->me);
-        *s.owner_inc = (uint16_t)self->my_inc;
+            self->core.d_ready--;
+        *s.owner = (uint8_t)(self->core.me < 0 ? 0 : self->core.me);
+        *s.owner_inc = (uint16_t)self->core.my_inc;
         *s.stamp = now;
         *s.pins = 0; /* an evicted slot's lease had ended */
         (*s.epoch)++;
@@ -1343,11 +742,11 @@ static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize
          * (clear_slot_locked; the rebuild zeroes every record it does not
          * load), so a fresh claim leaves the index page alone. */
         if (old != NVT_EMPTY)
-            zero_record(self, slot);
+            zero_record(&self->core, slot);
         op_info *o = &self->ops[oi];
         o->slot = (uint32_t)slot;
         o->gen = *s.gen;
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
         o->expected = 0;
         o->job = (uint32_t)job;
         o->pos = (uint32_t)i;
@@ -1362,7 +761,7 @@ error:
     rc = -1;
 done:
     free_fps(fps, fps_local);
-    publish_counts(self);
+    publish_counts(&self->core);
     *n_ops_io = n_ops;
     *job_io = job;
     return rc;
@@ -1374,12 +773,12 @@ static void store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops,
     for (Py_ssize_t i = 0; i < n_ops; i++) {
         uint32_t oi = (uint32_t)(uintptr_t)ops[i].op_id;
         op_info *o = &self->ops[oi];
-        uint64_t set = o->slot / self->ways;
-        if (set_lock(self, set) == 0) {
-            slot_ref s = slot_at(self, set, o->slot % self->ways);
+        uint64_t set = o->slot / self->core.ways;
+        if (nvt_set_lock(&self->core, set) == 0) {
+            slot_ref s = slot_at(&self->core, set, o->slot % self->core.ways);
             if (*s.state == NVT_WRITING && *s.gen == o->gen)
-                clear_slot_locked(self, s, o->slot);
-            set_unlock(self, set);
+                nvt_clear_slot_locked(&self->core, s, o->slot);
+            set_unlock(&self->core, set);
         }
         op_release(self, oi);
     }
@@ -1391,7 +790,7 @@ static void store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops,
         self->n_watches = keep;
         job_release(self, (uint32_t)job);
     }
-    publish_counts(self);
+    publish_counts(&self->core);
 }
 
 static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
@@ -1450,35 +849,35 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
     Py_ssize_t n_ops = *n_ops_io;
     int64_t job = *job_io;
     int rc = 0;
-    uint64_t now = now_ms(), until = now + self->lease_ms;
+    uint64_t now = nvt_now_ms(), until = now + self->core.lease_ms;
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
     if (!fps)
         goto error;
     for (Py_ssize_t i = 0; i < m; i++) {
         if (i + PREFETCH_AHEAD < m)
-            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 0);
+            prefetch_set(&self->core, fps[i + PREFETCH_AHEAD] % self->core.n_sets, 0);
         const char *k = NULL;
         Py_ssize_t n = 0;
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         int64_t row = row_at(rows, i);
-        uint64_t fp = fps[i], set = fp % self->n_sets;
+        uint64_t fp = fps[i], set = fp % self->core.n_sets;
         int w = -1, leased = 0, check = verify;
         uint32_t gen = 0, epoch = 0;
         uint64_t expected = 0;
-        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
-            w = find_way(self, set, fp, k, n, 1u << NVT_READY);
+        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && nvt_set_lock(&self->core, set) == 0) {
+            w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
             if (w >= 0) {
-                slot_ref s = slot_at(self, set, (uint32_t)w);
+                slot_ref s = slot_at(&self->core, set, (uint32_t)w);
                 leased = lease_grant(s, now, until, &epoch); /* released at its completion */
                 check |= (*s.flags & NVT_FLAG_UNVERIFIED) != 0;
-                *s.last = tick(self, set);
+                *s.last = tick(&self->core, set);
                 gen = *s.gen;
-                expected = record_payload(self, set * self->ways + (uint64_t)w);
+                expected = record_payload(&self->core, set * self->core.ways + (uint64_t)w);
             }
-            set_unlock(self, set);
+            set_unlock(&self->core, set);
         }
         if (w < 0) {
-            self->c.load_keys_missing++;
+            self->core.c.load_keys_missing++;
             if (missing ? append_pos(missing, i) < 0
                         : job_fail(&self->jobs[job], (uint32_t)i, FAIL_MISSING, 0) < 0) {
                 if (!missing)
@@ -1496,7 +895,7 @@ static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_
             PyErr_NoMemory();
             goto error;
         }
-        uint64_t slot = set * self->ways + (uint64_t)w;
+        uint64_t slot = set * self->core.ways + (uint64_t)w;
         op_info *o = &self->ops[oi];
         o->slot = (uint32_t)slot;
         o->gen = gen;
@@ -1591,32 +990,32 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
     job_info none; /* an abandoned op's job: not in use, so job_fail ignores it */
     memset(&none, 0, sizeof(none));
     job_info *j = o->job == JOB_NONE ? &none : &t->jobs[o->job];
-    uint64_t set = o->slot / t->ways;
-    slot_ref s = slot_at(t, set, o->slot % t->ways);
+    uint64_t set = o->slot / t->core.ways;
+    slot_ref s = slot_at(&t->core, set, o->slot % t->core.ways);
     int ok = c->result == t->row_bytes;
-    if (set_lock(t, set) != 0)
+    if (nvt_set_lock(&t->core, set) != 0)
         return 1; /* its holder is stopped or slow: the op stays in flight */
     if (o->kind == NVT_OP_WRITE) {
         if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
             /* The data is written: only now does the record appear, then the slot. */
-            write_record(t, o->slot, o->key, o->key_len, c->checksum);
+            nvt_write_record(&t->core, o->slot, o->key, o->key_len, c->checksum);
             (*s.stamp) = 0;
             (*s.pins) = 0;
             (*s.owner) = 0;
-            (*s.last) = tick(t, set);
+            (*s.last) = tick(&t->core, set);
             __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
-            t->d_ready++;
-            set_unlock(t, set);
-            t->c.ops_written++;
-            t->c.bytes_written += (unsigned long long)t->row_bytes;
+            t->core.d_ready++;
+            set_unlock(&t->core, set);
+            t->core.c.ops_written++;
+            t->core.c.bytes_written += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
             if (events && append_key(stored, o->key, o->key_len) < 0)
                 return -1;
         } else {
             if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
-                clear_slot_locked(t, s, o->slot); /* the record is still zero */
-            set_unlock(t, set);
-            t->c.write_errors++;
+                nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
+            set_unlock(&t->core, set);
+            t->core.c.write_errors++;
             if (job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result) < 0)
                 return -1;
         }
@@ -1625,47 +1024,47 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
         if (o->leased)
             lease_release(s, o->gen, o->epoch); /* this load's own pin; others' stay */
         if (!same) {
-            set_unlock(t, set);
-            t->c.loads_raced++;
+            set_unlock(&t->core, set);
+            t->core.c.loads_raced++;
             if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
                 return -1;
         } else if (c->result == -ECANCELED) {
             /* Never read (the engine refused or cancelled the op): nothing is
              * known about the slot, which stays READY for every sharer. */
-            set_unlock(t, set);
-            t->c.loads_cancelled++;
+            set_unlock(&t->core, set);
+            t->core.c.loads_cancelled++;
             if (job_fail(j, o->pos, FAIL_READ_IO, ECANCELED) < 0)
                 return -1;
         } else if (!ok) {
             /* A read error: a miss until rewritten (BAD, not freed: a
              * transient error is not proven corruption). */
             (*s.state) = NVT_BAD;
-            t->d_ready--;
-            set_unlock(t, set);
-            t->c.read_errors++;
+            t->core.d_ready--;
+            set_unlock(&t->core, set);
+            t->core.c.read_errors++;
             if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
                 return -1;
         } else if (o->verify && c->checksum != o->expected) {
             /* Proven corruption of this very slot: a miss, and the slot is freed. */
-            const unsigned char *r = record(t, o->slot);
+            const unsigned char *r = record(&t->core, o->slot);
             int kl = r[5];
             if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0) {
-                set_unlock(t, set);
+                set_unlock(&t->core, set);
                 return -1;
             }
-            clear_slot_locked(t, s, o->slot);
-            set_unlock(t, set);
-            t->c.checksum_failures++;
+            nvt_clear_slot_locked(&t->core, s, o->slot);
+            set_unlock(&t->core, set);
+            t->core.c.checksum_failures++;
             if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
                 return -1;
         } else {
             if (o->verify && (*s.flags & NVT_FLAG_UNVERIFIED)) {
                 *s.flags &= (uint8_t)~NVT_FLAG_UNVERIFIED; /* verified once: trusted now */
-                t->c.loads_verified_unverified++;
+                t->core.c.loads_verified_unverified++;
             }
-            set_unlock(t, set);
-            t->c.ops_read++;
-            t->c.bytes_read += (unsigned long long)t->row_bytes;
+            set_unlock(&t->core, set);
+            t->core.c.ops_read++;
+            t->core.c.bytes_read += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
         }
     }
@@ -1693,9 +1092,9 @@ static int finish_submitted(TableObject *self, uint32_t ji) {
     Py_INCREF(ok);
     if (j->n_failed) {
         if (j->is_load)
-            self->c.load_jobs_failed++;
+            self->core.c.load_jobs_failed++;
         else
-            self->c.store_jobs_failed++;
+            self->core.c.store_jobs_failed++;
     }
     if (j->n_failed && j->keys) {
         Py_ssize_t m = PySequence_Fast_GET_SIZE(j->keys);
@@ -1779,22 +1178,18 @@ static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
  * that cannot be locked leaves the watch pending until its deadline. */
 static int check_watches(TableObject *self, PyObject *finished) {
     size_t keep = 0;
-    uint64_t now = now_ms();
+    uint64_t now = nvt_now_ms();
     for (size_t i = 0; i < self->n_watches; i++) {
         struct watch wt = self->watches[i];
-        uint64_t set = wt.slot / self->ways;
+        uint64_t set = wt.slot / self->core.ways;
         int pending = 1, stored = 0;
-        if (set_lock(self, set) == 0) {
-            slot_ref s = slot_at(self, set, wt.slot % self->ways);
-            if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
-                check_owner(self, now, *s.stamp, *s.owner, *s.owner_inc) &&
-                !owner_alive(self, (*s.owner), (*s.owner_inc))) {
-                reclaim_dead_locked(self, s, wt.slot);
-                self->c.dead_reclaimed++;
-            }
+        if (nvt_set_lock(&self->core, set) == 0) {
+            slot_ref s = slot_at(&self->core, set, wt.slot % self->core.ways);
+            if ((*s.gen) == wt.gen)
+                nvt_reclaim_if_dead_locked(&self->core, s, wt.slot, now);
             pending = (*s.state) == NVT_WRITING && (*s.gen) == wt.gen;
             stored = (*s.state) == NVT_READY && (*s.gen) == wt.gen;
-            set_unlock(self, set);
+            set_unlock(&self->core, set);
         }
         if (pending && now < wt.deadline_ms) {
             self->watches[keep++] = wt;
@@ -1802,9 +1197,9 @@ static int check_watches(TableObject *self, PyObject *finished) {
         }
         if (!stored) {
             if (pending)
-                self->c.stores_dropped_watch_timeout++;
+                self->core.c.stores_dropped_watch_timeout++;
             else
-                self->c.stores_dropped_watch_failed++;
+                self->core.c.stores_dropped_watch_failed++;
             if (job_fail(&self->jobs[wt.job], wt.pos, FAIL_DROPPED, 0) < 0) {
                 PyErr_NoMemory();
                 pending = -1;
@@ -1838,8 +1233,8 @@ static int defer(TableObject *self, const nvt_completion *c, uint64_t deadline_m
         self->cap_deferred = cap;
     }
     if (!deadline_ms) {
-        deadline_ms = now_ms() + self->watch_timeout_ms;
-        self->c.completions_deferred++;
+        deadline_ms = nvt_now_ms() + self->core.watch_timeout_ms;
+        self->core.c.completions_deferred++;
     }
     self->deferred[self->n_deferred].c = *c;
     self->deferred[self->n_deferred].deadline_ms = deadline_ms;
@@ -1855,7 +1250,7 @@ static int abandon_op(TableObject *self, uint32_t oi, PyObject *finished) {
     op_info *o = &self->ops[oi];
     uint32_t ji = o->job;
     o->job = JOB_NONE;
-    self->c.completions_abandoned++;
+    self->core.c.completions_abandoned++;
     job_info *j = &self->jobs[ji];
     if (job_fail(j, o->pos, FAIL_DROPPED, 0) < 0) {
         PyErr_NoMemory();
@@ -1876,7 +1271,7 @@ static int apply_or_defer(TableObject *self, const nvt_completion *c, uint64_t d
     if (r < 0)
         return -1;
     if (r > 0) {
-        if (deadline_ms && ji != JOB_NONE && now_ms() >= deadline_ms && abandon_op(self, oi, finished) < 0)
+        if (deadline_ms && ji != JOB_NONE && nvt_now_ms() >= deadline_ms && abandon_op(self, oi, finished) < 0)
             return -1;
         return defer(self, c, deadline_ms);
     }
@@ -1923,8 +1318,8 @@ static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n
         uintptr_t raw = (uintptr_t)cs[i].op_id;
         if (raw < self->n_ops_cap && self->ops[raw].in_use) {
             uint32_t slot = self->ops[raw].slot;
-            prefetch_set(self, slot / self->ways, 0);
-            __builtin_prefetch(record(self, slot), 1);
+            prefetch_set(&self->core, slot / self->core.ways, 0);
+            __builtin_prefetch(record(&self->core, slot), 1);
         }
     }
     for (Py_ssize_t i = 0; i < n; i++)
@@ -1947,14 +1342,14 @@ static PyObject *Table_complete(TableObject *self, PyObject *args) {
     if (apply_batch(self, comps.buf, n, events, finished, &stored, &removed) < 0)
         goto error;
     PyBuffer_Release(&comps);
-    publish_counts(self);
+    publish_counts(&self->core);
     PyObject *res = Py_BuildValue("(NOO)", finished, stored ? stored : Py_None, removed ? removed : Py_None);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
     return res;
 error:
     PyBuffer_Release(&comps);
-    publish_counts(self);
+    publish_counts(&self->core);
     Py_XDECREF(finished);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
@@ -2023,7 +1418,7 @@ static int collect(TableObject *self, PyObject *timeout) {
             rc = push_event(self, 1, removed);
         Py_XDECREF(stored);
         Py_XDECREF(removed);
-        publish_counts(self);
+        publish_counts(&self->core);
     }
     if (comps) {
         PyBuffer_Release(&b);
@@ -2111,7 +1506,7 @@ static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
                 if (r < 0 || (r > 0 && defer(self, &c, 0) < 0)) /* only out of memory */
                     PyErr_Clear();
             }
-            publish_counts(self);
+            publish_counts(&self->core);
             Py_DECREF(err);
             err = value ? PyObject_Str(value) : NULL;
             if (!err) {
@@ -2216,12 +1611,12 @@ PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     for (size_t i = 0; i < self->n_held; i++) {
-        uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->ways;
-        if (set_lock(self, set) != 0)
+        uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->core.ways;
+        if (nvt_set_lock(&self->core, set) != 0)
             continue; /* the lease runs out on its own */
-        lease_release(slot_at(self, set, (uint32_t)(slot % self->ways)), (uint32_t)(grant >> 32),
+        lease_release(slot_at(&self->core, set, (uint32_t)(slot % self->core.ways)), (uint32_t)(grant >> 32),
                       (uint32_t)grant);
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
     }
     self->n_held = 0;
     Py_RETURN_NONE;
@@ -2239,15 +1634,15 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            slot_ref s = slot_at(self, set, (uint32_t)w);
-            if (!leased_locked(s, now_ms())) {
-                clear_slot_locked(self, s, set * self->ways + (uint64_t)w);
+            slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+            if (!leased_locked(s, nvt_now_ms())) {
+                nvt_clear_slot_locked(&self->core, s, set * self->core.ways + (uint64_t)w);
                 done = 1;
             }
         }
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
     }
-    publish_counts(self);
+    publish_counts(&self->core);
     if (done && self->events_on) {
         PyObject *keys = Py_BuildValue("[O]", key);
         int rc = keys ? push_event(self, 1, keys) : -1;
@@ -2263,24 +1658,7 @@ PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
                         "recount the used/ready gauges. Returns the slots reclaimed.");
 
 static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    uint64_t now = now_ms();
-    int64_t used = 0, ready = 0;
-    long long reclaimed = 0;
-    for (uint64_t set = 0; set < self->n_sets; set++) {
-        if (set_lock(self, set) != 0)
-            continue;
-        reclaimed += repair_set_locked(self, set, 0, now);
-        const uint8_t *states = set_states(self, set);
-        for (uint32_t w = 0; w < self->ways; w++) {
-            used += states[w] != NVT_EMPTY;
-            ready += states[w] == NVT_READY;
-        }
-        set_unlock(self, set);
-    }
-    self->d_used = self->d_ready = 0; /* counted afresh */
-    __atomic_store_n(&self->hdr->used, used, __ATOMIC_RELAXED);
-    __atomic_store_n(&self->hdr->ready, ready, __ATOMIC_RELAXED);
-    return PyLong_FromLongLong(reclaimed);
+    return PyLong_FromLongLong(nvt_sweep(&self->core));
 }
 
 PyDoc_STRVAR(load_doc,
@@ -2305,29 +1683,7 @@ static PyObject *Table_load(TableObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "slots must be an int64 buffer");
         return NULL;
     }
-    const int64_t *slots = v.buf;
-    Py_ssize_t n = v.len / 8;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || (uint64_t)slots[i] >= self->n_slots)
-            continue;
-        uint64_t slot = (uint64_t)slots[i];
-        const unsigned char *r = record(self, slot);
-        uint8_t kl = r[5] <= REC_KEY_MAX ? r[5] : REC_KEY_MAX;
-        slot_ref s = slot_at(self, slot / self->ways, (uint32_t)(slot % self->ways));
-        if ((*s.state) == NVT_EMPTY)
-            self->hdr->used++;
-        if ((*s.state) != NVT_READY)
-            self->hdr->ready++;
-        (*s.fp) = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
-        (*s.tag) = tag_of(*s.fp);
-        (*s.last) = tick(self, slot / self->ways);
-        (*s.stamp) = 0;
-        (*s.pins) = 0;
-        (*s.owner) = 0;
-        (*s.flags) = unverified ? NVT_FLAG_UNVERIFIED : 0;
-        (*s.gen)++;
-        (*s.state) = NVT_READY;
-    }
+    nvt_rebuild(&self->core, v.buf, (size_t)(v.len / 8), unverified);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
 }
@@ -2335,7 +1691,7 @@ static PyObject *Table_load(TableObject *self, PyObject *args) {
 PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative counters.");
 
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    counters *c = &self->c;
+    nvt_counters *c = &self->core.c;
     return Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
@@ -2357,9 +1713,9 @@ PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
                         "process's stores waiting for another write of their key, and jobs in flight.");
 
 static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    publish_counts(self);
-    int64_t used = __atomic_load_n(&self->hdr->used, __ATOMIC_RELAXED);
-    int64_t ready = __atomic_load_n(&self->hdr->ready, __ATOMIC_RELAXED);
+    publish_counts(&self->core);
+    int64_t used = __atomic_load_n(&self->core.hdr->used, __ATOMIC_RELAXED);
+    int64_t ready = __atomic_load_n(&self->core.hdr->ready, __ATOMIC_RELAXED);
     return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
                          (unsigned int)self->n_watches, self->jobs_live);
 }
@@ -2372,11 +1728,11 @@ static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
     unsigned long long set = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
-    if (set >= self->n_sets) {
+    if (set >= self->core.n_sets) {
         PyErr_SetString(PyExc_ValueError, "no such set");
         return NULL;
     }
-    return PyBool_FromLong(set_lock(self, set) == 0);
+    return PyBool_FromLong(nvt_set_lock(&self->core, set) == 0);
 }
 
 PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex _hold_set took.");
@@ -2385,11 +1741,11 @@ static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
     unsigned long long set = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
-    if (set >= self->n_sets) {
+    if (set >= self->core.n_sets) {
         PyErr_SetString(PyExc_ValueError, "no such set");
         return NULL;
     }
-    set_unlock(self, set);
+    set_unlock(&self->core, set);
     Py_RETURN_NONE;
 }
 
@@ -2432,19 +1788,19 @@ static PyTypeObject TableType = {
 };
 
 /* ------------------------------------------------------------------ module */
-PyDoc_STRVAR(table_bytes_doc, "table_bytes(n_slots, ways) -> int\n\nSize of the table file.");
+PyDoc_STRVAR(table_bytes_doc, "nvt_table_bytes(n_slots, ways) -> int\n\nSize of the table file.");
 
 static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
     unsigned long long n_slots;
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "KI", &n_slots, &ways))
         return NULL;
-    const char *why = bad_geometry(n_slots, ways);
+    const char *why = nvt_bad_geometry(n_slots, ways);
     if (why) {
         PyErr_SetString(PyExc_ValueError, why);
         return NULL;
     }
-    return PyLong_FromUnsignedLongLong(table_bytes(n_slots, ways));
+    return PyLong_FromUnsignedLongLong(nvt_table_bytes(n_slots, ways));
 }
 
 PyDoc_STRVAR(format_doc,
@@ -2459,31 +1815,10 @@ static PyObject *py_format(PyObject *m, PyObject *args) {
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "w*KI", &v, &n_slots, &ways))
         return NULL;
-    const char *why = bad_geometry(n_slots, ways);
-    if (why || (uint64_t)v.len < table_bytes(n_slots, ways)) {
-        PyBuffer_Release(&v);
-        PyErr_SetString(PyExc_ValueError, why ? why : "the table buffer is too small for n_slots and ways");
-        return NULL;
-    }
-    char *base = v.buf;
-    nvt_table_header *h = (nvt_table_header *)base;
-    uint32_t set_bytes = nvt_layout(ways).set_bytes;
-    uint64_t n_sets = n_slots / ways;
-    memset(base, 0, table_bytes(n_slots, ways));
-    int err = 0;
-    for (uint64_t s = 0; s < n_sets && !err; s++)
-        err = init_mutex(&set_head(base, set_bytes, s)->mu);
-    h->magic = NVT_TABLE_MAGIC;
-    h->version = NVT_TABLE_VERSION;
-    h->header_bytes = NVT_TABLE_HEADER_BYTES;
-    h->n_slots = n_slots;
-    h->ways = ways;
-    h->set_bytes = set_bytes;
-    h->n_sets = n_sets;
-    h->max_sharers = NVT_MAX_SHARERS;
+    const char *why = nvt_format(v.buf, (uint64_t)v.len, n_slots, ways);
     PyBuffer_Release(&v);
-    if (err) {
-        PyErr_SetString(PyExc_OSError, "pthread_mutex_init failed for a process-shared robust mutex");
+    if (why) {
+        PyErr_SetString(strncmp(why, "pthread", 7) ? PyExc_ValueError : PyExc_OSError, why);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -2502,7 +1837,7 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
     }
     nvt_table_header h;
     memcpy(&h, v.buf, sizeof(h));
-    const char *why = bad_header(&h, (uint64_t)v.len);
+    const char *why = nvt_bad_header(&h, (uint64_t)v.len);
     PyBuffer_Release(&v);
     return Py_BuildValue("{sKsIsKsIsLsLsOsz}", "magic", (unsigned long long)h.magic, "version", h.version,
                          "n_slots", (unsigned long long)h.n_slots, "ways", h.ways, "used", (long long)h.used,
@@ -2527,13 +1862,7 @@ static PyObject *py_sharers(PyObject *m, PyObject *args) {
     for (int i = 0; out && i < NVT_MAX_SHARERS; i++) {
         if (!sh[i].pid)
             continue; /* never used, or detached */
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_WRLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
-        fl.l_len = 1;
-        if (fcntl(fd, F_OFD_GETLK, &fl) != 0 || fl.l_type == F_UNLCK)
+        if (!nvt_sharer_live(fd, i))
             continue;
         PyObject *t = Py_BuildValue("(iIK)", i, sh[i].pid, (unsigned long long)sh[i].attached_ns);
         if (!t || PyList_Append(out, t) < 0)
@@ -2553,7 +1882,7 @@ static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
     long long ns = PyLong_AsLongLong(arg);
     if (ns == -1 && PyErr_Occurred())
         return NULL;
-    clock_offset_ns = ns;
+    nvt_set_clock_offset_ns(ns);
     Py_RETURN_NONE;
 }
 

@@ -105,7 +105,7 @@ def test_a_table_shorter_than_its_header_is_refused(lock_fd: int) -> None:
 
 
 def test_an_index_shorter_than_the_slots_is_refused(lock_fd: int) -> None:
-    with pytest.raises(ValueError, match="do not match"):
+    with pytest.raises(ValueError, match="index is shorter"):
         _open(_table_map(), lock_fd, index_bytes=(N_SLOTS - 1) * 128)
 
 
