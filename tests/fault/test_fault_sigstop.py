@@ -16,7 +16,11 @@ SIGSTOPs it at a random point (while opening, storing or loading). For
   wait is milliseconds; ``PHASE_LIMIT_S`` per check);
 - every store the victim completed before the stop is a HIT, byte-exact;
 - every store the survivor completed is still a HIT, and it can store and load
-  new chunks.
+  new chunks;
+- except in a set whose mutex the victim was stopped holding (the survivor's
+  wait for it timed out): keys of that set are misses and stores into it are
+  dropped, the bounded answer, and once the victim continues every one of
+  those misses is a HIT again (no completed store is lost).
 
 Then the victim continues (SIGCONT) and works ``RESUME_S`` more before it is
 killed: no process ever loaded wrong bytes (its journal's ``W`` lines), and
@@ -71,7 +75,16 @@ class Trial:
     fresh_store: dict[str, Any] = dataclasses.field(default_factory=dict)
     fresh_load: dict[str, Any] = dataclasses.field(default_factory=dict)
     resumed_load: dict[str, Any] = dataclasses.field(default_factory=dict)
+    recheck: dict[str, Any] = dataclasses.field(default_factory=dict)
     check_s: float = 0.0
+    # The victim was stopped inside a set's critical section: the survivor's
+    # waits for that set timed out (misses and dropped stores in that set are
+    # then the bounded answer, until the victim continues).
+    held_set: bool = False
+
+    def missed_while_stopped(self) -> list[int]:
+        missed = self.journaled_load["miss"] + self.own_load["miss"]
+        return sorted(set(missed + self.churn["journaled_missed"]))
 
     def parts(self) -> list[dict[str, Any]]:
         return [
@@ -81,6 +94,7 @@ class Trial:
             self.fresh_store,
             self.fresh_load,
             self.resumed_load,
+            self.recheck,
         ]
 
     def max_op_s(self) -> float:
@@ -115,6 +129,7 @@ def _run_trial(
         victim_keys = list(range(2_000_000 + 1000 * i, 2_000_000 + 1000 * i + VICTIM_KEYS))
         victim.send("victim", journal=journal, store_keys=victim_keys, load_keys=BASE)
     time.sleep(delay_s)
+    timeouts = survivor.call("stats")["set_lock_timeouts"]
     victim.stop()
     t.churn = survivor.call(
         "churn",
@@ -134,6 +149,7 @@ def _run_trial(
     own += t.fresh_store["present"]
     t.fresh_load = survivor.call("promote", keys=fresh, timeout_s=PHASE_LIMIT_S)
     t.check_s = time.monotonic() - t0
+    t.held_set = survivor.call("stats")["set_lock_timeouts"] > timeouts
     victim.resume()
     time.sleep(RESUME_S)
     victim.kill()
@@ -141,6 +157,7 @@ def _run_trial(
     t.victim_wrong = j.wrong
     t.journaled_after = [k for k in j.stored if k not in set(t.journaled)]
     t.resumed_load = survivor.call("promote", keys=t.journaled_after, timeout_s=PHASE_LIMIT_S)
+    t.recheck = survivor.call("promote", keys=t.missed_while_stopped(), timeout_s=PHASE_LIMIT_S)
     return t
 
 
@@ -186,16 +203,17 @@ def test_sigstop_survivor_kept_working_while_the_victim_was_stopped(trials) -> N
     assert {t.trial: t.churn["ops"] for t in trials if t.churn["ops"] < 2} == {}
 
 
-def test_sigstop_victims_completed_stores_are_hits_while_it_is_stopped(trials) -> None:
-    missed = {t.trial: t.journaled_load["miss"] for t in trials if t.journaled_load["miss"]}
-    missed_live = {
-        t.trial: t.churn["journaled_missed"] for t in trials if t.churn["journaled_missed"]
-    }
-    assert not missed and not missed_live
+def test_sigstop_completed_stores_are_hits_while_the_victim_is_stopped(trials) -> None:
+    """Every completed store (the victim's journaled ones, the survivor's own)
+    is a HIT while the victim is stopped, unless it stopped inside a set's
+    critical section: keys of that set are then misses (the bounded answer)."""
+    missed = {t.trial: t.missed_while_stopped() for t in trials if not t.held_set}
+    assert not {k: v for k, v in missed.items() if v}
 
 
-def test_sigstop_survivor_loses_none_of_its_completed_stores(trials) -> None:
-    lost = {t.trial: t.own_load["miss"] for t in trials if t.own_load["miss"]}
+def test_sigstop_no_completed_store_is_lost(trials) -> None:
+    """Once the victim continued, every key missed while it was stopped is a HIT."""
+    lost = {t.trial: t.recheck["miss"] for t in trials if t.recheck["miss"]}
     assert not lost
 
 
@@ -205,9 +223,16 @@ def test_sigstop_survivor_stores_and_loads_new_chunks_while_the_victim_is_stoppe
     failed = {
         t.trial: (t.fresh_store["present"], t.fresh_load["miss"])
         for t in trials
-        if len(t.fresh_store["present"]) < FRESH_KEYS or t.fresh_load["miss"]
+        if not t.held_set and (len(t.fresh_store["present"]) < FRESH_KEYS or t.fresh_load["miss"])
     }
     assert not failed
+    # In a set the stopped victim holds, a store is dropped; the others land.
+    partial = {
+        t.trial: t.fresh_store["present"]
+        for t in trials
+        if t.held_set and len(t.fresh_store["present"]) < FRESH_KEYS // 2
+    }
+    assert not partial
 
 
 def test_sigstop_victims_stores_after_it_resumed_are_served(trials) -> None:
