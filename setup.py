@@ -47,10 +47,21 @@ class OptionalBuildExt(build_ext):
 
 REQUIRED = ("nvmetier._table",)
 COMPILE_ARGS = ["-O2", "-Wall", "-Werror", "-std=gnu11", "-fvisibility=hidden"]
-TABLE_SOURCES = ["native/nvt_table.c", "native/nvt_hash.c", "native/nvt_hash_avx2.c"]
+# The shared table's rules (nvt_core, no Python), its job path (nvt_jobs) and
+# its CPython type (nvt_table); the uring module is every other source.
+TABLE_SOURCES = [
+    "native/nvt_table.c",
+    "native/nvt_jobs.c",
+    "native/nvt_core.c",
+    "native/nvt_hash.c",
+    "native/nvt_hash_avx2.c",
+]
 
 extra_objects, libraries = _uring_link_args()
-native_sources = sorted(set(glob.glob("native/*.c")) - {"native/nvt_table.c"})
+native_sources = sorted(
+    set(glob.glob("native/*.c")) - set(TABLE_SOURCES)
+    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c"}
+)
 ext_modules = [
     Extension(
         "nvmetier._table",

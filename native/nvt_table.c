@@ -1,608 +1,39 @@
 /*
- * nvmetier._table: the process-shared slot table and the per-process data
- * path over it (see nvt_table.h for the shared layout and its lock rules).
+ * nvmetier._table: the CPython type `Table` and the module's functions
+ * (argument parsing, tuples, the GIL hooks). The job path over the shared
+ * table (ops, jobs, watches, completions, submit/poll) is nvt_jobs.c; the
+ * table's rules (set locks, ways, leases, records, sharers, rebuild, sweep)
+ * are nvt_core.c, with no Python in them; nvt_table.h has the shared layout
+ * and its lock rules.
  *
- * Owns, per process (a `Table` object): the in-flight op slab and job slab,
- * the counters, and this process's entry in the sharer registry. The shared
- * table and the index records belong to the store (mapped by files.py).
+ * Owns, per process (a `Table` object): an nvt_core (this process's view of
+ * the table: its registry entry and counters), the in-flight op slab and job
+ * slab, watches, deferred completions, and the submit/poll binding to an
+ * engine. The shared table and the index records belong to the store (mapped
+ * by files.py).
  *
  * Threads: every method is called with the GIL held by the store's caller
- * (vLLM's scheduler thread, under its manager lock). Methods
- * take set mutexes for a few hundred nanoseconds each and never wait for I/O;
- * a set mutex held by another process is waited for (its holder also holds
- * it for nanoseconds; a holder that dies is recovered through EOWNERDEAD).
+ * (vLLM's scheduler thread, under its manager lock). Methods take set
+ * mutexes for a few hundred nanoseconds each and never wait for I/O. Nothing
+ * waits without bound on another process: a set mutex held by another
+ * process is waited for at most SET_LOCK_WAIT_MS (the GIL released; a set
+ * that timed out is only tried, not waited for, for SET_STALL_MS), after
+ * which the key is a miss or a dropped store and a completion is retried at
+ * later polls (for the watch timeout at most: then its key fails, and the
+ * completion is applied without a job once the set can be locked); a store of
+ * a key another sharer is writing waits at most the watch timeout, then
+ * fails. A holder that dies is recovered through EOWNERDEAD (nvt_core.c).
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
  * layout, op_id = an index into the op slab) that an engine takes as one
  * buffer, and applies an array of nvt_completion in one call: no Python
  * object per chunk on the caller's thread beyond the keys vLLM hands us.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "nvt_jobs.h"
 
 #include <errno.h>
-#include <fcntl.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
-
-#include "nvt_engine.h"
-#include "nvt_hash.h"
-#include "nvt_table.h"
-
-/* Index record layout (format.py; changing it requires bumping FORMAT_VERSION). */
-#define REC_BYTES 128
-#define REC_BODY_BYTES 120
-#define REC_MAGIC 0x5254564Eu
-#define REC_KEY_OFFSET 32
-#define REC_KEY_MAX 88
-#define REC_STATE_VALID 1
-/* A WRITING slot older than this has its owner's liveness checked. */
-#define DEAD_CHECK_AGE_MS 200u
-
-/* Why a key of a job failed; the first reason names the job's error, except
- * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
- * store left out for lack of resources, a full queue or an all-busy set) is
- * replaced by any fault that follows. A job whose failures are all quiet has
- * no error text: vLLM still sees success=False and exact successful_keys
- * (which its backpressure acts on), but nothing is logged as a fault. */
-enum {
-    FAIL_NONE = 0,
-    FAIL_READ_IO,
-    FAIL_WRITE_IO,
-    FAIL_CHECKSUM,
-    FAIL_RACED,
-    FAIL_MISSING,
-    FAIL_BADARG,
-    FAIL_DROPPED
-};
-
-static inline int fail_quiet(int kind) { return kind == FAIL_MISSING || kind == FAIL_DROPPED; }
-
-typedef struct {
-    uint32_t slot;
-    uint32_t gen;
-    uint64_t expected;
-    uint64_t lease; /* a read's lease end, dropped at completion if still ours */
-    uint32_t job;
-    uint32_t pos;
-    uint8_t kind;
-    uint8_t key_len;
-    uint8_t in_use;
-    char key[REC_KEY_MAX];
-} op_info;
-
-typedef struct {
-    int64_t job_id;
-    uint32_t remaining;
-    uint8_t is_load;
-    uint8_t in_use;
-    uint8_t first_fail;
-    int first_errno;
-    uint64_t moved;
-    uint32_t *failed;
-    uint32_t n_failed, cap_failed;
-    /* Jobs of the submit/poll path only (NULL/0 for store_ops/load_ops jobs):
-     * the job's keys as submitted (for successful_keys) and its start. */
-    PyObject *keys;
-    uint64_t start_ns;
-} job_info;
-
-typedef struct {
-    unsigned long long hits, misses, evictions, checksum_failures, read_errors, write_errors,
-        loads_raced, stores_skipped_present, stores_dropped_set_busy, stores_dropped_queue_full,
-        load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
-        lock_recoveries, load_jobs_failed, store_jobs_failed;
-} counters;
-
-typedef struct {
-    PyObject_HEAD
-    Py_buffer tbuf, ibuf;
-    int have_tbuf, have_ibuf;
-    char *base;      /* table mapping */
-    char *index;     /* index record mapping */
-    nvt_table_header *hdr;
-    uint64_t n_slots, n_sets;
-    uint32_t ways, set_bytes;
-    nvt_set_layout layout;
-    int lock_fd;
-    int64_t n_paths, slot_bytes, row_bytes, n_rows;
-    uint32_t lease_ms;
-    int me;            /* registry index, -1 before attach */
-    uint32_t my_inc;
-    op_info *ops;
-    uint32_t n_ops_cap, *op_free, n_op_free;
-    job_info *jobs;
-    uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
-    uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
-    size_t n_held, cap_held;
-    /* Stores of keys another write (any sharer's) was already writing: the
-     * job finishes only once that write is no longer in flight, so a finished
-     * store job always means its keys are there for everyone. */
-    struct watch { uint32_t slot, gen, job, pos; } *watches;
-    size_t n_watches, cap_watches;
-    counters c;
-    /* Changes to the header's used/ready gauges not yet published: added with
-     * one atomic each per call (publish_counts), not one per op. */
-    int64_t d_used, d_ready;
-    /* The submit/poll path (bind): the engine's submit_raw and wait_raw, ops
-     * handed to it and not yet collected, finished jobs not yet polled, and
-     * KV events not yet taken. */
-    PyObject *eng_submit, *eng_wait;
-    uint32_t outstanding, max_queued_ops;
-    int verify, events_on;
-    PyObject *done, *events;
-} TableObject;
-
-/* ------------------------------------------------------------------ helpers */
-static inline uint64_t now_mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static inline uint64_t now_wall_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
-static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t set) {
-    return (nvt_set_head *)(base + NVT_TABLE_HEADER_BYTES + set * (uint64_t)set_bytes);
-}
-
-/* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
-typedef struct {
-    uint8_t *tag, *state, *owner;
-    uint16_t *owner_inc;
-    uint32_t *last, *stamp, *gen;
-    uint64_t *fp;
-} slot_ref;
-
-static inline slot_ref slot_at(TableObject *t, uint64_t set, uint32_t w) {
-    char *b = (char *)set_head(t->base, t->set_bytes, set);
-    const nvt_set_layout *L = &t->layout;
-    slot_ref r = {
-        (uint8_t *)(b + L->tag) + w,      (uint8_t *)(b + L->state) + w,  (uint8_t *)(b + L->owner) + w,
-        (uint16_t *)(b + L->owner_inc) + w, (uint32_t *)(b + L->last) + w, (uint32_t *)(b + L->stamp) + w,
-        (uint32_t *)(b + L->gen) + w,     (uint64_t *)(b + L->fp) + w,
-    };
-    return r;
-}
-
-/* Start loading the cache lines of `set` that a claim or lookup reads first:
- * its head (the mutex), tags and states, and when `scan` the recency and
- * lease stamps a full set's eviction reads. A job's keys land in random sets
- * and a poll's completions in random slots, so the data path walks them
- * twice: a first pass that only computes where each goes and prefetches, so
- * that the misses of a whole job overlap instead of following each other. */
-static inline void prefetch_set(TableObject *t, uint64_t set, int scan) {
-    const char *b = (const char *)set_head(t->base, t->set_bytes, set);
-    const nvt_set_layout *L = &t->layout;
-    __builtin_prefetch(b, 1);
-    __builtin_prefetch(b + L->tag, 1);
-    __builtin_prefetch(b + L->state, 1);
-    if (scan) {
-        for (uint32_t off = 0; off < 4 * t->ways; off += 64) {
-            __builtin_prefetch(b + L->last + off, 1);
-            __builtin_prefetch(b + L->stamp + off, 1);
-        }
-    }
-}
-
-/* How many keys ahead of the one being applied a job prefetches. */
-#define PREFETCH_AHEAD 8
-
-static inline uint8_t *set_tags(TableObject *t, uint64_t set) {
-    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
-}
-
-static inline uint8_t *set_states(TableObject *t, uint64_t set) {
-    return (uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.state;
-}
-
-/* Lease and claim stamps are CLOCK_MONOTONIC milliseconds in 32 bits, compared
- * modulo 2^32 (leases last seconds, so wrapping every 49 days is harmless);
- * 0 means none. */
-static inline uint32_t now_ms(void) { return (uint32_t)(now_mono_ns() / 1000000ULL); }
-
-static inline uint32_t stamp_of(uint32_t ms) { return ms ? ms : 1; }
-
-static inline int stamp_after(uint32_t a, uint32_t b) { return (int32_t)(a - b) > 0; }
-
-static inline int leased(uint32_t stamp, uint32_t now) { return stamp && stamp_after(stamp, now); }
-
-/* Grant a lease ending at `until` or later: every grant gets a stamp of its
- * own (one past the current one when that ends later), so the grant that
- * drops the lease at its end can tell whether a later grant extended it. */
-static inline uint32_t grant(uint32_t *stamp, uint32_t until) {
-    uint32_t s = (*stamp && !stamp_after(until, *stamp)) ? stamp_of(*stamp + 1) : until;
-    *stamp = s;
-    return s;
-}
-
-static inline void publish_counts(TableObject *t) {
-    if (t->d_used) {
-        __atomic_add_fetch(&t->hdr->used, t->d_used, __ATOMIC_RELAXED);
-        t->d_used = 0;
-    }
-    if (t->d_ready) {
-        __atomic_add_fetch(&t->hdr->ready, t->d_ready, __ATOMIC_RELAXED);
-        t->d_ready = 0;
-    }
-}
-
-static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
-
-static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
-
-static inline unsigned char *record(TableObject *t, uint64_t slot) {
-    return (unsigned char *)t->index + slot * REC_BYTES;
-}
-
-static int record_has_key(TableObject *t, uint64_t slot, const char *key, Py_ssize_t n) {
-    const unsigned char *r = record(t, slot);
-    uint32_t magic;
-    memcpy(&magic, r, 4);
-    return magic == REC_MAGIC && r[4] == REC_STATE_VALID && r[5] == (unsigned char)n &&
-           memcmp(r + REC_KEY_OFFSET, key, (size_t)n) == 0;
-}
-
-static uint64_t record_payload(TableObject *t, uint64_t slot) {
-    uint64_t v;
-    memcpy(&v, record(t, slot) + 8, 8);
-    return v;
-}
-
-static void write_record(TableObject *t, uint64_t slot, const char *key, uint8_t key_len,
-                         uint64_t payload) {
-    unsigned char body[REC_BYTES];
-    memset(body, 0, sizeof(body));
-    uint32_t magic = REC_MAGIC, slot32 = (uint32_t)slot;
-    uint64_t stored = now_wall_ns();
-    memcpy(body, &magic, 4);
-    body[4] = REC_STATE_VALID;
-    body[5] = key_len;
-    memcpy(body + 8, &payload, 8);
-    memcpy(body + 16, &stored, 8);
-    memcpy(body + 28, &slot32, 4);
-    memcpy(body + REC_KEY_OFFSET, key, key_len);
-    uint64_t sum = nvt_xxh3(body, REC_BODY_BYTES, slot);
-    memcpy(body + REC_BODY_BYTES, &sum, 8);
-    memcpy(record(t, slot), body, REC_BYTES);
-}
-
-static inline void zero_record(TableObject *t, uint64_t slot) { memset(record(t, slot), 0, REC_BYTES); }
-
-/* The recency clock of one set (in its head line, beside the mutex; the set
- * is locked): eviction compares ways of one set only, so each set counts its
- * own accesses and no line is shared between sets or processes. */
-static inline uint32_t tick(TableObject *t, uint64_t set) {
-    return ++set_head(t->base, t->set_bytes, set)->clock;
-}
-
-/* Whether the sharer that claimed a WRITING slot is still attached. */
-static int owner_alive(TableObject *t, uint8_t owner, uint16_t inc) {
-    if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
-        return 1;
-    nvt_sharer *s = &sharers(t->base)[owner];
-    if ((uint16_t)__atomic_load_n(&s->incarnation, __ATOMIC_ACQUIRE) != inc)
-        return 0; /* the entry was claimed again: the old owner detached or died */
-    if (t->lock_fd < 0)
-        return 1;
-    struct flock fl;
-    memset(&fl, 0, sizeof(fl));
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = NVT_REGISTRY_LOCK_BASE + owner;
-    fl.l_len = 1;
-    if (fcntl(t->lock_fd, F_OFD_GETLK, &fl) != 0)
-        return 1; /* cannot tell: assume alive (the slot stays busy, never wrong) */
-    return fl.l_type != F_UNLCK;
-}
-
-/* Free a slot (its record first). The set lock is held. */
-static void clear_slot_locked(TableObject *t, slot_ref s, uint64_t slot) {
-    zero_record(t, slot);
-    if (*s.state == NVT_READY)
-        t->d_ready--;
-    if (*s.state != NVT_EMPTY)
-        t->d_used--;
-    __atomic_store_n(s.state, NVT_EMPTY, __ATOMIC_RELEASE);
-    *s.tag = 0;
-    *s.fp = 0;
-    (*s.gen)++;
-    *s.stamp = 0;
-    *s.owner = 0;
-}
-
-/* Reclaim WRITING slots of dead sharers in one set (held). */
-static int repair_set_locked(TableObject *t, uint64_t set, uint32_t min_age_ms, uint32_t now) {
-    int n = 0;
-    for (uint32_t w = 0; w < t->ways; w++) {
-        slot_ref s = slot_at(t, set, w);
-        if (*s.state == NVT_WRITING && (uint32_t)(now - *s.stamp) >= min_age_ms &&
-            !owner_alive(t, *s.owner, *s.owner_inc)) {
-            clear_slot_locked(t, s, set * t->ways + w);
-            n++;
-        }
-    }
-    t->c.dead_reclaimed += (unsigned long long)n;
-    return n;
-}
-
-static int set_lock(TableObject *t, uint64_t set) {
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    int r = pthread_mutex_lock(&h->mu);
-    if (r == 0)
-        return 0;
-    if (r == EOWNERDEAD) {
-        /* A sharer died inside this set's critical section: every state it can
-         * have left is a WRITING slot of its own (claims mark the slot before
-         * touching the record), which is reclaimed here. */
-        repair_set_locked(t, set, 0, now_ms());
-        pthread_mutex_consistent(&h->mu);
-        t->c.lock_recoveries++;
-        return 0;
-    }
-    return -1;
-}
-
-static inline void set_unlock(TableObject *t, uint64_t set) {
-    pthread_mutex_unlock(&set_head(t->base, t->set_bytes, set)->mu);
-}
-
-static int init_mutex(pthread_mutex_t *mu) {
-    pthread_mutexattr_t a;
-    if (pthread_mutexattr_init(&a))
-        return -1;
-    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
-    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
-    int r = pthread_mutex_init(mu, &a);
-    pthread_mutexattr_destroy(&a);
-    return r ? -1 : 0;
-}
-
-static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
-    if (!PyBytes_Check(key)) {
-        PyErr_Format(PyExc_TypeError, "a key must be bytes, not %.100s", Py_TYPE(key)->tp_name);
-        return -1;
-    }
-    *p = PyBytes_AS_STRING(key);
-    *n = PyBytes_GET_SIZE(key);
-    return 0;
-}
-
-/* Fingerprints of a job's keys (into `local` when they fit, else a new
- * array: free it with free_fps), with the sets of the first keys prefetched.
- * NULL with an exception set on a bad key or out of memory. */
-static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
-                         int scan) {
-    uint64_t *fps = m <= n_local ? local : PyMem_Malloc((size_t)m * sizeof(uint64_t));
-    if (!fps) {
-        PyErr_NoMemory();
-        return NULL;
-    }
-    for (Py_ssize_t i = 0; i < m; i++) {
-        const char *k;
-        Py_ssize_t n;
-        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
-            if (fps != local)
-                PyMem_Free(fps);
-            return NULL;
-        }
-        fps[i] = nvt_xxh3(k, (size_t)n, 0);
-        if (i < PREFETCH_AHEAD)
-            prefetch_set(t, fps[i] % t->n_sets, scan);
-    }
-    return fps;
-}
-
-static inline void free_fps(uint64_t *fps, uint64_t *local) {
-    if (fps && fps != local)
-        PyMem_Free(fps);
-}
-
-/* Way of `fp`/key in `set` in one of the states of `mask`, or -1: the tags
- * filter, the fingerprint and (READY) the record's key confirm. */
-static int find_way(TableObject *t, uint64_t set, uint64_t fp, const char *key, Py_ssize_t n,
-                    unsigned mask) {
-    const uint8_t *tags = set_tags(t, set), tag = tag_of(fp);
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag)
-            continue;
-        slot_ref s = slot_at(t, set, w);
-        if (*s.fp != fp || !((1u << *s.state) & mask))
-            continue;
-        if (*s.state == NVT_READY && !record_has_key(t, set * t->ways + w, key, n))
-            continue; /* a fingerprint collision: another key */
-        return (int)w;
-    }
-    return -1;
-}
-
-/* Parse `key`, lock its set and find the key in the states of `mask`.
- * Returns 0 with the set locked (*w: the way, or -1), 1 when the set could not
- * be locked (*w = -1, nothing held), or -1 with an exception set. */
-static int locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w) {
-    const char *k;
-    Py_ssize_t n;
-    if (key_arg(key, &k, &n) < 0)
-        return -1;
-    uint64_t fp = nvt_xxh3(k, (size_t)n, 0);
-    *set = fp % t->n_sets;
-    *w = -1;
-    if (set_lock(t, *set) != 0)
-        return 1;
-    *w = find_way(t, *set, fp, k, n, mask);
-    return 0;
-}
-
-/* ------------------------------------------------------------------ slabs */
-/* Double a slab of `size`-byte entries (first: `first` entries) and its free
- * list; new entries are zeroed (so free: in_use = 0, which a stale completion
- * id must find). Returns -1 when out of memory, the slab unchanged. */
-static int slab_grow(void **items, size_t size, uint32_t **free_list, uint32_t *n_free, uint32_t *cap,
-                     uint32_t first) {
-    uint32_t old = *cap, grown = old ? old * 2 : first;
-    char *it = PyMem_Realloc(*items, (size_t)grown * size);
-    if (!it)
-        return -1;
-    *items = it;
-    uint32_t *fr = PyMem_Realloc(*free_list, (size_t)grown * sizeof(uint32_t));
-    if (!fr)
-        return -1;
-    *free_list = fr;
-    memset(it + (size_t)old * size, 0, (size_t)(grown - old) * size);
-    for (uint32_t i = grown; i > old; i--)
-        fr[(*n_free)++] = i - 1;
-    *cap = grown;
-    return 0;
-}
-
-static int64_t op_alloc(TableObject *t) {
-    if (!t->n_op_free && slab_grow((void **)&t->ops, sizeof(op_info), &t->op_free, &t->n_op_free,
-                                   &t->n_ops_cap, 1024) < 0)
-        return -1;
-    uint32_t i = t->op_free[--t->n_op_free];
-    t->ops[i].in_use = 1;
-    return i;
-}
-
-static void op_release(TableObject *t, uint32_t i) {
-    t->ops[i].in_use = 0;
-    t->op_free[t->n_op_free++] = i;
-}
-
-static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
-    if (!t->n_job_free && slab_grow((void **)&t->jobs, sizeof(job_info), &t->job_free, &t->n_job_free,
-                                    &t->n_jobs_cap, 64) < 0)
-        return -1;
-    uint32_t i = t->job_free[--t->n_job_free];
-    job_info *j = &t->jobs[i];
-    j->job_id = job_id;
-    j->remaining = 0;
-    j->is_load = (uint8_t)is_load;
-    j->in_use = 1;
-    j->first_fail = FAIL_NONE;
-    j->first_errno = 0;
-    j->moved = 0;
-    j->n_failed = 0;
-    j->keys = NULL;
-    j->start_ns = 0;
-    t->jobs_live++;
-    return i;
-}
-
-static void job_release(TableObject *t, uint32_t i) {
-    Py_CLEAR(t->jobs[i].keys);
-    t->jobs[i].in_use = 0;
-    t->job_free[t->n_job_free++] = i;
-    t->jobs_live--;
-}
-
-static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
-    if (j->n_failed == j->cap_failed) {
-        uint32_t cap = j->cap_failed ? j->cap_failed * 2 : 8;
-        uint32_t *f = PyMem_Realloc(j->failed, cap * sizeof(uint32_t));
-        if (!f)
-            return -1;
-        j->failed = f;
-        j->cap_failed = cap;
-    }
-    j->failed[j->n_failed++] = pos;
-    if (j->first_fail == FAIL_NONE || (fail_quiet(j->first_fail) && !fail_quiet(kind))) {
-        j->first_fail = (uint8_t)kind;
-        j->first_errno = err;
-    }
-    return 0;
-}
-
-/* Rows: a C-contiguous buffer of int32 or int64 (vLLM's chunk_ids, read in
- * place), or else any sequence of ints (copied into an int64 array that the
- * view then owns, so PyBuffer_Release frees it like any view). */
-static int rows_arg(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
-    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
-        const char *f = view->format ? view->format : "";
-        char c = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
-        if ((view->itemsize == 4 || view->itemsize == 8) && view->len / view->itemsize == n && c &&
-            strchr("iqlIQL", c))
-            return 0;
-        PyBuffer_Release(view);
-    }
-    PyErr_Clear();
-    PyObject *seq = PySequence_Fast(obj, "rows must be a sequence of ints");
-    if (!seq)
-        return -1;
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-        Py_DECREF(seq);
-        PyErr_Format(PyExc_ValueError, "rows must be %zd ints, one per key", n);
-        return -1;
-    }
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 8);
-    if (!packed) {
-        Py_DECREF(seq);
-        return -1;
-    }
-    int64_t *out = (int64_t *)PyBytes_AS_STRING(packed);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
-        if (v == -1 && PyErr_Occurred()) {
-            Py_DECREF(seq);
-            Py_DECREF(packed);
-            return -1;
-        }
-        out[i] = v;
-    }
-    Py_DECREF(seq);
-    int rc = PyObject_GetBuffer(packed, view, PyBUF_SIMPLE);
-    Py_DECREF(packed); /* the view holds it */
-    if (rc < 0)
-        return -1;
-    view->itemsize = 8;
-    view->len = n * 8;
-    return 0;
-}
-
-static inline int64_t row_at(Py_buffer *v, Py_ssize_t i) {
-    return v->itemsize == 4 ? (int64_t)((int32_t *)v->buf)[i] : ((int64_t *)v->buf)[i];
-}
-
-static int append_pos(PyObject **list, Py_ssize_t pos) {
-    if (!*list && !(*list = PyList_New(0)))
-        return -1;
-    PyObject *v = PyLong_FromSsize_t(pos);
-    if (!v)
-        return -1;
-    int r = PyList_Append(*list, v);
-    Py_DECREF(v);
-    return r;
-}
-
-static int append_key(PyObject **list, const char *key, Py_ssize_t n) {
-    if (!*list && !(*list = PyList_New(0)))
-        return -1;
-    PyObject *v = PyBytes_FromStringAndSize(key, n);
-    if (!v)
-        return -1;
-    int r = PyList_Append(*list, v);
-    Py_DECREF(v);
-    return r;
-}
-
-static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, int64_t row, int kind,
-                    uint64_t seed, int checksum) {
-    op->op_id = (void *)(uintptr_t)op_idx;
-    op->file_idx = (int64_t)(slot % (uint64_t)t->n_paths);
-    op->file_offset = (int64_t)(slot / (uint64_t)t->n_paths) * t->slot_bytes;
-    op->buf_offset = row * t->row_bytes;
-    op->length = t->row_bytes;
-    op->seed = seed;
-    op->kind = kind;
-    op->checksum = checksum;
-}
 
 /* ------------------------------------------------------------------ type */
 static void Table_dealloc(TableObject *self) {
@@ -622,6 +53,7 @@ static void Table_dealloc(TableObject *self) {
     PyMem_Free(self->op_free);
     PyMem_Free(self->held);
     PyMem_Free(self->watches);
+    PyMem_Free(self->deferred);
     if (self->have_tbuf)
         PyBuffer_Release(&self->tbuf);
     if (self->have_ibuf)
@@ -629,24 +61,26 @@ static void Table_dealloc(TableObject *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static uint64_t table_bytes(uint64_t n_slots, uint32_t ways) {
-    return NVT_TABLE_HEADER_BYTES + (n_slots / ways) * (uint64_t)nvt_layout(ways).set_bytes;
-}
+
+/* The core's hooks around a wait for another process: the GIL is released. */
+static void *gil_release(void) { return PyEval_SaveThread(); }
+
+static void gil_restore(void *state) { PyEval_RestoreThread(state); }
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
-                             "n_rows", "lease_ns", NULL};
+                             "n_rows", "lease_ns", "watch_timeout_ns", NULL};
     PyObject *tobj, *iobj;
     int lock_fd;
     long long n_paths, slot_bytes, row_bytes, n_rows;
-    unsigned long long lease_ns;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi$LLLLK", kwlist, &tobj, &iobj, &lock_fd, &n_paths,
-                                     &slot_bytes, &row_bytes, &n_rows, &lease_ns))
+    unsigned long long lease_ns, watch_ns;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOi$LLLLKK", kwlist, &tobj, &iobj, &lock_fd, &n_paths,
+                                     &slot_bytes, &row_bytes, &n_rows, &lease_ns, &watch_ns))
         return NULL;
     TableObject *self = (TableObject *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
-    self->me = -1;
+    self->core.me = -1;
     self->done = PyList_New(0);
     self->events = PyList_New(0);
     if (!self->done || !self->events)
@@ -657,36 +91,28 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (PyObject_GetBuffer(iobj, &self->ibuf, PyBUF_WRITABLE) < 0)
         goto fail;
     self->have_ibuf = 1;
-    self->base = self->tbuf.buf;
-    self->index = self->ibuf.buf;
-    self->hdr = (nvt_table_header *)self->base;
-    if (self->tbuf.len < NVT_TABLE_HEADER_BYTES || self->hdr->magic != NVT_TABLE_MAGIC ||
-        self->hdr->version != NVT_TABLE_VERSION || self->hdr->ways == 0) {
-        PyErr_SetString(PyExc_ValueError, "the table is not formatted (call format() first)");
+    /* Every header field is read once, checked, and only the checked copies
+     * used (another process may write the header; a corrupt one is refused). */
+    const char *why = nvt_core_init(&self->core, self->tbuf.buf, (uint64_t)self->tbuf.len, self->ibuf.buf,
+                                    (uint64_t)self->ibuf.len, lock_fd);
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "the table is not usable: %s (format() it, or remove the store)", why);
         goto fail;
     }
-    self->n_slots = self->hdr->n_slots;
-    self->ways = self->hdr->ways;
-    self->n_sets = self->hdr->n_sets;
-    self->set_bytes = self->hdr->set_bytes;
-    self->layout = nvt_layout(self->ways);
-    if (self->layout.set_bytes != self->set_bytes) {
-        PyErr_SetString(PyExc_ValueError, "the table's set layout is not this version's");
-        goto fail;
-    }
-    if ((uint64_t)self->tbuf.len < table_bytes(self->n_slots, self->ways) ||
-        (uint64_t)self->ibuf.len < self->n_slots * REC_BYTES || n_paths < 1 ||
-        self->n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes || n_rows < 0) {
+    if (n_paths < 1 || self->core.n_slots % (uint64_t)n_paths || row_bytes < 1 || slot_bytes < row_bytes ||
+        n_rows < 0) {
         PyErr_SetString(PyExc_ValueError, "table, index and geometry do not match");
         goto fail;
     }
-    self->lock_fd = lock_fd;
+    self->core.unblock = gil_release;
+    self->core.reblock = gil_restore;
     self->n_paths = n_paths;
     self->slot_bytes = slot_bytes;
     self->row_bytes = row_bytes;
     self->n_rows = n_rows;
-    self->lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
+    self->core.lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
                      : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
+    self->core.watch_timeout_ms = watch_ns / 1000000ULL;
     return (PyObject *)self;
 fail:
     Py_DECREF(self);
@@ -699,51 +125,22 @@ PyDoc_STRVAR(attach_doc, "attach() -> (index, incarnation)\n\n"
                          "pid, incarnation and time. Raises OSError when all entries are taken.");
 
 static PyObject *Table_attach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->me >= 0)
-        return Py_BuildValue("(iI)", self->me, self->my_inc);
-    for (int i = 0; i < NVT_MAX_SHARERS; i++) {
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_WRLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
-        fl.l_len = 1;
-        if (fcntl(self->lock_fd, F_OFD_SETLK, &fl) != 0) {
-            if (errno == EAGAIN || errno == EACCES)
-                continue;
-            return PyErr_SetFromErrno(PyExc_OSError);
-        }
-        nvt_sharer *s = &sharers(self->base)[i];
-        uint32_t inc = s->incarnation + 1;
-        if ((inc & 0xffff) == 0)
-            inc++;
-        s->pid = (uint32_t)getpid();
-        s->attached_ns = now_wall_ns();
-        __atomic_store_n(&s->incarnation, inc, __ATOMIC_RELEASE);
-        self->me = i;
-        self->my_inc = inc;
-        return Py_BuildValue("(iI)", i, inc);
+    int i = nvt_attach(&self->core);
+    if (i == -EUSERS) {
+        errno = EUSERS;
+        return PyErr_Format(PyExc_OSError, "the store already has %d sharers attached", NVT_MAX_SHARERS);
     }
-    errno = EUSERS;
-    PyErr_Format(PyExc_OSError, "the store already has %d sharers attached", NVT_MAX_SHARERS);
-    return NULL;
+    if (i < 0) {
+        errno = -i;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(iI)", i, self->core.my_inc);
 }
 
 PyDoc_STRVAR(detach_doc, "detach()\n\nLeave the sharer registry (pid cleared, OFD lock released).");
 
 static PyObject *Table_detach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if (self->me >= 0) {
-        nvt_sharer *s = &sharers(self->base)[self->me];
-        s->pid = 0;
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_UNLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + self->me;
-        fl.l_len = 1;
-        fcntl(self->lock_fd, F_OFD_SETLK, &fl);
-        self->me = -1;
-    }
+    nvt_detach(&self->core);
     Py_RETURN_NONE;
 }
 
@@ -754,16 +151,18 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     uint64_t set;
     int w, hit = 0;
-    int r = locate(self, key, 1u << NVT_READY, &set, &w);
+    int r = nvt_locate(self, key, 1u << NVT_READY, &set, &w);
     if (r < 0)
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            slot_ref s = slot_at(self, set, (uint32_t)w);
-            uint32_t until = grant(s.stamp, stamp_of(now_ms() + self->lease_ms));
-            *s.last = tick(self, set);
+            slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+            uint64_t now = nvt_now_ms();
+            uint32_t epoch;
+            int pinned = lease_grant(s, now, now + self->core.lease_ms, &epoch);
+            *s.last = tick(&self->core, set);
             hit = 1;
-            if (self->n_held == self->cap_held) {
+            if (pinned && self->n_held == self->cap_held) {
                 size_t cap = self->cap_held ? self->cap_held * 2 : 256;
                 uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
                 if (h) {
@@ -771,31 +170,33 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
                     self->cap_held = cap;
                 }
             }
-            if (self->n_held < self->cap_held) { /* else the lease just runs out */
-                self->held[2 * self->n_held] = set * self->ways + (uint64_t)w;
-                self->held[2 * self->n_held + 1] = until;
+            if (pinned && self->n_held < self->cap_held) {
+                self->held[2 * self->n_held] = set * self->core.ways + (uint64_t)w;
+                self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
                 self->n_held++;
+            } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
+                PyErr_Clear();
             }
         }
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
     }
     if (hit) {
-        self->c.hits++;
+        self->core.c.hits++;
         Py_RETURN_TRUE;
     }
-    self->c.misses++;
+    self->core.c.misses++;
     Py_RETURN_FALSE;
 }
 
 /* The slot holding key READY, -1 when none, or -2 with an exception set. */
 static int64_t ready_slot(TableObject *self, PyObject *key) {
     uint64_t set;
-    int w, r = locate(self, key, 1u << NVT_READY, &set, &w);
+    int w, r = nvt_locate(self, key, 1u << NVT_READY, &set, &w);
     if (r < 0)
         return -2;
     if (r == 0)
-        set_unlock(self, set);
-    return w < 0 ? -1 : (int64_t)(set * self->ways + (uint64_t)w);
+        set_unlock(&self->core, set);
+    return w < 0 ? -1 : (int64_t)(set * self->core.ways + (uint64_t)w);
 }
 
 PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
@@ -825,7 +226,7 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     for (Py_ssize_t i = 0; i < m; i++) {
         uint64_t set;
-        int w, r = locate(self, PySequence_Fast_GET_ITEM(seq, i), 1u << NVT_READY, &set, &w);
+        int w, r = nvt_locate(self, PySequence_Fast_GET_ITEM(seq, i), 1u << NVT_READY, &set, &w);
         if (r < 0) {
             Py_DECREF(seq);
             return NULL;
@@ -833,95 +234,11 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         if (r)
             continue;
         if (w >= 0)
-            *slot_at(self, set, (uint32_t)w).last = tick(self, set);
-        set_unlock(self, set);
+            *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
+        set_unlock(&self->core, set);
     }
     Py_DECREF(seq);
     Py_RETURN_NONE;
-}
-
-/* Choose the way to write `fp` into (the set is locked). Returns the way, or
- * -1 when every way is being written or leased, or -2 when the key is already
- * present or being written. *evict is set when a READY/BAD key is displaced. */
-static int claim_way(TableObject *t, uint64_t set, uint64_t fp, const char *k, Py_ssize_t n,
-                     uint32_t now, int *evict) {
-    const uint8_t *tags = set_tags(t, set), *states = set_states(t, set), tag = tag_of(fp);
-    int empty = -1;
-    *evict = 0;
-    /* This key in any state (tags filter), and the first empty way. */
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag) {
-            if (empty < 0 && states[w] == NVT_EMPTY)
-                empty = (int)w;
-            continue;
-        }
-        slot_ref s = slot_at(t, set, w);
-        uint8_t st = *s.state;
-        if (st == NVT_EMPTY || *s.fp != fp)
-            continue;
-        if (st == NVT_WRITING)
-            return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-        if (st == NVT_READY && record_has_key(t, set * t->ways + w, k, n))
-            return -2;
-        if (st == NVT_BAD) /* a failed load left it: rewrite in place */
-            return (int)w;
-    }
-    if (empty >= 0)
-        return empty;
-    /* A full set: the least recently used way no lease protects, BAD first;
-     * WRITING ways of sharers that died are reclaimed on the way. */
-    const uint32_t clock = set_head(t->base, t->set_bytes, set)->clock;
-    int victim = -1, victim_bad = 0;
-    uint32_t victim_age = 0;
-    for (uint32_t w = 0; w < t->ways; w++) {
-        slot_ref s = slot_at(t, set, w);
-        uint8_t st = states[w];
-        if (st == NVT_WRITING) {
-            if ((uint32_t)(now - *s.stamp) >= DEAD_CHECK_AGE_MS &&
-                !owner_alive(t, *s.owner, *s.owner_inc)) {
-                clear_slot_locked(t, s, set * t->ways + w);
-                t->c.dead_reclaimed++;
-                return (int)w;
-            }
-            continue;
-        }
-        if (st == NVT_EMPTY)
-            return (int)w;
-        if (leased(*s.stamp, now))
-            continue; /* a lookup hit or a load in flight */
-        int bad = st == NVT_BAD;
-        uint32_t age = clock - *s.last;
-        if (victim < 0 || bad > victim_bad || (bad == victim_bad && age > victim_age)) {
-            victim = (int)w;
-            victim_bad = bad;
-            victim_age = age;
-        }
-    }
-    if (victim >= 0)
-        *evict = 1;
-    return victim;
-}
-
-/* The common arguments of a job: keys as a fast sequence, rows as an int
- * buffer of as many, and an output buffer for one op per key. Returns the key
- * count, or -1 with an exception set and nothing held. */
-static Py_ssize_t job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
-                           PyObject **out) {
-    *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (!*seq)
-        return -1;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(*seq);
-    if (rows_arg(rows_obj, rows, m) < 0) {
-        Py_DECREF(*seq);
-        return -1;
-    }
-    *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
-    if (!*out) {
-        PyBuffer_Release(rows);
-        Py_DECREF(*seq);
-        return -1;
-    }
-    return m;
 }
 
 PyDoc_STRVAR(store_ops_doc,
@@ -934,199 +251,6 @@ PyDoc_STRVAR(store_ops_doc,
              "slot is WRITING and its old record zeroed before its op exists. pending: ops\n"
              "plus keys waiting for another write of the same key (0: the job is done).");
 
-/* A key of a store job left out for lack of resources (a full queue, a set
- * whose ways are all busy or leased, a set lock that could not be taken): it
- * is not stored, so the job reports it failed (quiet: no error text). Goes to
- * `*failed` (store_ops) or the job (submit_store). -1 on out of memory. */
-static int store_dropped(TableObject *self, int64_t job, Py_ssize_t i, PyObject **failed) {
-    if (failed)
-        return append_pos(failed, i);
-    if (job_fail(&self->jobs[job], (uint32_t)i, FAIL_DROPPED, 0) < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    return 0;
-}
-
-/* Claim a slot and build an op for every key of a store job (store_ops and
- * submit_store). `*job` is the job (-1: allocated here at the first op or
- * watch). Keys with a bad length or row go to `*failed` (store_ops), or fail
- * in the job when `failed` is NULL (submit_store). Positions whose `skip`
- * byte is set are left out (success). Returns 0, or -1 with an exception set
- * (unwind with store_unwind). */
-static int store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
-                      long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io,
-                      int64_t *job_io, PyObject **failed, PyObject **evicted) {
-    Py_ssize_t n_ops = *n_ops_io;
-    int64_t job = *job_io;
-    int rc = 0;
-    uint32_t now = stamp_of(now_ms());
-    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
-    if (!fps)
-        goto error;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m)
-            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 1);
-        if (skip && skip[i])
-            continue;
-        const char *k = NULL;
-        Py_ssize_t n = 0;
-        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked in the first pass */
-        int64_t row = row_at(rows, i);
-        if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
-            if (failed ? append_pos(failed, i) < 0
-                       : job_fail(&self->jobs[job], (uint32_t)i, FAIL_BADARG, 0) < 0) {
-                if (!failed)
-                    PyErr_NoMemory();
-                goto error;
-            }
-            continue;
-        }
-        if (n_ops >= max_ops) {
-            self->c.stores_dropped_queue_full++;
-            if (store_dropped(self, job, i, failed) < 0)
-                goto error;
-            continue;
-        }
-        uint64_t fp = fps[i], set = fp % self->n_sets;
-        if (set_lock(self, set) != 0) {
-            self->c.stores_dropped_set_busy++;
-            if (store_dropped(self, job, i, failed) < 0)
-                goto error;
-            continue;
-        }
-        int evict;
-        int w = claim_way(self, set, fp, k, n, now, &evict);
-        if (w <= -3) { /* being written: finish this job only once that write is done */
-            uint32_t ww = (uint32_t)(-3 - w);
-            uint32_t gen = *slot_at(self, set, ww).gen;
-            set_unlock(self, set);
-            self->c.stores_skipped_present++;
-            if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
-                PyErr_NoMemory();
-                goto error;
-            }
-            if (self->n_watches == self->cap_watches) {
-                size_t cap = self->cap_watches ? self->cap_watches * 2 : 64;
-                struct watch *wl = PyMem_Realloc(self->watches, cap * sizeof(struct watch));
-                if (!wl) {
-                    PyErr_NoMemory();
-                    goto error;
-                }
-                self->watches = wl;
-                self->cap_watches = cap;
-            }
-            struct watch *wt = &self->watches[self->n_watches++];
-            wt->slot = (uint32_t)(set * self->ways + ww);
-            wt->gen = gen;
-            wt->job = (uint32_t)job;
-            wt->pos = (uint32_t)i;
-            self->jobs[job].remaining++;
-            continue;
-        }
-        if (w < 0) {
-            set_unlock(self, set);
-            if (w == -2) {
-                self->c.stores_skipped_present++;
-            } else {
-                self->c.stores_dropped_set_busy++;
-                if (store_dropped(self, job, i, failed) < 0)
-                    goto error;
-            }
-            continue;
-        }
-        uint64_t slot = set * self->ways + (uint64_t)w;
-        slot_ref s = slot_at(self, set, (uint32_t)w);
-        if (evict) {
-            self->c.evictions++;
-            const unsigned char *r = record(self, slot);
-            if (events && r[5] <= REC_KEY_MAX && record_has_key(self, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
-                append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
-                set_unlock(self, set);
-                goto error;
-            }
-        }
-        if (job < 0 && (job = job_alloc(self, job_id, 0)) < 0) {
-            set_unlock(self, set);
-            PyErr_NoMemory();
-            goto error;
-        }
-        int64_t oi = op_alloc(self);
-        if (oi < 0) {
-            set_unlock(self, set);
-            PyErr_NoMemory();
-            goto error;
-        }
-        /* Mark the slot ours before its record changes: a death from here on
-         * leaves a WRITING slot of a dead sharer, which is reclaimed. */
-        uint8_t old = *s.state;
-        if (old == NVT_EMPTY)
-            self->d_used++;
-        else if (old == NVT_READY)
-            self->d_ready--;
-        *s.owner = (uint8_t)(self->me < 0 ? 0 : self->me);
-        *s.owner_inc = (uint16_t)self->my_inc;
-        *s.stamp = now;
-        (*s.gen)++;
-        *s.fp = fp;
-        *s.tag = tag_of(fp);
-        __atomic_store_n(s.state, NVT_WRITING, __ATOMIC_RELEASE);
-        /* The old record stops being visible before the data changes. An
-         * EMPTY slot has none: every way to EMPTY zeroes the record first
-         * (clear_slot_locked; the rebuild zeroes every record it does not
-         * load), so a fresh claim leaves the index page alone. */
-        if (old != NVT_EMPTY)
-            zero_record(self, slot);
-        op_info *o = &self->ops[oi];
-        o->slot = (uint32_t)slot;
-        o->gen = *s.gen;
-        set_unlock(self, set);
-        o->expected = 0;
-        o->job = (uint32_t)job;
-        o->pos = (uint32_t)i;
-        o->kind = NVT_OP_WRITE;
-        o->key_len = (uint8_t)n;
-        memcpy(o->key, k, (size_t)n);
-        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_WRITE, fp, 1);
-        self->jobs[job].remaining++;
-    }
-    goto done;
-error:
-    rc = -1;
-done:
-    free_fps(fps, fps_local);
-    publish_counts(self);
-    *n_ops_io = n_ops;
-    *job_io = job;
-    return rc;
-}
-
-/* Undo a store_loop that failed: ops already claimed stay claimed until
- * their WRITING slots are released here; the job and its watches go. */
-static void store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
-    for (Py_ssize_t i = 0; i < n_ops; i++) {
-        uint32_t oi = (uint32_t)(uintptr_t)ops[i].op_id;
-        op_info *o = &self->ops[oi];
-        uint64_t set = o->slot / self->ways;
-        if (set_lock(self, set) == 0) {
-            slot_ref s = slot_at(self, set, o->slot % self->ways);
-            if (*s.state == NVT_WRITING && *s.gen == o->gen)
-                clear_slot_locked(self, s, o->slot);
-            set_unlock(self, set);
-        }
-        op_release(self, oi);
-    }
-    if (job >= 0) {
-        size_t keep = 0;
-        for (size_t i = 0; i < self->n_watches; i++)
-            if (self->watches[i].job != (uint32_t)job)
-                self->watches[keep++] = self->watches[i];
-        self->n_watches = keep;
-        job_release(self, (uint32_t)job);
-    }
-    publish_counts(self);
-}
-
 static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
     long long job_id, max_ops;
     PyObject *keys, *rows_obj;
@@ -1135,18 +259,18 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         return NULL;
     PyObject *seq, *out;
     Py_buffer rows;
-    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
     if (m < 0)
         return NULL;
     PyObject *failed = NULL, *evicted = NULL;
     int64_t job = -1;
     Py_ssize_t n_ops = 0;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
-    int rc = store_loop(self, job_id, seq, m, &rows, max_ops, events, NULL, ops, &n_ops, &job, &failed, &evicted);
+    int rc = nvt_store_loop(self, job_id, seq, m, &rows, max_ops, events, NULL, ops, &n_ops, &job, &failed, &evicted);
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
     if (rc < 0) {
-        store_unwind(self, ops, n_ops, job);
+        nvt_store_unwind(self, ops, n_ops, job);
         Py_DECREF(out);
         Py_XDECREF(failed);
         Py_XDECREF(evicted);
@@ -1168,94 +292,10 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
 PyDoc_STRVAR(load_ops_doc,
              "load_ops(job_id, keys, rows, verify) -> (ops, missing)\n\n"
              "Ops (packed nvt_op) reading every READY key into its row; each slot is leased\n"
-             "and touched. missing: positions of keys not READY (or a bad row), or None.");
-
-/* Lease every READY key of a load job and build its read op (load_ops and
- * submit_load). Keys not READY (or with a bad row) go to `*missing`
- * (load_ops), or fail in the job as MISSING when `missing` is NULL
- * (submit_load). Returns 0, or -1 with an exception set (unwind with
- * load_unwind). */
-static int load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
-                     int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
-    Py_ssize_t n_ops = *n_ops_io;
-    int64_t job = *job_io;
-    int rc = 0;
-    uint32_t until = stamp_of(now_ms() + self->lease_ms);
-    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
-    if (!fps)
-        goto error;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m)
-            prefetch_set(self, fps[i + PREFETCH_AHEAD] % self->n_sets, 0);
-        const char *k = NULL;
-        Py_ssize_t n = 0;
-        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
-        int64_t row = row_at(rows, i);
-        uint64_t fp = fps[i], set = fp % self->n_sets;
-        int w = -1;
-        uint32_t gen = 0, lease = 0;
-        uint64_t expected = 0;
-        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && set_lock(self, set) == 0) {
-            w = find_way(self, set, fp, k, n, 1u << NVT_READY);
-            if (w >= 0) {
-                slot_ref s = slot_at(self, set, (uint32_t)w);
-                lease = grant(s.stamp, until);
-                *s.owner = 1; /* a load holds the lease: end-of-step releases keep off it */
-                *s.last = tick(self, set);
-                gen = *s.gen;
-                expected = record_payload(self, set * self->ways + (uint64_t)w);
-            }
-            set_unlock(self, set);
-        }
-        if (w < 0) {
-            self->c.load_keys_missing++;
-            if (missing ? append_pos(missing, i) < 0
-                        : job_fail(&self->jobs[job], (uint32_t)i, FAIL_MISSING, 0) < 0) {
-                if (!missing)
-                    PyErr_NoMemory();
-                goto error;
-            }
-            continue;
-        }
-        if (job < 0 && (job = job_alloc(self, job_id, 1)) < 0) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        int64_t oi = op_alloc(self);
-        if (oi < 0) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        uint64_t slot = set * self->ways + (uint64_t)w;
-        op_info *o = &self->ops[oi];
-        o->slot = (uint32_t)slot;
-        o->gen = gen;
-        o->expected = expected;
-        o->lease = lease;
-        o->job = (uint32_t)job;
-        o->pos = (uint32_t)i;
-        o->kind = NVT_OP_READ;
-        o->key_len = 0;
-        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, verify);
-        self->jobs[job].remaining++;
-    }
-    goto done;
-error:
-    rc = -1;
-done:
-    free_fps(fps, fps_local);
-    *n_ops_io = n_ops;
-    *job_io = job;
-    return rc;
-}
-
-/* Undo a load_loop that failed (its leases run out on their own). */
-static void load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
-    for (Py_ssize_t i = 0; i < n_ops; i++)
-        op_release(self, (uint32_t)(uintptr_t)ops[i].op_id);
-    if (job >= 0)
-        job_release(self, (uint32_t)job);
-}
+             "and touched. An op checks its payload checksum when verify, and always on a\n"
+             "slot still unverified (rebuilt after an unclean shutdown, or reclaimed from\n"
+             "a dead writer) until one check passed. missing: positions of keys not READY\n"
+             "(or a bad row), or None.");
 
 static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
     long long job_id;
@@ -1265,18 +305,18 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         return NULL;
     PyObject *seq, *out;
     Py_buffer rows;
-    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
+    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
     if (m < 0)
         return NULL;
     PyObject *missing = NULL;
     int64_t job = -1;
     Py_ssize_t n_ops = 0;
     nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
-    int rc = load_loop(self, job_id, seq, m, &rows, verify, ops, &n_ops, &job, &missing);
+    int rc = nvt_load_loop(self, job_id, seq, m, &rows, verify, ops, &n_ops, &job, &missing);
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
     if (rc < 0) {
-        load_unwind(self, ops, n_ops, job);
+        nvt_load_unwind(self, ops, n_ops, job);
         Py_DECREF(out);
         Py_XDECREF(missing);
         return NULL;
@@ -1290,293 +330,35 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
     return res;
 }
 
-static PyObject *fail_text(job_info *j) {
-    switch (j->first_fail) {
-    case FAIL_READ_IO:
-        return PyUnicode_FromFormat("read failed: %s (errno %d)", strerror(j->first_errno), j->first_errno);
-    case FAIL_WRITE_IO:
-        return PyUnicode_FromFormat("write failed: %s (errno %d)", strerror(j->first_errno), j->first_errno);
-    case FAIL_CHECKSUM:
-        return PyUnicode_FromString("checksum mismatch");
-    case FAIL_RACED:
-        return PyUnicode_FromString("slot reused by another store while loading");
-    case FAIL_BADARG:
-        return PyUnicode_FromString("bad key length or row");
-    default: /* none, or only keys that were not there: a miss, not an error */
-        Py_RETURN_NONE;
-    }
-}
-
-/* Apply one completion; returns -1 only on out of memory. */
-static int apply_one(TableObject *t, const nvt_completion *c, int verify, int events, PyObject **stored,
-                     PyObject **removed) {
-    uintptr_t raw = (uintptr_t)c->op_id;
-    uint32_t oi = (uint32_t)raw;
-    if (raw >= t->n_ops_cap || !t->ops[oi].in_use)
-        return 0; /* not ours (a stale completion): ignore */
-    op_info *o = &t->ops[oi];
-    job_info *j = &t->jobs[o->job];
-    uint64_t set = o->slot / t->ways;
-    slot_ref s = slot_at(t, set, o->slot % t->ways);
-    int ok = c->result == t->row_bytes;
-    int lock_ok = set_lock(t, set) == 0;
-    if (o->kind == NVT_OP_WRITE) {
-        if (ok && lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
-            /* The data is written: only now does the record appear, then the slot. */
-            write_record(t, o->slot, o->key, o->key_len, c->checksum);
-            (*s.stamp) = 0;
-            (*s.owner) = 0; /* READY: owner = 1 while a load's lease is on the slot */
-            (*s.last) = tick(t, set);
-            __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
-            t->d_ready++;
-            if (lock_ok)
-                set_unlock(t, set);
-            t->c.ops_written++;
-            t->c.bytes_written += (unsigned long long)t->row_bytes;
-            j->moved += (uint64_t)t->row_bytes;
-            if (events && append_key(stored, o->key, o->key_len) < 0)
-                return -1;
-        } else {
-            if (lock_ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen)
-                clear_slot_locked(t, s, o->slot); /* the record is still zero */
-            if (lock_ok)
-                set_unlock(t, set);
-            t->c.write_errors++;
-            if (job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result) < 0)
-                return -1;
-        }
-    } else {
-        int same = lock_ok && (*s.gen) == o->gen && (*s.state) == NVT_READY;
-        if (same && (*s.stamp) == o->lease) {
-            (*s.stamp) = 0; /* nobody extended our lease: the slot is evictable again */
-            (*s.owner) = 0;
-        }
-        if (!same) {
-            if (lock_ok)
-                set_unlock(t, set);
-            t->c.loads_raced++;
-            if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
-                return -1;
-        } else if (!ok) {
-            /* A transient error is not corruption: a miss until rewritten. */
-            (*s.state) = NVT_BAD;
-            t->d_ready--;
-            set_unlock(t, set);
-            t->c.read_errors++;
-            if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
-                return -1;
-        } else if (verify && c->checksum != o->expected) {
-            /* Proven corruption of this very slot: a miss, and the slot is freed. */
-            const unsigned char *r = record(t, o->slot);
-            int kl = r[5];
-            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0) {
-                set_unlock(t, set);
-                return -1;
-            }
-            clear_slot_locked(t, s, o->slot);
-            set_unlock(t, set);
-            t->c.checksum_failures++;
-            if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
-                return -1;
-        } else {
-            set_unlock(t, set);
-            t->c.ops_read++;
-            t->c.bytes_read += (unsigned long long)t->row_bytes;
-            j->moved += (uint64_t)t->row_bytes;
-        }
-    }
-    op_release(t, oi);
-    j->remaining--;
-    return 0;
-}
-
 PyDoc_STRVAR(complete_doc,
-             "complete(completions, verify, events) -> (finished, stored, removed)\n\n"
+             "complete(completions, events) -> (finished, stored, removed)\n\n"
              "Apply packed nvt_completion records. A write publishes its record, then its\n"
-             "slot READY; a read succeeds only when its slot's generation is unchanged and\n"
-             "(verify) the checksum matches. finished: (job_id, is_load, moved_bytes,\n"
+             "slot READY; a read succeeds only when its slot's generation is unchanged and,\n"
+             "when its op was verified (load_ops' verify, or an unverified slot), the\n"
+             "checksum matches. finished: (job_id, is_load, moved_bytes,\n"
              "failed_positions or None, first_error or None) per job whose last op this was.\n"
              "stored/removed: keys for KV events (events), or None.");
 
-/* A job of the submit/poll path is done: its entry joins `done` for the next
- * poll(), and the job is freed. The entry: (job_id, success, successful_keys
- * or None, transfer_time_s, moved_bytes, error or None, is_load); error is
- * None when every failed key was only missing (a miss, not a fault). */
-static int finish_submitted(TableObject *self, uint32_t ji) {
-    job_info *j = &self->jobs[ji];
-    PyObject *ok = Py_None;
-    Py_INCREF(ok);
-    if (j->n_failed) {
-        if (j->is_load)
-            self->c.load_jobs_failed++;
-        else
-            self->c.store_jobs_failed++;
-    }
-    if (j->n_failed && j->keys) {
-        Py_ssize_t m = PySequence_Fast_GET_SIZE(j->keys);
-        char *bad = PyMem_Calloc((size_t)(m ? m : 1), 1);
-        Py_DECREF(ok);
-        ok = bad ? PyList_New(0) : NULL;
-        if (!ok) {
-            PyMem_Free(bad);
-            if (!PyErr_Occurred())
-                PyErr_NoMemory();
-            return -1;
-        }
-        for (uint32_t f = 0; f < j->n_failed; f++)
-            if ((Py_ssize_t)j->failed[f] < m)
-                bad[j->failed[f]] = 1;
-        for (Py_ssize_t i = 0; i < m; i++) {
-            if (!bad[i] && PyList_Append(ok, PySequence_Fast_GET_ITEM(j->keys, i)) < 0) {
-                PyMem_Free(bad);
-                Py_DECREF(ok);
-                return -1;
-            }
-        }
-        PyMem_Free(bad);
-    }
-    PyObject *text = fail_text(j);
-    if (!text) {
-        Py_DECREF(ok);
-        return -1;
-    }
-    double secs = (double)(now_mono_ns() - j->start_ns) / 1e9;
-    PyObject *item = Py_BuildValue("(LONdKNO)", (long long)j->job_id, j->n_failed ? Py_False : Py_True, ok,
-                                   j->start_ns ? secs : 0.0, (unsigned long long)j->moved, text,
-                                   j->is_load ? Py_True : Py_False);
-    job_release(self, ji);
-    if (!item || PyList_Append(self->done, item) < 0) {
-        Py_XDECREF(item);
-        return -1;
-    }
-    Py_DECREF(item);
-    return 0;
-}
-
-/* Append job ji to `finished` (and free it) when its last op or watch is done
- * (a submit/poll job, or any job when `finished` is NULL: to `done`). */
-static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
-    job_info *j = &self->jobs[ji];
-    if (j->remaining)
-        return 0;
-    if (j->keys || !finished)
-        return finish_submitted(self, ji);
-    PyObject *failed = Py_None, *text;
-    Py_INCREF(failed);
-    if (j->n_failed) {
-        Py_DECREF(failed);
-        if (!(failed = PyList_New(j->n_failed)))
-            return -1;
-        for (uint32_t f = 0; f < j->n_failed; f++)
-            PyList_SET_ITEM(failed, f, PyLong_FromUnsignedLong(j->failed[f]));
-    }
-    if (!(text = fail_text(j))) {
-        Py_DECREF(failed);
-        return -1;
-    }
-    PyObject *item = Py_BuildValue("(LOKNN)", (long long)j->job_id, j->is_load ? Py_True : Py_False,
-                                   (unsigned long long)j->moved, failed, text);
-    job_release(self, ji);
-    if (!item || PyList_Append(finished, item) < 0) {
-        Py_XDECREF(item);
-        return -1;
-    }
-    Py_DECREF(item);
-    return 0;
-}
-
-/* Resolve watches whose write is no longer in flight (done, failed, or its
- * writer died and the slot was reclaimed). */
-static int check_watches(TableObject *self, PyObject *finished) {
-    size_t keep = 0;
-    uint32_t now = now_ms();
-    for (size_t i = 0; i < self->n_watches; i++) {
-        struct watch wt = self->watches[i];
-        uint64_t set = wt.slot / self->ways;
-        int pending = 1;
-        if (set_lock(self, set) == 0) {
-            slot_ref s = slot_at(self, set, wt.slot % self->ways);
-            if ((*s.state) == NVT_WRITING && (*s.gen) == wt.gen &&
-                (uint32_t)(now - (*s.stamp)) >= DEAD_CHECK_AGE_MS &&
-                !owner_alive(self, (*s.owner), (*s.owner_inc))) {
-                clear_slot_locked(self, s, wt.slot);
-                self->c.dead_reclaimed++;
-            }
-            pending = (*s.state) == NVT_WRITING && (*s.gen) == wt.gen;
-            set_unlock(self, set);
-        } else {
-            pending = 0;
-        }
-        if (pending) {
-            self->watches[keep++] = wt;
-            continue;
-        }
-        self->jobs[wt.job].remaining--;
-        if (maybe_finish(self, wt.job, finished) < 0) {
-            /* keep the rest consistent: compact what is left, then fail */
-            for (size_t r = i + 1; r < self->n_watches; r++)
-                self->watches[keep++] = self->watches[r];
-            self->n_watches = keep;
-            return -1;
-        }
-    }
-    self->n_watches = keep;
-    return 0;
-}
-
-/* Apply `n` completions, then resolve watches; finished jobs go to
- * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
-static int apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int verify, int events,
-                       PyObject *finished, PyObject **stored, PyObject **removed) {
-    /* Prefetch (prefetch_set's comment): each op's slab entry, then once
-     * those arrive, its set's head and state line and its record. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t raw = (uintptr_t)cs[i].op_id;
-        if (raw < self->n_ops_cap)
-            __builtin_prefetch(&self->ops[raw], 0);
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t raw = (uintptr_t)cs[i].op_id;
-        if (raw < self->n_ops_cap && self->ops[raw].in_use) {
-            uint32_t slot = self->ops[raw].slot;
-            prefetch_set(self, slot / self->ways, 0);
-            __builtin_prefetch(record(self, slot), 1);
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uintptr_t raw = (uintptr_t)cs[i].op_id;
-        uint32_t oi = (uint32_t)raw;
-        uint32_t ji = raw < self->n_ops_cap && self->ops[oi].in_use ? self->ops[oi].job : UINT32_MAX;
-        if (apply_one(self, &cs[i], verify, events, stored, removed) < 0)
-            return -1;
-        if (ji != UINT32_MAX && maybe_finish(self, ji, finished) < 0)
-            return -1;
-    }
-    if (self->n_watches && check_watches(self, finished) < 0)
-        return -1;
-    return 0;
-}
-
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
     Py_buffer comps;
-    int verify, events;
-    if (!PyArg_ParseTuple(args, "y*pp", &comps, &verify, &events))
+    int events;
+    if (!PyArg_ParseTuple(args, "y*p", &comps, &events))
         return NULL;
     Py_ssize_t n = comps.len / (Py_ssize_t)sizeof(nvt_completion);
     PyObject *finished = PyList_New(0), *stored = NULL, *removed = NULL;
     if (!finished)
         goto error;
-    if (apply_batch(self, comps.buf, n, verify, events, finished, &stored, &removed) < 0)
+    if (nvt_apply_batch(self, comps.buf, n, events, finished, &stored, &removed) < 0)
         goto error;
     PyBuffer_Release(&comps);
-    publish_counts(self);
+    publish_counts(&self->core);
     PyObject *res = Py_BuildValue("(NOO)", finished, stored ? stored : Py_None, removed ? removed : Py_None);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
     return res;
 error:
     PyBuffer_Release(&comps);
-    publish_counts(self);
+    publish_counts(&self->core);
     Py_XDECREF(finished);
     Py_XDECREF(stored);
     Py_XDECREF(removed);
@@ -1611,155 +393,6 @@ static PyObject *Table_bind(TableObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static int push_event(TableObject *self, int removed, PyObject *keys) {
-    PyObject *ev = Py_BuildValue("(OO)", removed ? Py_True : Py_False, keys);
-    int rc = ev ? PyList_Append(self->events, ev) : -1;
-    Py_XDECREF(ev);
-    return rc;
-}
-
-/* Apply what the engine completed, waiting up to `timeout` (a float) for it,
- * and resolve watches. */
-static int collect(TableObject *self, PyObject *timeout) {
-    if (self->outstanding && self->eng_wait) {
-        PyObject *comps = PyObject_CallOneArg(self->eng_wait, timeout);
-        if (!comps)
-            return -1;
-        Py_buffer b;
-        if (PyObject_GetBuffer(comps, &b, PyBUF_SIMPLE) < 0) {
-            Py_DECREF(comps);
-            return -1;
-        }
-        Py_ssize_t n = b.len / (Py_ssize_t)sizeof(nvt_completion);
-        self->outstanding = (uint64_t)n >= self->outstanding ? 0 : self->outstanding - (uint32_t)n;
-        PyObject *stored = NULL, *removed = NULL;
-        int rc = n ? apply_batch(self, b.buf, n, self->verify, self->events_on, NULL, &stored, &removed) : 0;
-        PyBuffer_Release(&b);
-        Py_DECREF(comps);
-        if (rc == 0 && stored)
-            rc = push_event(self, 0, stored);
-        if (rc == 0 && removed)
-            rc = push_event(self, 1, removed);
-        Py_XDECREF(stored);
-        Py_XDECREF(removed);
-        publish_counts(self);
-        if (rc < 0)
-            return -1;
-        if (n)
-            return 0; /* apply_batch resolved the watches */
-    }
-    if (self->n_watches && check_watches(self, NULL) < 0)
-        return -1;
-    return 0;
-}
-
-/* submit_store / submit_load: see their docs. */
-static PyObject *submit_job(TableObject *self, PyObject *args, int is_load) {
-    long long job_id;
-    PyObject *keys, *rows_obj, *skip_obj = Py_None;
-    if (!PyArg_ParseTuple(args, is_load ? "LOO" : "LOO|O", &job_id, &keys, &rows_obj, &skip_obj))
-        return NULL;
-    if (!self->eng_submit) {
-        PyErr_SetString(PyExc_RuntimeError, "no engine bound to the table (bind() first)");
-        return NULL;
-    }
-    PyObject *seq, *out;
-    Py_buffer rows;
-    Py_ssize_t m = job_args(keys, rows_obj, &seq, &rows, &out);
-    if (m < 0)
-        return NULL;
-    const char *skip = NULL;
-    if (skip_obj != Py_None) {
-        if (!PyBytes_Check(skip_obj) || PyBytes_GET_SIZE(skip_obj) != m) {
-            PyErr_Format(PyExc_ValueError, "skip must be None or %zd bytes", m);
-            goto fail_args;
-        }
-        skip = PyBytes_AS_STRING(skip_obj);
-    }
-    int64_t job = job_alloc(self, job_id, is_load);
-    if (job < 0) {
-        PyErr_NoMemory();
-        goto fail_args;
-    }
-    self->jobs[job].keys = Py_NewRef(seq);
-    self->jobs[job].start_ns = now_mono_ns();
-    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
-    Py_ssize_t n_ops = 0;
-    PyObject *evicted = NULL;
-    int rc;
-    if (is_load) {
-        rc = load_loop(self, job_id, seq, m, &rows, self->verify, ops, &n_ops, &job, NULL);
-    } else {
-        long long room = (long long)self->max_queued_ops - (long long)self->outstanding;
-        rc = store_loop(self, job_id, seq, m, &rows, room > 0 ? room : 0, self->events_on, skip, ops, &n_ops,
-                        &job, NULL, &evicted);
-    }
-    PyBuffer_Release(&rows);
-    Py_DECREF(seq);
-    if (rc == 0 && evicted)
-        rc = push_event(self, 1, evicted);
-    Py_XDECREF(evicted);
-    if (rc < 0) {
-        if (is_load)
-            load_unwind(self, ops, n_ops, job);
-        else
-            store_unwind(self, ops, n_ops, job);
-        Py_DECREF(out);
-        return NULL;
-    }
-    PyObject *err = Py_None;
-    Py_INCREF(err);
-    if (n_ops) {
-        /* The engine takes exactly this job's ops: `out` itself when every key
-         * got one, else a copy of the used part (out stays, so a failed copy
-         * can still be unwound). */
-        Py_ssize_t used = n_ops * (Py_ssize_t)sizeof(nvt_op);
-        PyObject *batch = used == PyBytes_GET_SIZE(out) ? Py_NewRef(out)
-                                                        : PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), used);
-        PyObject *r = batch ? PyObject_CallOneArg(self->eng_submit, batch) : NULL;
-        Py_XDECREF(batch);
-        if (r) {
-            Py_DECREF(r);
-            self->outstanding += (uint32_t)n_ops;
-        } else {
-            /* The engine refused (closed), or no memory for the copy: the job
-             * fails, never the caller; its slots are released at once. */
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            for (Py_ssize_t i = 0; i < n_ops; i++) {
-                nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
-                if (apply_one(self, &c, 0, 0, NULL, NULL) < 0) /* only out of memory */
-                    PyErr_Clear();
-            }
-            publish_counts(self);
-            Py_DECREF(err);
-            err = value ? PyObject_Str(value) : NULL;
-            if (!err) {
-                PyErr_Clear();
-                err = PyUnicode_FromString("engine refused the ops");
-            }
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
-            if (!err) {
-                Py_DECREF(out);
-                return NULL;
-            }
-        }
-    }
-    Py_DECREF(out);
-    if (maybe_finish(self, (uint32_t)job, NULL) < 0) {
-        Py_DECREF(err);
-        return NULL;
-    }
-    return err;
-fail_args:
-    PyBuffer_Release(&rows);
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
-}
-
 PyDoc_STRVAR(submit_store_doc,
              "submit_store(job_id, keys, rows, skip=None) -> None or str\n\n"
              "store_ops, then the ops to the bound engine, as one job that poll() reports.\n"
@@ -1769,39 +402,29 @@ PyDoc_STRVAR(submit_store_doc,
              "set (admission) are left out and succeed. Returns None, or the engine's error\n"
              "when it refused the ops (they then fail).");
 
-static PyObject *Table_submit_store(TableObject *self, PyObject *args) { return submit_job(self, args, 0); }
+static PyObject *Table_submit_store(TableObject *self, PyObject *args) { return nvt_submit_job(self, args, 0); }
 
 PyDoc_STRVAR(submit_load_doc,
              "submit_load(job_id, keys, rows) -> None or str\n\n"
              "load_ops, then the ops to the bound engine, as one job that poll() reports.\n"
              "A key not READY fails at once (as missing: the job's error stays None).");
 
-static PyObject *Table_submit_load(TableObject *self, PyObject *args) { return submit_job(self, args, 1); }
+static PyObject *Table_submit_load(TableObject *self, PyObject *args) { return nvt_submit_job(self, args, 1); }
 
 PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
                        "Apply the engine's completions (never waits) and return the jobs that\n"
                        "finished since the last poll: (job_id, success, successful_keys or None,\n"
                        "transfer_time_s, moved_bytes, error or None, is_load).");
 
-/* Hand over the list in *slot, leaving a new empty one there. */
-static PyObject *take_list(PyObject **slot) {
-    PyObject *fresh = PyList_New(0);
-    if (!fresh)
-        return NULL;
-    PyObject *out = *slot;
-    *slot = fresh;
-    return out;
-}
-
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    if ((self->outstanding || self->n_watches) && collect(self, py_zero_s) < 0)
+    if ((self->outstanding || self->n_watches || self->n_deferred) && nvt_collect(self, py_zero_s) < 0)
         return NULL;
     if (!PyList_GET_SIZE(self->done))
         return Py_NewRef(py_empty_tuple);
-    return take_list(&self->done);
+    return nvt_take_list(&self->done);
 }
 
-PyDoc_STRVAR(collect_doc, "collect(timeout_s)\n\n"
+PyDoc_STRVAR(collect_doc, "nvt_collect(timeout_s)\n\n"
                           "Apply the engine's completions, waiting up to timeout_s for the first\n"
                           "(the engine's wait_raw releases the GIL); finished jobs wait for poll().");
 
@@ -1810,7 +433,7 @@ static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
         PyErr_SetString(PyExc_TypeError, "timeout_s must be a float");
         return NULL;
     }
-    if (collect(self, timeout) < 0)
+    if (nvt_collect(self, timeout) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1820,7 +443,7 @@ PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
                               "(bind(events=True)).");
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    return take_list(&self->events);
+    return nvt_take_list(&self->events);
 }
 
 PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"
@@ -1836,13 +459,12 @@ PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     for (size_t i = 0; i < self->n_held; i++) {
-        uint64_t slot = self->held[2 * i], until = self->held[2 * i + 1], set = slot / self->ways;
-        if (set_lock(self, set) != 0)
-            continue;
-        slot_ref s = slot_at(self, set, (uint32_t)(slot % self->ways));
-        if ((*s.state) == NVT_READY && (*s.stamp) == (uint32_t)until && !(*s.owner))
-            (*s.stamp) = 0;
-        set_unlock(self, set);
+        uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->core.ways;
+        if (nvt_set_lock(&self->core, set) != 0)
+            continue; /* the lease runs out on its own */
+        lease_release(slot_at(&self->core, set, (uint32_t)(slot % self->core.ways)), (uint32_t)(grant >> 32),
+                      (uint32_t)grant);
+        set_unlock(&self->core, set);
     }
     self->n_held = 0;
     Py_RETURN_NONE;
@@ -1855,23 +477,23 @@ PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
 static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
     uint64_t set;
     int w, done = 0;
-    int r = locate(self, key, (1u << NVT_READY) | (1u << NVT_BAD), &set, &w);
+    int r = nvt_locate(self, key, (1u << NVT_READY) | (1u << NVT_BAD), &set, &w);
     if (r < 0)
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            slot_ref s = slot_at(self, set, (uint32_t)w);
-            if (!leased(*s.stamp, now_ms())) {
-                clear_slot_locked(self, s, set * self->ways + (uint64_t)w);
+            slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+            if (!leased_locked(s, nvt_now_ms())) {
+                nvt_clear_slot_locked(&self->core, s, set * self->core.ways + (uint64_t)w);
                 done = 1;
             }
         }
-        set_unlock(self, set);
+        set_unlock(&self->core, set);
     }
-    publish_counts(self);
+    publish_counts(&self->core);
     if (done && self->events_on) {
         PyObject *keys = Py_BuildValue("[O]", key);
-        int rc = keys ? push_event(self, 1, keys) : -1;
+        int rc = keys ? nvt_push_event(self, 1, keys) : -1;
         Py_XDECREF(keys);
         if (rc < 0)
             return NULL;
@@ -1884,34 +506,23 @@ PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
                         "recount the used/ready gauges. Returns the slots reclaimed.");
 
 static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    uint32_t now = now_ms();
-    int64_t used = 0, ready = 0;
-    long long reclaimed = 0;
-    for (uint64_t set = 0; set < self->n_sets; set++) {
-        if (set_lock(self, set) != 0)
-            continue;
-        reclaimed += repair_set_locked(self, set, 0, now);
-        const uint8_t *states = set_states(self, set);
-        for (uint32_t w = 0; w < self->ways; w++) {
-            used += states[w] != NVT_EMPTY;
-            ready += states[w] == NVT_READY;
-        }
-        set_unlock(self, set);
-    }
-    self->d_used = self->d_ready = 0; /* counted afresh */
-    __atomic_store_n(&self->hdr->used, used, __ATOMIC_RELAXED);
-    __atomic_store_n(&self->hdr->ready, ready, __ATOMIC_RELAXED);
-    return PyLong_FromLongLong(reclaimed);
+    return PyLong_FromLongLong(nvt_sweep(&self->core));
 }
 
 PyDoc_STRVAR(load_doc,
-             "load(slots)\n\n"
+             "load(slots, unverified)\n\n"
              "Rebuild: mark READY every slot of `slots` (int64 buffer) whose record the\n"
              "caller proved valid, with its fingerprint from the record's key; `slots` in\n"
              "the order of the records' store times, oldest first (the recency order).\n"
-             "Only while no other sharer is attached.");
+             "unverified: the store was not closed cleanly (a crash or a power loss may have\n"
+             "left a record over another key's bytes): every loaded slot is checked at its\n"
+             "next load, whatever verify_checksums says. Only while no other sharer is attached.");
 
-static PyObject *Table_load(TableObject *self, PyObject *arg) {
+static PyObject *Table_load(TableObject *self, PyObject *args) {
+    PyObject *arg;
+    int unverified;
+    if (!PyArg_ParseTuple(args, "Op", &arg, &unverified))
+        return NULL;
     Py_buffer v;
     if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -1920,27 +531,7 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "slots must be an int64 buffer");
         return NULL;
     }
-    const int64_t *slots = v.buf;
-    Py_ssize_t n = v.len / 8;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (slots[i] < 0 || (uint64_t)slots[i] >= self->n_slots)
-            continue;
-        uint64_t slot = (uint64_t)slots[i];
-        const unsigned char *r = record(self, slot);
-        uint8_t kl = r[5] <= REC_KEY_MAX ? r[5] : REC_KEY_MAX;
-        slot_ref s = slot_at(self, slot / self->ways, (uint32_t)(slot % self->ways));
-        if ((*s.state) == NVT_EMPTY)
-            self->hdr->used++;
-        if ((*s.state) != NVT_READY)
-            self->hdr->ready++;
-        (*s.fp) = nvt_xxh3(r + REC_KEY_OFFSET, kl, 0);
-        (*s.tag) = tag_of(*s.fp);
-        (*s.last) = tick(self, slot / self->ways);
-        (*s.stamp) = 0;
-        (*s.owner) = 0;
-        (*s.gen)++;
-        (*s.state) = NVT_READY;
-    }
+    nvt_rebuild(&self->core, v.buf, (size_t)(v.len / 8), unverified);
     PyBuffer_Release(&v);
     Py_RETURN_NONE;
 }
@@ -1948,9 +539,9 @@ static PyObject *Table_load(TableObject *self, PyObject *arg) {
 PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative counters.");
 
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    counters *c = &self->c;
+    nvt_counters *c = &self->core.c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -1958,7 +549,11 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
         c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
         "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
-        "store_jobs_failed", c->store_jobs_failed);
+        "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled,
+        "loads_verified_unverified", c->loads_verified_unverified,
+        "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
+        c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
+        c->completions_deferred, "completions_abandoned", c->completions_abandoned);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
@@ -1966,14 +561,45 @@ PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
                         "process's stores waiting for another write of their key, and jobs in flight.");
 
 static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    publish_counts(self);
-    int64_t used = __atomic_load_n(&self->hdr->used, __ATOMIC_RELAXED);
-    int64_t ready = __atomic_load_n(&self->hdr->ready, __ATOMIC_RELAXED);
+    publish_counts(&self->core);
+    int64_t used = __atomic_load_n(&self->core.hdr->used, __ATOMIC_RELAXED);
+    int64_t ready = __atomic_load_n(&self->core.hdr->ready, __ATOMIC_RELAXED);
     return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
                          (unsigned int)self->n_watches, self->jobs_live);
 }
 
+PyDoc_STRVAR(hold_set_doc, "_hold_set(set) -> bool\n\n"
+                           "Tests only: take a set's mutex and keep it (as a sharer stopped or\n"
+                           "killed inside a critical section would). False when not taken.");
+
+static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
+    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (set >= self->core.n_sets) {
+        PyErr_SetString(PyExc_ValueError, "no such set");
+        return NULL;
+    }
+    return PyBool_FromLong(nvt_set_lock(&self->core, set) == 0);
+}
+
+PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex _hold_set took.");
+
+static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
+    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (set >= self->core.n_sets) {
+        PyErr_SetString(PyExc_ValueError, "no such set");
+        return NULL;
+    }
+    set_unlock(&self->core, set);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Table_methods[] = {
+    {"_hold_set", (PyCFunction)Table_hold_set, METH_O, hold_set_doc},
+    {"_release_set", (PyCFunction)Table_release_set, METH_O, release_set_doc},
     {"attach", (PyCFunction)Table_attach, METH_NOARGS, attach_doc},
     {"detach", (PyCFunction)Table_detach, METH_NOARGS, detach_doc},
     {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
@@ -1986,7 +612,7 @@ static PyMethodDef Table_methods[] = {
     {"invalidate", (PyCFunction)Table_invalidate, METH_O, invalidate_doc},
     {"release_leases", (PyCFunction)Table_release_leases, METH_NOARGS, release_leases_doc},
     {"sweep", (PyCFunction)Table_sweep, METH_NOARGS, sweep_doc},
-    {"load", (PyCFunction)Table_load, METH_O, load_doc},
+    {"load", (PyCFunction)Table_load, METH_VARARGS, load_doc},
     {"counters", (PyCFunction)Table_counters, METH_NOARGS, counters_doc},
     {"usage", (PyCFunction)Table_usage, METH_NOARGS, usage_doc},
     {"bind", (PyCFunction)Table_bind, METH_VARARGS, bind_doc},
@@ -2017,11 +643,12 @@ static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "KI", &n_slots, &ways))
         return NULL;
-    if (!ways || n_slots % ways) {
-        PyErr_SetString(PyExc_ValueError, "n_slots must be a positive multiple of ways");
+    const char *why = nvt_bad_geometry(n_slots, ways);
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
         return NULL;
     }
-    return PyLong_FromUnsignedLongLong(table_bytes(n_slots, ways));
+    return PyLong_FromUnsignedLongLong(nvt_table_bytes(n_slots, ways));
 }
 
 PyDoc_STRVAR(format_doc,
@@ -2036,30 +663,10 @@ static PyObject *py_format(PyObject *m, PyObject *args) {
     unsigned int ways;
     if (!PyArg_ParseTuple(args, "w*KI", &v, &n_slots, &ways))
         return NULL;
-    if (!ways || n_slots % ways || (uint64_t)v.len < table_bytes(n_slots, ways)) {
-        PyBuffer_Release(&v);
-        PyErr_SetString(PyExc_ValueError, "the table buffer is too small for n_slots and ways");
-        return NULL;
-    }
-    char *base = v.buf;
-    nvt_table_header *h = (nvt_table_header *)base;
-    uint32_t set_bytes = nvt_layout(ways).set_bytes;
-    uint64_t n_sets = n_slots / ways;
-    memset(base, 0, table_bytes(n_slots, ways));
-    int err = 0;
-    for (uint64_t s = 0; s < n_sets && !err; s++)
-        err = init_mutex(&set_head(base, set_bytes, s)->mu);
-    h->magic = NVT_TABLE_MAGIC;
-    h->version = NVT_TABLE_VERSION;
-    h->header_bytes = NVT_TABLE_HEADER_BYTES;
-    h->n_slots = n_slots;
-    h->ways = ways;
-    h->set_bytes = set_bytes;
-    h->n_sets = n_sets;
-    h->max_sharers = NVT_MAX_SHARERS;
+    const char *why = nvt_format(v.buf, (uint64_t)v.len, n_slots, ways);
     PyBuffer_Release(&v);
-    if (err) {
-        PyErr_SetString(PyExc_OSError, "pthread_mutex_init failed for a process-shared robust mutex");
+    if (why) {
+        PyErr_SetString(strncmp(why, "pthread", 7) ? PyExc_ValueError : PyExc_OSError, why);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -2076,17 +683,13 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
         PyErr_SetString(PyExc_ValueError, "table shorter than its header");
         return NULL;
     }
-    const nvt_table_header *h = v.buf;
-    PyObject *d = Py_BuildValue("{sKsIsKsIsLsL}", "magic", (unsigned long long)h->magic, "version",
-                                h->version, "n_slots", (unsigned long long)h->n_slots, "ways", h->ways,
-                                "used", (long long)h->used, "ready", (long long)h->ready);
+    nvt_table_header h;
+    memcpy(&h, v.buf, sizeof(h));
+    const char *why = nvt_bad_header(&h, (uint64_t)v.len);
     PyBuffer_Release(&v);
-    if (d) {
-        PyObject *ok = PyBool_FromLong(h->magic == NVT_TABLE_MAGIC && h->version == NVT_TABLE_VERSION);
-        PyDict_SetItemString(d, "valid", ok);
-        Py_DECREF(ok);
-    }
-    return d;
+    return Py_BuildValue("{sKsIsKsIsLsLsOsz}", "magic", (unsigned long long)h.magic, "version", h.version,
+                         "n_slots", (unsigned long long)h.n_slots, "ways", h.ways, "used", (long long)h.used,
+                         "ready", (long long)h.ready, "valid", why ? Py_False : Py_True, "problem", why);
 }
 
 PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
@@ -2107,13 +710,7 @@ static PyObject *py_sharers(PyObject *m, PyObject *args) {
     for (int i = 0; out && i < NVT_MAX_SHARERS; i++) {
         if (!sh[i].pid)
             continue; /* never used, or detached */
-        struct flock fl;
-        memset(&fl, 0, sizeof(fl));
-        fl.l_type = F_WRLCK;
-        fl.l_whence = SEEK_SET;
-        fl.l_start = NVT_REGISTRY_LOCK_BASE + i;
-        fl.l_len = 1;
-        if (fcntl(fd, F_OFD_GETLK, &fl) != 0 || fl.l_type == F_UNLCK)
+        if (!nvt_sharer_live(fd, i))
             continue;
         PyObject *t = Py_BuildValue("(iIK)", i, sh[i].pid, (unsigned long long)sh[i].attached_ns);
         if (!t || PyList_Append(out, t) < 0)
@@ -2124,7 +721,21 @@ static PyObject *py_sharers(PyObject *m, PyObject *args) {
     return out;
 }
 
+PyDoc_STRVAR(set_clock_offset_doc, "_set_clock_offset_ns(ns)\n\n"
+                                    "Tests only: add ns to this process's table clock (leases, claim\n"
+                                    "stamps, watch deadlines), so a lease or a watch runs out without\n"
+                                    "waiting, or the clock stands days after boot.");
+
+static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
+    long long ns = PyLong_AsLongLong(arg);
+    if (ns == -1 && PyErr_Occurred())
+        return NULL;
+    nvt_set_clock_offset_ns(ns);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},

@@ -657,6 +657,7 @@ class StoreFiles:
         self._row_bytes = 0
         self._n_rows = 0
         self._lease_ns = 0
+        self._watch_timeout_ns = 0
         self._wipe = False
 
     @classmethod
@@ -676,6 +677,7 @@ class StoreFiles:
         row_bytes: int | None = None,
         n_rows: int = 0,
         lease_ns: int = 5_000_000_000,
+        watch_timeout_ns: int = 2_000_000_000,
         wipe: bool = False,
     ) -> StoreFiles:
         """Open the store ``store_name`` under ``roots``, creating it if absent,
@@ -686,6 +688,8 @@ class StoreFiles:
                 (exclusive; fails while any other process is attached).
             row_bytes, n_rows: the caller's buffer geometry (ops address rows).
             lease_ns: how long a lookup hit or a load protects its slot.
+            watch_timeout_ns: how long a store of a key another sharer is
+                writing waits for that write before the key fails.
             wipe: forget every chunk when this process is the first attached
                 (an ephemeral store left behind by a crash).
 
@@ -703,6 +707,7 @@ class StoreFiles:
         self.exclusive = sharing == "process"
         self._row_bytes = row_bytes or chunk_bytes
         self._n_rows, self._lease_ns, self._wipe = n_rows, lease_ns, wipe
+        self._watch_timeout_ns = watch_timeout_ns
         try:
             self._open(roots, store_name, layout, o_direct, create)
         except BaseException:
@@ -824,8 +829,13 @@ class StoreFiles:
                 _zero(self.index)
             _table.format(self.table_map, self.sb.n_slots, self.sb.ways)
             rebuild = self._scan_records()
-        elif not _table.header(self.table_map)["valid"]:
-            raise FormatError(f"{path!r} is not a valid table while sharers are attached")
+        else:
+            head = _table.header(self.table_map)
+            if not head["valid"]:
+                raise FormatError(
+                    f"{path!r} is not a valid table while sharers are attached "
+                    f"({head['problem']}); close every process using the store, then reopen"
+                )
         self.table = _table.Table(
             self.table_map,
             self.index,
@@ -835,9 +845,15 @@ class StoreFiles:
             row_bytes=self._row_bytes,
             n_rows=self._n_rows,
             lease_ns=self._lease_ns,
+            watch_timeout_ns=self._watch_timeout_ns,
         )
         if rebuild is not None:
-            self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64))
+            # After an unclean shutdown (a crash, a power loss) a record may
+            # sit over another key's bytes (the index page and the data reach
+            # the media at different moments): each rebuilt slot is then
+            # checked at its next load even with verify_checksums off.
+            unclean = not self.created and not self.sb.clean
+            self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64), unclean)
             del rebuild
             # The scan's temporaries (~65 B per stored slot) are freed now, but
             # in a long-lived process (vLLM: glibc's mmap threshold raised by

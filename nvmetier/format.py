@@ -28,7 +28,9 @@ from nvmetier.errors import FormatError
 
 # Changing any layout below requires bumping FORMAT_VERSION.
 # 2: the process-shared slot table (file ``table``) joined the store.
-FORMAT_VERSION = 2
+# 3: table v3: 64-bit lease/claim stamps, per-slot lease pins and epoch, a
+#    flags byte per slot, the set mutex's holder in the set head.
+FORMAT_VERSION = 3
 MAGIC = b"NVMETIER"
 ALIGN_BYTES = 4096
 
@@ -53,17 +55,20 @@ EMPTY_RECORD = bytes(RECORD_BYTES)
 # --- shared slot table (native/nvt_table.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
 TABLE_SET_HEAD_BYTES = 64
+# Slot numbers are 32-bit in the table's ops and watches (NVT_MAX_SLOTS).
+MAX_SLOTS = 2**32 - 1
 
 
 def table_set_bytes(ways: int) -> int:
     """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h):
-    the 64-byte head, then arrays of tag, state, owner (u8), owner_inc (u16),
-    last, stamp, gen (u32) and fp (u64), each 8-byte aligned, padded to 64."""
+    the 64-byte head, then arrays of tag, state, owner, flags (u8), owner_inc,
+    pins (u16), last, gen, epoch (u32), stamp and fp (u64), each 8-byte
+    aligned, padded to 64."""
 
     def a8(n: int) -> int:
         return (n + 7) // 8 * 8
 
-    body = 3 * a8(ways) + a8(2 * ways) + 3 * a8(4 * ways) + 8 * ways
+    body = 4 * a8(ways) + 2 * a8(2 * ways) + 3 * a8(4 * ways) + 16 * ways
     return (TABLE_SET_HEAD_BYTES + body + 63) // 64 * 64
 
 
@@ -247,14 +252,29 @@ def geometry(
     ``ways * n_paths`` so every set is whole and every drive holds as many.
 
     Raises:
-        FormatError: when not even one set fits (the caller turns it into a
+        FormatError: when not even one set fits, or when the capacity holds
+            ``MAX_SLOTS`` slots or more (the caller turns it into a
             ConfigError naming capacity_bytes).
     """
     slot_bytes = align_up(chunk_bytes)
-    unit = ways * n_paths
     if per_path_bytes is not None:
         overhead = reserved_bytes(identity, 1)
-        return slot_bytes, _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
+        n_slots = _per_path_slots(per_path_bytes, slot_bytes, ways, overhead)
+    else:
+        n_slots = _total_slots(capacity_bytes, slot_bytes, ways, n_paths, identity)
+    if n_slots >= MAX_SLOTS:
+        raise FormatError(
+            f"capacity of {capacity_bytes} bytes makes {n_slots} slots of {slot_bytes} bytes; "
+            f"a store holds fewer than 2^32 slots (slot numbers are 32-bit in the shared "
+            f"table): use larger chunks or a smaller capacity_bytes"
+        )
+    return slot_bytes, n_slots
+
+
+def _total_slots(
+    capacity_bytes: int, slot_bytes: int, ways: int, n_paths: int, identity: dict[str, Any]
+) -> int:
+    unit = ways * n_paths
     overhead = reserved_bytes(identity, n_paths)
     usable = capacity_bytes - overhead - TABLE_HEADER_BYTES
     per_slot = slot_bytes + RECORD_BYTES + -(-table_set_bytes(ways) // ways)
@@ -274,7 +294,7 @@ def geometry(
             f"capacity of {capacity_bytes} bytes holds no complete set: one set of {ways} ways "
             f"over {n_paths} path(s) of {slot_bytes}-byte slots needs at least {need} bytes"
         )
-    return slot_bytes, n_slots
+    return n_slots
 
 
 def _meta_bytes(n_slots: int, ways: int) -> int:

@@ -45,6 +45,14 @@ _MAX_LOOKUP_COUNTS = 1 << 20
 # How long a lookup hit or a load protects its slot from every sharer's
 # eviction. A lease expires on its own, so a dead process pins nothing for long.
 LEASE_S = 5.0
+# How long a store of a key that another process is writing waits for that
+# write (a stopped or hung writer must not hold this process's jobs): past it
+# the key is reported not stored by this job (stores_dropped_watch_timeout).
+WATCH_TIMEOUT_S = 2.0
+# How long close() waits for jobs in flight before it gives up on them (and
+# warns with what it dropped). Longer than WATCH_TIMEOUT_S, so stores waiting
+# for another process's write end on their own first.
+CLOSE_DRAIN_S = 10.0
 
 # Every counter ``stats()`` reports (zero until it happens).
 COUNTERS = (
@@ -57,6 +65,7 @@ COUNTERS = (
     "evictions",
     "checksum_failures",
     "read_errors",
+    "loads_cancelled",
     "write_errors",
     "load_keys_missing",
     "load_jobs_failed",
@@ -69,6 +78,18 @@ COUNTERS = (
     "loads_raced",
     "dead_slots_reclaimed",
     "lock_recoveries",
+    # Bounds on waiting for other processes (issue 15): a store of a key
+    # another process was writing that gave up (timeout) or whose write did
+    # not land; set mutex waits that timed out; completions whose set was
+    # held (deferred) and those whose job gave up on them (abandoned).
+    "stores_dropped_watch_timeout",
+    "stores_dropped_watch_failed",
+    "set_lock_timeouts",
+    "completions_deferred",
+    "completions_abandoned",
+    # Loads of slots left unverified by a crash or a dead writer, checked
+    # whatever verify_checksums says, that verified.
+    "loads_verified_unverified",
 )
 
 
@@ -174,6 +195,7 @@ class BlockStore:
             row_bytes=row_bytes,
             n_rows=self._n_rows,
             lease_ns=int(LEASE_S * 1e9),
+            watch_timeout_ns=int(WATCH_TIMEOUT_S * 1e9),
             wipe=not config.persist,
         )
         self.sb = self.files.sb
@@ -370,8 +392,9 @@ class BlockStore:
         return True
 
     def close(self, persist: bool | None = None) -> None:
-        """Finish in-flight ops, stop the engine and detach. The last process
-        attached also marks the store clean. Idempotent.
+        """Finish in-flight ops (waiting ``CLOSE_DRAIN_S`` at most, then
+        warning with what is dropped), stop the engine and detach. The last
+        process attached also marks the store clean. Idempotent.
 
         With ``persist=False`` (default: ``config.persist``) the store's
         directories are removed afterwards, by the last process attached.
@@ -379,7 +402,21 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
-        self.wait_idle()
+        if not self.wait_idle(CLOSE_DRAIN_S):
+            # Bounded: an engine that stopped completing, or a set held by a
+            # stopped sharer, must not hang shutdown. What is left is dropped
+            # (its WRITING slots are reclaimed by the others once we detach).
+            outstanding, jobs = self._table.inflight()
+            _used, _ready, watches, _jobs = self._table.usage()
+            logger.warning(
+                "nvmetier: close gave up after %.1fs waiting for %d jobs in flight "
+                "(%d ops outstanding, %d stores waiting for another process's write); "
+                "they are dropped",
+                CLOSE_DRAIN_S,
+                jobs,
+                outstanding,
+                watches,
+            )
         self.poll()
         self.engine.close()
         self._table.bind(None, None, 0, False, False)  # drop its references to the engine

@@ -124,6 +124,33 @@ def test_a_refused_submit_fails_the_job_and_frees_its_slots(
         store.close()
 
 
+def test_a_refused_load_fails_the_job_and_leaves_its_keys_ready(
+    tmp_path, buffer, engine, caplog
+) -> None:
+    """An op the engine refused (-ECANCELED) was never read: its slot stays
+    READY for every sharer. Was a bug: it was marked BAD like a read error."""
+    store = _store(str(tmp_path), buffer, engine)
+    try:
+        wrapper = store.engine
+        assert isinstance(wrapper, _Wrapper)
+        keys = [key(i) for i in range(4)]
+        store_keys(store, buffer, keys)
+        wrapper.refuse = True
+        with caplog.at_level(logging.WARNING, logger="nvmetier.store"):
+            store.submit_load(7, keys, list(range(4)))
+            (outcome,) = store.poll()
+        assert (outcome.job_id, outcome.success, outcome.successful_keys) == (7, False, [])
+        stats = store.stats()
+        assert stats["read_errors"] == 0 and stats["loads_cancelled"] == 4
+        assert stats["slots_ready"] == 4
+        assert all(store.contains(k) for k in keys)
+        wrapper.refuse = False
+        outcome, good = load_keys(store, buffer, keys, job_id=8)
+        assert outcome.success and good == keys
+    finally:
+        store.close()
+
+
 def test_missing_keys_fail_a_load_quietly_with_exact_successful_keys(
     tmp_path, buffer, engine, caplog
 ) -> None:

@@ -13,8 +13,17 @@ nvt_table.h lays them out: one copy of a key per set at most, the model's
 state, generation and recency order in every way, a lease exactly where the
 model has one, and an index record exactly on the READY and BAD slots.
 
-Leases are made so long (``LEASE_NS``) that none expires during a test: the
-model ends them only through ``release_leases`` and load completions.
+The model is the contract, not a copy of the implementation's choices:
+- a finished store job means each of its keys is present (READY) or reported
+  failed; a store waiting for another sharer's write of its key succeeds only
+  if that write published the key, and fails once the wait's bound passed;
+- a lease is one token per grant (each lookup hit, each load): it protects its
+  slot until it is released (the step's end, the load's completion) or its
+  time runs out, whatever other grants of the same slot do;
+- an op the engine refused or cancelled (-ECANCELED) changes nothing.
+Time moves only through the table's test clock (``_set_clock_offset_ns``): the
+``advance_clock`` step jumps past every lease granted so far, so leases (and
+waits) run out within a test without waiting.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -46,15 +56,22 @@ WAYS = 2
 N_SLOTS = N_SETS * WAYS
 ROW_BYTES = 4096
 N_ROWS = 16
-LEASE_NS = 10**15  # ~11 days: no lease runs out on its own during a test
+# A lease lasts LEASE_MS of the table's clock; advance_clock jumps JUMP_MS (all
+# leases granted so far run out at once, and none granted later can within a
+# test: real time moves far less than LEASE_MS while one runs). A store waits
+# for another's write WATCH_MS: it gives up on the third jump after it began.
+LEASE_MS = 100_000
+JUMP_MS = LEASE_MS + 1
+WATCH_MS = 250_000
 EIO = 5
 ENOSPC = 28
+ECANCELED = 125
 
 EMPTY, WRITING, READY, BAD = 0, 1, 2, 3
 
 # nvt_table.h: header, then sets of a 64-byte mutex head and one array per field
-# (tag, state, owner u8; owner_inc u16; last, stamp, gen u32; fp u64), each array
-# 8-byte aligned (nvt_layout).
+# (tag, state, owner, flags u8; owner_inc, pins u16; last, gen, epoch u32;
+# stamp, fp u64), each array 8-byte aligned (nvt_layout).
 HEADER_BYTES = 8192
 SET_HEAD_BYTES = 64
 
@@ -65,11 +82,14 @@ def _a8(n: int) -> int:
 
 OFF_STATE = SET_HEAD_BYTES + _a8(WAYS)
 OFF_OWNER = OFF_STATE + _a8(WAYS)
-OFF_INC = OFF_OWNER + _a8(WAYS)
-OFF_LAST = OFF_INC + _a8(2 * WAYS)
-OFF_STAMP = OFF_LAST + _a8(4 * WAYS)
-OFF_GEN = OFF_STAMP + _a8(4 * WAYS)
-OFF_FP = OFF_GEN + _a8(4 * WAYS)
+OFF_FLAGS = OFF_OWNER + _a8(WAYS)
+OFF_INC = OFF_FLAGS + _a8(WAYS)
+OFF_PINS = OFF_INC + _a8(2 * WAYS)
+OFF_LAST = OFF_PINS + _a8(2 * WAYS)
+OFF_GEN = OFF_LAST + _a8(4 * WAYS)
+OFF_EPOCH = OFF_GEN + _a8(4 * WAYS)
+OFF_STAMP = OFF_EPOCH + _a8(4 * WAYS)
+OFF_FP = OFF_STAMP + 8 * WAYS
 SET_BYTES = (OFF_FP + 8 * WAYS + 63) // 64 * 64
 # format.py's index record: magic u32, state u8, key_len u8, .., payload u64 at 8, key at 32.
 REC_BYTES = 128
@@ -77,7 +97,7 @@ REC_MAGIC = 0x5254564E
 REC_KEY_OFFSET = 32
 
 # Mostly successes, so that keys get READY, are loaded and evicted.
-OUTCOMES = ("ok", "ok", "ok", "ok", "eio", "enospc", "bad_sum")
+OUTCOMES = ("ok", "ok", "ok", "ok", "eio", "enospc", "cancel", "bad_sum")
 RACED = "slot reused by another store while loading"
 CHECKSUM = "checksum mismatch"
 
@@ -99,6 +119,11 @@ COUNTER_NAMES = (
     "bytes_read",
     "dead_slots_reclaimed",
     "lock_recoveries",
+    "loads_cancelled",
+    "stores_dropped_watch_timeout",
+    "stores_dropped_watch_failed",
+    "set_lock_timeouts",
+    "completions_deferred",
 )
 
 
@@ -151,7 +176,8 @@ class Shared:
             slot_bytes=ROW_BYTES,
             row_bytes=ROW_BYTES,
             n_rows=N_ROWS,
-            lease_ns=LEASE_NS,
+            lease_ns=LEASE_MS * 1_000_000,
+            watch_timeout_ns=WATCH_MS * 1_000_000,
         )
         if attach:
             table.attach()
@@ -167,8 +193,8 @@ class Shared:
         self.fds = []
         os.unlink(self.lock_path)
 
-    def raw_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int]:
-        """(fp, last, stamp, gen, state, owner, owner_inc) of ``slot``."""
+    def raw_slot(self, slot: int) -> tuple[int, int, int, int, int, int, int, int]:
+        """(fp, last, stamp, gen, state, owner, owner_inc, pins) of ``slot``."""
         set_idx, way = divmod(slot, WAYS)
         base = HEADER_BYTES + set_idx * SET_BYTES
         m = self.table_map
@@ -179,11 +205,12 @@ class Shared:
         return (
             get("<Q", OFF_FP, 8),
             get("<I", OFF_LAST, 4),
-            get("<I", OFF_STAMP, 4),
+            get("<Q", OFF_STAMP, 8),
             get("<I", OFF_GEN, 4),
             get("<B", OFF_STATE, 1),
             get("<B", OFF_OWNER, 1),
             get("<H", OFF_INC, 2),
+            get("<H", OFF_PINS, 2),
         )
 
     def raw_record(self, slot: int) -> bytes:
@@ -223,8 +250,7 @@ class MSlot:
     key: bytes | None = None
     gen: int = 0
     last_used: int = 0
-    lease: int | None = None  # token of the newest lease (its stamp_ns), None: 0
-    load_lease: bool = False  # a load set a lease since (end-of-step releases keep off)
+    grants: dict[int, int] = dataclasses.field(default_factory=dict)  # token -> end (ms)
     payload: int = 0
 
 
@@ -236,8 +262,9 @@ class MOp:
     key: bytes
     job_id: int
     pos: int
-    lease: int | None = None
+    lease: int | None = None  # a load's grant token
     expected: int = 0
+    verify: bool = False  # a load whose checksum is checked
 
 
 @dataclasses.dataclass
@@ -248,7 +275,8 @@ class MJob:
     failed: list[int] = dataclasses.field(default_factory=list)
     first_error: str | None = None
 
-    def fail(self, pos: int, text: str) -> None:
+    def fail(self, pos: int, text: str | None) -> None:
+        """A key failed; ``text`` None: quietly (not stored, no error text)."""
         self.failed.append(pos)
         if self.first_error is None:
             self.first_error = text
@@ -261,7 +289,8 @@ class MHandle:
     held: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     ops: dict[int, MOp] = dataclasses.field(default_factory=dict)
     jobs: dict[int, MJob] = dataclasses.field(default_factory=dict)
-    watches: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    # (slot, gen, job_id, pos, deadline_ms)
+    watches: list[tuple[int, int, int, int, int]] = dataclasses.field(default_factory=list)
     done_ids: set[int] = dataclasses.field(default_factory=set)  # op ids once completed
     counters: Counter[str] = dataclasses.field(default_factory=Counter)
 
@@ -281,15 +310,23 @@ class TableModel(RuleBasedStateMachine):
         self.clock = 0
         self.lease_tokens = 0
         self.next_job = 1
+        self.now_ms = 0  # the model's time: advance_clock's jumps only
+        _table._set_clock_offset_ns(0)
 
     # --- model helpers
     def tick(self) -> int:
         self.clock += 1
         return self.clock
 
-    def new_lease(self) -> int:
+    def grant(self, slot: int) -> int:
+        """A lease of its own on ``slot``: its token."""
         self.lease_tokens += 1
+        self.slots[slot].grants[self.lease_tokens] = self.now_ms + LEASE_MS
         return self.lease_tokens
+
+    def leased(self, slot: int) -> bool:
+        """Some grant on ``slot`` is neither released nor run out."""
+        return any(end > self.now_ms for end in self.slots[slot].grants.values())
 
     def find(self, key: bytes, states: tuple[int, ...]) -> int | None:
         base = set_of(key) * WAYS
@@ -301,7 +338,7 @@ class TableModel(RuleBasedStateMachine):
 
     def clear(self, slot: int) -> None:
         s = self.slots[slot]
-        s.state, s.key, s.lease, s.payload = EMPTY, None, None, 0
+        s.state, s.key, s.grants, s.payload = EMPTY, None, {}, 0
         s.gen += 1
 
     def claim(self, key: bytes) -> tuple[str, int]:
@@ -321,7 +358,7 @@ class TableModel(RuleBasedStateMachine):
         victims = [
             slot
             for slot in range(base, base + WAYS)
-            if self.slots[slot].state in (READY, BAD) and self.slots[slot].lease is None
+            if self.slots[slot].state in (READY, BAD) and not self.leased(slot)
         ]
         if not victims:
             return "busy", -1
@@ -346,6 +383,7 @@ class TableModel(RuleBasedStateMachine):
         assert len(indexes) == n, "each handle is its own sharer"
 
     def teardown(self) -> None:
+        _table._set_clock_offset_ns(0)
         for h in self.handles:
             h.table.detach()
         self.handles = []
@@ -385,7 +423,7 @@ class TableModel(RuleBasedStateMachine):
             job.remaining += 1
             if what == "watch":
                 h.counters["stores_skipped_present"] += 1
-                h.watches.append((slot, self.slots[slot].gen, job_id, pos))
+                h.watches.append((slot, self.slots[slot].gen, job_id, pos, self.now_ms + WATCH_MS))
                 event("store waits for another write")
                 continue
             s = self.slots[slot]
@@ -393,8 +431,7 @@ class TableModel(RuleBasedStateMachine):
                 h.counters["evictions"] += 1
                 want_evicted.append(s.key)  # type: ignore[arg-type]
                 event("store evicts" + (" a BAD way" if s.state == BAD else ""))
-            s.state, s.key, s.lease, s.payload = WRITING, key, None, 0
-            s.load_lease = False
+            s.state, s.key, s.grants, s.payload = WRITING, key, {}, 0
             s.gen += 1
             want_ops.append((pos, slot))
             mops.append(MOp(OP_WRITE, slot, s.gen, key, job_id, pos))
@@ -417,8 +454,12 @@ class TableModel(RuleBasedStateMachine):
             assert int(op["op_id"]) not in h.ops
             h.ops[int(op["op_id"])] = mop
 
-    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3))
-    def load(self, hi: int, keys: list[bytes]) -> None:
+    @rule(
+        hi=st.integers(0, 2),
+        keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3),
+        verify=st.booleans(),
+    )
+    def load(self, hi: int, keys: list[bytes], verify: bool) -> None:
         h = self.handles[hi % len(self.handles)]
         job_id = self.next_job
         self.next_job += 1
@@ -432,13 +473,11 @@ class TableModel(RuleBasedStateMachine):
                 want_missing.append(pos)
                 continue
             s = self.slots[slot]
-            token = self.new_lease()  # every grant is a lease of its own
-            s.lease = token
-            s.load_lease = True
+            token = self.grant(slot)  # every grant is a lease of its own
             s.last_used = self.tick()
             want_ops.append((pos, slot))
-            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload))
-        packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), True)
+            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload, verify))
+        packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), verify)
         ops = _ops(packed)
         got = [
             (int(op["buf_offset"]) // ROW_BYTES, int(op["file_offset"]) // ROW_BYTES) for op in ops
@@ -448,23 +487,23 @@ class TableModel(RuleBasedStateMachine):
         if mops:
             h.jobs[job_id] = MJob(is_load=True, remaining=len(mops))
         for op, mop in zip(ops, mops, strict=True):
-            assert op["kind"] == OP_READ and op["checksum"] == 1
+            assert op["kind"] == OP_READ and op["checksum"] == int(verify)
             assert int(op["seed"]) == fingerprint(mop.key)
             assert int(op["op_id"]) not in h.ops
             h.ops[int(op["op_id"])] = mop
 
-    @rule(hi=st.integers(0, 2), verify=st.booleans(), data=st.data())
-    def complete(self, hi: int, verify: bool, data: st.DataObject) -> None:
+    @rule(hi=st.integers(0, 2), data=st.data())
+    def complete(self, hi: int, data: st.DataObject) -> None:
         """The engine reports some of this handle's ops (any order, any outcome),
         maybe with a stale op id; then the handle's waiting stores are checked."""
-        self._complete(self.handles[hi % len(self.handles)], verify, data)
+        self._complete(self.handles[hi % len(self.handles)], data)
 
     @rule(hi=st.integers(0, 2), data=st.data())
-    def complete_verified(self, hi: int, data: st.DataObject) -> None:
-        """``complete`` again (twice as likely as other steps), verifying."""
-        self._complete(self.handles[hi % len(self.handles)], True, data)
+    def complete_again(self, hi: int, data: st.DataObject) -> None:
+        """``complete`` again (twice as likely as other steps)."""
+        self._complete(self.handles[hi % len(self.handles)], data)
 
-    def _complete(self, h: MHandle, verify: bool, data: st.DataObject) -> None:
+    def _complete(self, h: MHandle, data: st.DataObject) -> None:
         ids = data.draw(st.permutations(sorted(h.ops)))
         if not data.draw(st.booleans()):  # else every op of the handle
             ids = ids[: data.draw(st.integers(0, len(ids)))]
@@ -477,6 +516,8 @@ class TableModel(RuleBasedStateMachine):
             outcome = data.draw(st.sampled_from(OUTCOMES))
             if outcome == "eio":
                 comps.append((op_id, -EIO, 0))
+            elif outcome == "cancel":
+                comps.append((op_id, -ECANCELED, 0))
             elif outcome == "enospc":
                 comps.append((op_id, -ENOSPC, 0))
             elif op.kind == OP_WRITE:
@@ -505,8 +546,7 @@ class TableModel(RuleBasedStateMachine):
             if op.kind == OP_WRITE:
                 ours = s.state == WRITING and s.gen == op.gen
                 if ok and ours:
-                    s.state, s.lease, s.payload = READY, None, checksum
-                    s.load_lease = False
+                    s.state, s.grants, s.payload = READY, {}, checksum
                     s.last_used = self.tick()
                     h.counters["ops_written"] += 1
                     h.counters["bytes_written"] += ROW_BYTES
@@ -519,19 +559,23 @@ class TableModel(RuleBasedStateMachine):
                     job.fail(op.pos, _io_error("write", EIO if ok else -result))
             else:
                 same = s.gen == op.gen and s.state == READY
-                if same and s.lease == op.lease:
-                    s.lease = None
-                    s.load_lease = False
+                if s.gen == op.gen:
+                    s.grants.pop(op.lease, None)  # this load's own lease ends; others stay
                 if not same:
                     h.counters["loads_raced"] += 1
                     event("load raced: " + ("slot reused" if s.state != EMPTY else "slot freed"))
                     job.fail(op.pos, RACED)
+                elif result == -ECANCELED:
+                    # Refused or cancelled: never read; the slot stays READY.
+                    event("load cancelled: slot stays READY")
+                    h.counters["loads_cancelled"] += 1
+                    job.fail(op.pos, _io_error("read", ECANCELED))
                 elif not ok:
                     s.state = BAD
                     event("read error: BAD")
                     h.counters["read_errors"] += 1
                     job.fail(op.pos, _io_error("read", -result))
-                elif verify and checksum != op.expected:
+                elif op.verify and checksum != op.expected:
                     removed.append(s.key)  # type: ignore[arg-type]
                     self.clear(op.slot)
                     h.counters["checksum_failures"] += 1
@@ -545,16 +589,27 @@ class TableModel(RuleBasedStateMachine):
             self.finish_if_done(h, op.job_id, finished)
         keep = []
         for watch in h.watches:
-            slot, gen, job_id, _pos = watch
-            if self.slots[slot].state == WRITING and self.slots[slot].gen == gen:
+            slot, gen, job_id, pos, deadline = watch
+            s = self.slots[slot]
+            writing = s.state == WRITING and s.gen == gen
+            if writing and self.now_ms < deadline:
                 keep.append(watch)
                 continue
+            if writing:
+                event("waiting store timed out")
+                h.counters["stores_dropped_watch_timeout"] += 1
+                h.jobs[job_id].fail(pos, None)
+            elif not (s.state == READY and s.gen == gen):
+                event("waited-for write did not land")
+                h.counters["stores_dropped_watch_failed"] += 1
+                h.jobs[job_id].fail(pos, None)
+            else:
+                event("waiting store resolved: stored")
             h.jobs[job_id].remaining -= 1
-            event("waiting store resolved")
             self.finish_if_done(h, job_id, finished)
         h.watches = keep
 
-        got_finished, got_stored, got_removed = h.table.complete(_completions(comps), verify, True)
+        got_finished, got_stored, got_removed = h.table.complete(_completions(comps), True)
         assert got_finished == finished
         assert (got_stored or []) == stored
         assert (got_removed or []) == removed
@@ -567,11 +622,19 @@ class TableModel(RuleBasedStateMachine):
             h.counters["misses"] += 1
         else:
             s = self.slots[slot]
-            s.lease = self.new_lease()
+            h.held.append((slot, self.grant(slot)))
             s.last_used = self.tick()
-            h.held.append((slot, s.lease))
             h.counters["hits"] += 1
         assert h.table.lookup(key) == (slot is not None)
+
+    @rule()
+    def advance_clock(self) -> None:
+        """Time jumps past the end of every lease granted so far (the table's
+        test clock, not a wait): unreleased leases stop protecting, and stores
+        waiting for another write come closer to their bound."""
+        self.now_ms += JUMP_MS
+        _table._set_clock_offset_ns(self.now_ms * 1_000_000)
+        event("clock jumps past every lease")
 
     @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=3))
     def touch(self, hi: int, keys: list[bytes]) -> None:
@@ -585,9 +648,7 @@ class TableModel(RuleBasedStateMachine):
     def release_leases(self, hi: int) -> None:
         h = self.handles[hi % len(self.handles)]
         for slot, token in h.held:
-            s = self.slots[slot]
-            if s.state == READY and s.lease == token and not s.load_lease:
-                s.lease = None
+            self.slots[slot].grants.pop(token, None)  # this lookup's lease only
         h.held = []
         h.table.release_leases()
 
@@ -595,7 +656,7 @@ class TableModel(RuleBasedStateMachine):
     def invalidate(self, hi: int, key: bytes) -> None:
         h = self.handles[hi % len(self.handles)]
         slot = self.find(key, (READY, BAD))
-        done = slot is not None and self.slots[slot].lease is None
+        done = slot is not None and not self.leased(slot)
         if done:
             self.clear(slot)  # type: ignore[arg-type]
         assert h.table.invalidate(key) == done
@@ -624,12 +685,12 @@ class TableModel(RuleBasedStateMachine):
         order, leases and records."""
         if not self.handles:
             return
-        now_ms = (time.monotonic_ns() // 1_000_000) & 0xFFFFFFFF
+        now_ms = (time.monotonic_ns() + self.now_ms * 1_000_000) // 1_000_000 + 1
         for set_idx in range(N_SETS):
             seen: set[bytes] = set()
             raws = []
             for slot in range(set_idx * WAYS, (set_idx + 1) * WAYS):
-                fp, last_used, stamp, gen, state, _owner, _inc = self.sh.raw_slot(slot)
+                fp, last_used, stamp, gen, state, _owner, _inc, pins = self.sh.raw_slot(slot)
                 m = self.slots[slot]
                 raws.append((last_used, slot))
                 assert (state, gen) == (m.state, m.gen & 0xFFFFFFFF), slot
@@ -647,8 +708,8 @@ class TableModel(RuleBasedStateMachine):
                 assert (magic, rec_state) == (REC_MAGIC, 1)
                 assert rec[REC_KEY_OFFSET : REC_KEY_OFFSET + key_len] == m.key
                 assert struct.unpack_from("<Q", rec, 8)[0] == m.payload
-                leased = stamp != 0 and ((stamp - now_ms) & 0xFFFFFFFF) < (1 << 31)
-                assert leased == (m.lease is not None), slot
+                leased = pins > 0 and stamp > now_ms
+                assert leased == self.leased(slot), slot
             # Recency: the table's last_used orders the held ways as the model's does.
             held = [slot for _, slot in raws if self.slots[slot].state in (READY, BAD)]
             by_table = sorted(held, key=lambda v: self.sh.raw_slot(v)[1])
@@ -680,7 +741,7 @@ def test_fingerprint_and_set_match_the_native_hash(shared: Shared) -> None:
         ops, _ = _store(a, [key], job_id=i)
         assert int(ops[0]["seed"]) == fingerprint(key)
         assert int(ops[0]["file_offset"]) // ROW_BYTES // WAYS == set_of(key)
-        a.complete(_ok(ops), True, False)
+        a.complete(_ok(ops), False)
 
 
 def test_store_of_a_key_another_sharer_is_writing_waits_for_that_write(shared: Shared) -> None:
@@ -690,10 +751,10 @@ def test_store_of_a_key_another_sharer_is_writing_waits_for_that_write(shared: S
     a_ops, _ = _store(a, [key], job_id=1)
     b_ops, pending = _store(b, [key], job_id=2)
     assert len(b_ops) == 0 and pending == 1
-    assert b.complete(b"", True, False)[0] == []
+    assert b.complete(b"", False)[0] == []
     assert b.usage()[2] == 1
-    a.complete(_ok(a_ops), True, False)
-    assert b.complete(b"", True, False)[0] == [(2, False, 0, None, None)]
+    a.complete(_ok(a_ops), False)
+    assert b.complete(b"", False)[0] == [(2, False, 0, None, None)]
     assert b.contains(key)
 
 
@@ -713,16 +774,18 @@ def test_dead_writers_slot_is_reclaimed_by_a_store_into_its_set(shared: Shared) 
     ops, _ = _store(b, [other, SET0_KEYS[2]], job_id=3)
     assert len(ops) == 2
     assert b.counters()["dead_slots_reclaimed"] == before + 1
-    finished, _, _ = b.complete(b"", True, False)
-    assert finished == [(2, False, 0, None, None)]
+    finished, _, _ = b.complete(b"", False)
+    assert finished == [(2, False, 0, [0], None)]  # the waited-for write never landed: not stored
+    assert b.counters()["stores_dropped_watch_failed"] == 1
     assert b.usage()[2] == 0
-    finished, _, _ = b.complete(_ok(ops), True, False)
+    finished, _, _ = b.complete(_ok(ops), False)
     assert finished == [(3, False, 2 * ROW_BYTES, None, None)]
     assert b.contains(other) and b.contains(SET0_KEYS[2]) and not b.contains(key)
     assert b.usage()[:2] == (2, 2)
 
 
-def test_waiting_store_finishes_when_its_dead_writer_is_reclaimed(shared: Shared) -> None:
+def test_waiting_store_fails_when_its_dead_writer_is_reclaimed(shared: Shared) -> None:
+    """Was a bug: the waiting store reported success for a key nobody stored."""
     a, a_fd = shared.handle()
     b, _ = shared.handle()
     key = SET1_KEYS[0]
@@ -732,9 +795,10 @@ def test_waiting_store_finishes_when_its_dead_writer_is_reclaimed(shared: Shared
     a.detach()
     shared.close_fd(a_fd)
     time.sleep(0.25)
-    finished, _, _ = b.complete(b"", True, False)
-    assert finished == [(2, False, 0, None, None)]
+    finished, _, _ = b.complete(b"", False)
+    assert finished == [(2, False, 0, [0], None)]
     assert b.counters()["dead_slots_reclaimed"] == 1
+    assert b.counters()["stores_dropped_watch_failed"] == 1
     assert b.usage()[:2] == (0, 0)
 
 
@@ -747,7 +811,7 @@ def test_live_writers_slot_is_never_reclaimed(shared: Shared) -> None:
     assert len(ops) == 1  # one free way; the other is A's, busy: that key is not stored
     assert b.counters()["dead_slots_reclaimed"] == 0
     assert b.counters()["stores_dropped_set_busy"] == 1
-    finished, _, _ = a.complete(_ok(a_ops), True, False)
+    finished, _, _ = a.complete(_ok(a_ops), False)
     assert finished == [(1, False, ROW_BYTES, None, None)]
     assert b.contains(SET0_KEYS[0])
 
@@ -763,15 +827,15 @@ def test_load_in_flight_stays_leased_after_another_lookup_is_released(shared: Sh
     b, _ = shared.handle()
     key, k2, k3 = SET0_KEYS
     ops, _ = _store(a, [key], job_id=1)
-    a.complete(_ok(ops, checksum=11), True, False)
+    a.complete(_ok(ops, checksum=11), False)
     load_packed, missing = a.load_ops(2, [key], _rows(1), True)
     assert missing is None
     assert b.lookup(key)
     b.release_leases()  # end of B's step: drops only B's lookup lease
     ops2, _ = _store(b, [k2], job_id=3)  # the free way
     ops3, _ = _store(b, [k3], job_id=4, dropped=[0])  # the set is full: the loading key must stay
-    b.complete(_ok(np.concatenate([ops2, ops3])), True, False)
-    finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), True, False)
+    b.complete(_ok(np.concatenate([ops2, ops3])), False)
+    finished, _, _ = a.complete(_ok(_ops(load_packed), checksum=11), False)
     assert len(ops3) == 0, "a slot being loaded was evicted after another lookup's lease ended"
     assert finished == [(2, True, ROW_BYTES, None, None)]
 
@@ -785,13 +849,14 @@ tm = mmap.mmap(-1, T.table_bytes(8, 2))
 im = mmap.mmap(-1, 8 * 128)
 T.format(tm, 8, 2)
 fd, _ = tempfile.mkstemp()
-t = T.Table(tm, im, fd, n_paths=1, slot_bytes=4096, row_bytes=4096, n_rows=4, lease_ns=10**9)
+t = T.Table(tm, im, fd, n_paths=1, slot_bytes=4096, row_bytes=4096, n_rows=4,
+            lease_ns=10**9, watch_timeout_ns=10**9)
 t.attach()
 t.store_ops(1, [b"k"], np.arange(1, dtype=np.int64), 8, False)  # op 0; the slab has 1024
 for op_id in range(1, 1024):  # inside the slab, never handed out
     c = np.zeros(1, COMPLETION_DTYPE)
     c[0] = (op_id, 4096, 0)
-    assert t.complete(c.tobytes(), True, False) == ([], None, None), op_id
+    assert t.complete(c.tobytes(), False) == ([], None, None), op_id
 """
 
 
@@ -813,3 +878,295 @@ def test_completion_with_an_op_id_never_handed_out_is_ignored(tmp_path: pathlib.
     assert proc.returncode == 0, (
         f"complete() with an op id never handed out: exit {proc.returncode}\n{proc.stderr[-2000:]}"
     )
+
+
+# ------------------------------------------------ leases, bounds, dead owners
+@pytest.fixture
+def clock() -> Iterator[list[int]]:
+    """The table's test clock (``_set_clock``), back at real time afterwards."""
+    now = [0]
+    yield now
+    _table._set_clock_offset_ns(0)
+
+
+def _set_clock(now: list[int], ms: int) -> None:
+    now[0] = ms
+    _table._set_clock_offset_ns(ms * 1_000_000)
+
+
+def _handle(shared: Shared, lease_ms: int = 1000, watch_ms: int = 2000) -> _table.Table:
+    fd = os.open(shared.lock_path, os.O_RDWR | os.O_CLOEXEC)
+    shared.fds.append(fd)
+    table = _table.Table(
+        shared.table_map,
+        shared.index_map,
+        fd,
+        n_paths=1,
+        slot_bytes=ROW_BYTES,
+        row_bytes=ROW_BYTES,
+        n_rows=N_ROWS,
+        lease_ns=lease_ms * 1_000_000,
+        watch_timeout_ns=watch_ms * 1_000_000,
+    )
+    table.attach()
+    return table
+
+
+def _stored(table: _table.Table, key: bytes, job_id: int = 100, checksum: int = 11) -> None:
+    ops, _ = _store(table, [key], job_id=job_id)
+    table.complete(_ok(ops, checksum=checksum), False)
+    assert table.contains(key)
+
+
+def test_two_overlapping_loads_each_keep_their_own_lease(shared: Shared, clock) -> None:
+    """Was a bug: the later load's completion cleared the slot's one stamp, and
+    the earlier load, still in flight, lost its protection (its slot could be
+    evicted and the load fail as raced)."""
+    a, b = _handle(shared), _handle(shared)
+    key, k2, k3 = SET0_KEYS
+    _stored(a, key)
+    first, _ = a.load_ops(2, [key], _rows(1), True)
+    second, _ = b.load_ops(3, [key], _rows(1), True)
+    done, _, _ = b.complete(_ok(_ops(second), checksum=11), False)
+    assert done == [(3, True, ROW_BYTES, None, None)]
+    _stored(b, k2, job_id=4)  # the free way
+    assert b.lookup(k2)  # leased too: the set's only victim would be the loading key
+    ops3, _ = _store(b, [k3], job_id=5, dropped=[0])  # the loading key must stay
+    assert len(ops3) == 0
+    done, _, _ = a.complete(_ok(_ops(first), checksum=11), False)
+    assert done == [(2, True, ROW_BYTES, None, None)]
+    ops3, _ = _store(b, [k3], job_id=6)  # both loads done: now evictable
+    assert len(ops3) == 1
+
+
+def test_a_lease_protects_until_it_runs_out_on_the_clock(shared: Shared, clock) -> None:
+    a = _handle(shared, lease_ms=1000)
+    key = SET0_KEYS[0]
+    _stored(a, key)
+    assert a.lookup(key)  # leased, and not released (a step that never ends)
+    _set_clock(clock, 500)
+    assert not a.invalidate(key)
+    _set_clock(clock, 1001)
+    assert a.invalidate(key)
+    a.release_leases()  # a late release of the expired grant changes nothing
+
+
+@pytest.mark.parametrize("days", [24.8, 24.9, 25.0, 49.7, 50.0, 400.0])
+def test_no_stamp_wraps_however_long_the_clock_has_run(shared: Shared, clock, days: float) -> None:
+    """Was a bug: stamps were milliseconds modulo 2^32, so once the clock passed
+    24.9 days a stale stamp (A loads, B looks up: the load's completion left
+    B's later stamp) read as a lease tens of days long, and invalidate()
+    refused the key."""
+    base = int(days * 86_400_000)
+    _set_clock(clock, base)
+    a, b = _handle(shared, lease_ms=5000), _handle(shared, lease_ms=5000)
+    key, k2, k3 = SET0_KEYS
+    _stored(a, key)
+    load, _ = a.load_ops(2, [key], _rows(1), True)
+    assert b.lookup(key)
+    a.complete(_ok(_ops(load), checksum=11), False)
+    b.release_leases()
+    assert a.invalidate(key), "no lease is left once its load and lookup ended"
+    _stored(a, key, job_id=3)
+    assert b.lookup(key)  # a lease never released: it runs out after 5 s, not 24.9 days
+    _set_clock(clock, base + 5001)
+    _stored(a, k2, job_id=4)
+    ops, _ = _store(a, [k3], job_id=5)
+    assert len(ops) == 1, "the expired lease still pinned the slot"
+
+
+def test_a_store_waiting_for_a_stopped_writer_fails_after_its_bound(shared: Shared, clock) -> None:
+    a, b = _handle(shared), _handle(shared, watch_ms=2000)
+    key = SET0_KEYS[0]
+    a_ops, _ = _store(a, [key], job_id=1)  # A never completes (stopped)
+    _ops_b, pending = _store(b, [key], job_id=2)
+    assert pending == 1
+    _set_clock(clock, 1500)  # real time moves too (a loaded machine): well before the bound
+    assert b.complete(b"", False)[0] == []
+    _set_clock(clock, 2000)
+    assert b.complete(b"", False)[0] == [(2, False, 0, [0], None)]  # not stored: quiet
+    assert b.counters()["stores_dropped_watch_timeout"] == 1
+    assert b.usage()[2:] == (0, 0)
+    a.complete(_ok(a_ops), False)  # A resumes: its own store still lands
+    assert b.contains(key)
+
+
+@pytest.mark.parametrize("result", [-EIO, -ECANCELED])
+def test_a_store_waiting_for_a_write_that_fails_is_not_reported_stored(
+    shared: Shared, clock, result: int
+) -> None:
+    """Was a bug: the waiting store reported success for a key nobody stored."""
+    a, b = _handle(shared), _handle(shared)
+    key = SET1_KEYS[0]
+    a_ops, _ = _store(a, [key], job_id=1)
+    _store(b, [key], job_id=2)
+    a.complete(_completions([(int(a_ops[0]["op_id"]), result, 0)]), False)
+    assert b.complete(b"", False)[0] == [(2, False, 0, [0], None)]
+    assert b.counters()["stores_dropped_watch_failed"] == 1
+    assert not b.contains(key)
+
+
+def _fork_holder(shared: Shared, set_idx: int, keys: Sequence[bytes], then: str) -> tuple[int, int]:
+    """A child sharer (its own lock file description) that stores ``keys``
+    (left WRITING), forks a grandchild that keeps its lock file open (its OFD
+    lock stays held), takes set ``set_idx``'s mutex, then ``then``: 'stop'
+    (SIGSTOP) or 'die' (SIGKILL). Returns (child pid, grandchild pid)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        try:
+            os.close(r)
+            c = _handle(shared)
+            if keys:
+                c.store_ops(1, list(keys), _rows(len(keys)), 64, False)
+            grand = os.fork()
+            if grand == 0:
+                time.sleep(600)
+                os._exit(0)
+            assert c._hold_set(set_idx)
+            os.write(w, b"%d\n" % grand)
+            os.kill(os.getpid(), 19 if then == "stop" else 9)
+            time.sleep(600)
+        finally:
+            os._exit(1)
+    os.close(w)
+    with os.fdopen(r) as f:
+        grand = int(f.readline())
+    return pid, grand
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared, clock) -> None:
+    """Was a bug: set mutexes were waited for without bound (GIL held): a
+    sharer stopped inside a critical section froze every other sharer's
+    scheduler thread on its first key in that set. A completion into that set
+    waits for it the watch timeout at most: then its job fails the key, and
+    the completion is applied once the set is free."""
+    a = _handle(shared, watch_ms=2000)
+    key, k2 = SET0_KEYS[0], SET0_KEYS[1]
+    a_ops, _ = _store(a, [key], job_id=1)
+    pid, grand = _fork_holder(shared, 0, [], "stop")
+    try:
+        os.waitpid(pid, os.WUNTRACED)
+        t0 = time.monotonic()
+        assert not a.lookup(k2)  # a miss, after one bounded wait
+        first = time.monotonic() - t0
+        t0 = time.monotonic()
+        ops, _ = _store(a, [k2], job_id=2, dropped=[0])  # a dropped store, no second wait
+        _packed, missing = a.load_ops(3, [k2], _rows(1), True)
+        done, _, _ = a.complete(_ok(a_ops), False)  # deferred: the set is held
+        later = time.monotonic() - t0
+        assert first < 0.5 and later < 0.05, (first, later)
+        assert len(ops) == 0 and missing == [0] and done == []
+        got = a.counters()
+        assert got["set_lock_timeouts"] >= 4 and got["completions_deferred"] == 1
+        assert got["stores_dropped_set_busy"] == 1
+        _set_clock(clock, 1500)
+        assert a.complete(b"", False)[0] == []
+        _set_clock(clock, 2000)  # past the bound: the job gives up on its key
+        assert a.complete(b"", False)[0] == [(1, False, 0, [0], None)]
+        assert a.counters()["completions_abandoned"] == 1 and a.usage()[3] == 0
+    finally:
+        _reap(pid)  # dies holding the mutex: the next locker recovers it
+        _reap(grand)
+    _set_clock(clock, 4000)  # past the stall mark: the set is waited for again
+    assert a.complete(b"", False)[0] == []  # the jobless completion applies
+    assert a.contains(key) and a.counters()["lock_recoveries"] == 1
+
+
+def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
+    shared: Shared,
+) -> None:
+    """Was a bug: the kernel hands EOWNERDEAD to the next locker before it
+    closes the dead process's files, so the survivor saw the dead writer's
+    OFD lock still held, reclaimed nothing, and dropped its store as "set
+    busy". Its writes may still be in flight until that lock goes, so the
+    survivor waits for it (bounded) instead of concluding. Here a grandchild
+    keeps the dead child's lock file open for 10 ms past the death."""
+    b = _handle(shared)
+    k1, k2, k3 = SET0_KEYS
+    pid, grand = _fork_holder(shared, 0, [k1, k2], "die")
+    try:
+        os.waitpid(pid, 0)
+        threading.Timer(0.01, os.kill, (grand, 9)).start()
+        ops, _ = _store(b, [k3], job_id=5)
+        assert len(ops) == 1, "the survivor's store was dropped: the dead writer's slots stayed"
+        got = b.counters()
+        assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 2
+        b.complete(_ok(ops), False)
+        assert b.contains(k3) and b.usage()[:2] == (1, 1)
+    finally:
+        _reap(pid)
+        _reap(grand)
+
+
+def test_a_dead_lock_holders_slots_stay_while_its_lock_file_is_open_then_go(
+    shared: Shared,
+) -> None:
+    """Stopped is not dead, and an open lock file may mean writes in flight:
+    while the dead child's lock file stays open (a grandchild holds it), its
+    WRITING slots are not reclaimed (a bounded wait, then a dropped store);
+    once it closes, the next store into the set reclaims them."""
+    b = _handle(shared)
+    k1, k2, k3 = SET0_KEYS
+    pid, grand = _fork_holder(shared, 0, [k1, k2], "die")
+    try:
+        os.waitpid(pid, 0)
+        t0 = time.monotonic()
+        dropped, _ = _store(b, [k3], job_id=5, dropped=[0])
+        assert time.monotonic() - t0 < 0.5 and len(dropped) == 0
+        assert b.counters()["dead_slots_reclaimed"] == 0
+        os.kill(grand, 9)
+        deadline = time.monotonic() + 5
+        n_ops = 0
+        while not n_ops and time.monotonic() < deadline:
+            time.sleep(0.01)
+            packed, _failed, _ev, _pending = b.store_ops(6, [k3], _rows(1), 64, False)
+            n_ops = len(_ops(packed))
+        assert n_ops == 1 and b.counters()["dead_slots_reclaimed"] >= 1
+    finally:
+        _reap(pid)
+        _reap(grand)
+
+
+def test_a_slot_reclaimed_from_a_dead_writer_is_verified_once_whatever_the_config(
+    shared: Shared,
+) -> None:
+    """A dead writer's queued write may land after its slot was reclaimed: the
+    slot's next loads check the checksum even when verification is off,
+    until one check passes; a failed check is a miss, never its bytes."""
+    a = _handle(shared)
+    b = _handle(shared)
+    key, other = SET0_KEYS[0], SET0_KEYS[1]
+    _store(a, [key], job_id=1)
+    a.detach()  # A is gone (its OFD lock with it) with its slot WRITING
+    time.sleep(0.25)
+    b.sweep()
+    assert b.counters()["dead_slots_reclaimed"] == 1
+    ops, _ = _store(b, [key, other], job_id=2)
+    b.complete(_ok(ops, checksum=5), False)
+    packed, _ = b.load_ops(3, [key, other], _rows(2), False)
+    loads = _ops(packed)
+    assert [int(op["checksum"]) for op in loads] == [1, 0]  # only the reclaimed slot
+    # A late write of the dead writer landed: the check fails, the key is a miss.
+    done, _, _ = b.complete(_ok(loads[:1], checksum=6), False)
+    assert done == []
+    b.complete(_ok(loads[1:], checksum=5), False)
+    assert not b.contains(key) and b.counters()["checksum_failures"] == 1
+    ops, _ = _store(b, [key], job_id=4)
+    b.complete(_ok(ops, checksum=5), False)
+    packed, _ = b.load_ops(5, [key], _rows(1), False)
+    b.complete(_ok(_ops(packed), checksum=5), False)  # verified once: trusted now
+    assert b.counters()["loads_verified_unverified"] == 1
+    packed, _ = b.load_ops(6, [key], _rows(1), False)
+    assert int(_ops(packed)[0]["checksum"]) == 0

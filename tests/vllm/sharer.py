@@ -22,6 +22,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 import time
 import traceback
 import uuid
@@ -230,6 +231,31 @@ class _Child:
             out["ops"] += 1
         return out
 
+    def _set_of(self, i: int) -> int:
+        import xxhash
+
+        sb = self._eng.tiers[0].store.sb
+        return int(xxhash.xxh3_64_intdigest(key_of(i), 0) % (sb.n_slots // sb.ways))
+
+    def same_set_keys(self, i: int, n: int, start: int) -> list[int]:
+        """``n`` keys from ``start`` on that land in ``i``'s set of the table."""
+        target, out, j = self._set_of(i), [], start
+        while len(out) < n:
+            if self._set_of(j) == target:
+                out.append(j)
+            j += 1
+        return out
+
+    def hold_set_then_stop(self, i: int) -> None:
+        """A sharer stopped inside a critical section: take the mutex of
+        ``i``'s set (the table's test-only hook), SIGSTOP this process, and
+        once continued (SIGCONT) release the mutex."""
+        table = self._eng.tiers[0].store._table
+        set_idx = self._set_of(i)
+        assert table._hold_set(set_idx)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        table._release_set(set_idx)
+
     def victim(
         self,
         journal: str,
@@ -391,6 +417,16 @@ class Sharer:
         self.send(cmd, **kw)
         return self.recv(timeout_s)
 
+    def stop(self) -> None:
+        """SIGSTOP, and wait until the process is stopped (it keeps every
+        lock it holds: stopped is not dead)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        wait_stopped(self.proc.pid)
+
+    def resume(self) -> None:
+        """SIGCONT."""
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL (no cleanup of any kind runs in the sharer)."""
         if self.proc.is_alive():
@@ -413,6 +449,17 @@ class Sharer:
             pass
         self.kill()
         self.conn.close()
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until ``pid`` is in the stopped state (``T`` in /proc/pid/stat)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.001)
+    raise StallError(f"process {pid} did not stop within {timeout_s}s")
 
 
 def call_all(

@@ -1,0 +1,123 @@
+/*
+ * nvt_jobs: the per-process job path of nvmetier._table over the shared
+ * table (nvt_core): ops and jobs (slabs), watches, deferred completions, and
+ * the submit/poll path to an engine. Internal to the _table module: it works
+ * on the CPython type's object (TableObject) and on the keys and lists vLLM
+ * hands over, so it includes Python.h; the table's rules stay in nvt_core.
+ */
+#ifndef NVT_JOBS_H
+#define NVT_JOBS_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+
+#include "nvt_core.h"
+#include "nvt_engine.h"
+
+/* Why a key of a job failed; the first reason names the job's error, except
+ * that a quiet one (MISSING: a load of a key that is not there; DROPPED: a
+ * store left out for lack of resources, a full queue or an all-busy set) is
+ * replaced by any fault that follows. A job whose failures are all quiet has
+ * no error text: vLLM still sees success=False and exact successful_keys
+ * (which its backpressure acts on), but nothing is logged as a fault. */
+enum {
+    FAIL_NONE = 0,
+    FAIL_READ_IO,
+    FAIL_WRITE_IO,
+    FAIL_CHECKSUM,
+    FAIL_RACED,
+    FAIL_MISSING,
+    FAIL_BADARG,
+    FAIL_DROPPED
+};
+
+static inline int fail_quiet(int kind) { return kind == FAIL_MISSING || kind == FAIL_DROPPED; }
+
+/* op_info.job of an op whose job stopped waiting for it (abandon_op). */
+#define JOB_NONE UINT32_MAX
+
+typedef struct {
+    uint32_t slot;
+    uint32_t gen;
+    uint64_t expected;
+    uint32_t epoch; /* a read's lease grant: released at completion (leased) */
+    uint8_t leased;
+    uint8_t verify; /* a read's checksum is checked (configured, or the slot is unverified) */
+    uint32_t job;
+    uint32_t pos;
+    uint8_t kind;
+    uint8_t key_len;
+    uint8_t in_use;
+    char key[REC_KEY_MAX];
+} op_info;
+
+typedef struct {
+    int64_t job_id;
+    uint32_t remaining;
+    uint8_t is_load;
+    uint8_t in_use;
+    uint8_t first_fail;
+    int first_errno;
+    uint64_t moved;
+    uint32_t *failed;
+    uint32_t n_failed, cap_failed;
+    /* Jobs of the submit/poll path only (NULL/0 for store_ops/load_ops jobs):
+     * the job's keys as submitted (for successful_keys) and its start. */
+    PyObject *keys;
+    uint64_t start_ns;
+} job_info;
+
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer tbuf, ibuf;
+    int have_tbuf, have_ibuf;
+    nvt_core core; /* the table itself: mappings, geometry, registry entry, counters */
+    int64_t n_paths, slot_bytes, row_bytes, n_rows;
+    op_info *ops;
+    uint32_t n_ops_cap, *op_free, n_op_free;
+    job_info *jobs;
+    uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
+    uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
+    size_t n_held, cap_held;
+    /* Stores of keys another write (any sharer's) was already writing: the
+     * job finishes only once that write is no longer in flight, so a finished
+     * store job always means its keys are there for everyone. */
+    struct watch {
+        uint32_t slot, gen, job, pos;
+        uint64_t deadline_ms; /* past it the key fails (not stored by this job) */
+    } *watches;
+    size_t n_watches, cap_watches;
+    /* Completions whose set could not be locked: applied at a later poll.
+     * Past its deadline (watch_timeout_ms after it was first deferred) its
+     * job gives up on it (the key fails) and it is applied jobless later. */
+    struct deferred {
+        nvt_completion c;
+        uint64_t deadline_ms;
+    } *deferred;
+    size_t n_deferred, cap_deferred;
+    /* The submit/poll path (bind): the engine's submit_raw and wait_raw, ops
+     * handed to it and not yet collected, finished jobs not yet polled, and
+     * KV events not yet taken. */
+    PyObject *eng_submit, *eng_wait;
+    uint32_t outstanding, max_queued_ops;
+    int verify, events_on;
+    PyObject *done, *events;
+} TableObject;
+
+/* ------------------------------------------------------------ nvt_jobs.c */
+int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events, PyObject *finished, PyObject **stored, PyObject **removed);
+int nvt_collect(TableObject *self, PyObject *timeout);
+Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
+int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);
+void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
+int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
+int nvt_push_event(TableObject *self, int removed, PyObject *keys);
+int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);
+void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
+PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
+PyObject *nvt_take_list(PyObject **slot);
+
+#endif /* NVT_JOBS_H */
