@@ -162,6 +162,7 @@ class ThreadEngine(IoEngine):
             op = self._ops.get()
             if op is None:
                 return
+            comp: Completion | None
             try:
                 if isinstance(op, bytes):
                     # A packed batch: unpack here, off the caller's thread; run
