@@ -251,4 +251,6 @@ class UringEngine(IoEngine):
             "max_inflight_bytes": self._max_inflight_bytes,
             "workers": len(self._workers_info),
             "worker_buffers": [w["buffers"] for w in self._workers_info],
+            "worker_queue_depth": [w["queue_depth"] for w in self._workers_info],
+            "worker_max_inflight_bytes": [w["max_inflight_bytes"] for w in self._workers_info],
         }
