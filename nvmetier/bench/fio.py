@@ -61,9 +61,19 @@ def run_fio(
     log: Callable,
     level: str,
 ) -> list[PhaseResult]:
-    """fio on a fresh fallocated file in ``--dir``, same bs/iodepth/size/direct/numjobs."""
-    size = args.size // bs * bs
-    paths = [os.path.join(args.dir, f"fiobench.{j}.0") for j in range(args.numjobs)]
+    """fio on fresh fallocated files, same bs/iodepth/size/direct/numjobs.
+
+    With several drives (``args.dirs``, e.g. ``--loop-drives``) fio runs one
+    job section per drive (``--numjobs`` jobs each), and ``--size`` is split
+    between the drives so that fio moves the bytes the tier moves.
+    """
+    dirs = list(getattr(args, "dirs", None) or [args.dir])
+    size = args.size // len(dirs) // bs * bs
+    paths = [
+        os.path.join(d, f"fiobench{i}.{j}.0")
+        for i, d in enumerate(dirs)
+        for j in range(args.numjobs)
+    ]
     rand = "rand" if rand_pattern else ""
     results: list[PhaseResult] = []
     try:
@@ -75,8 +85,6 @@ def run_fio(
             fio_rw = rand + ("write" if phase == "write" else "read")
             cmd = [
                 "fio",
-                "--name=fiobench",
-                f"--directory={args.dir}",
                 f"--ioengine={engine}",
                 *extra,
                 f"--rw={fio_rw}",
@@ -92,6 +100,9 @@ def run_fio(
             ]
             if args.runtime > 0:
                 cmd.append(f"--runtime={args.runtime}")
+            # Options above are global; one job section per drive.
+            for i, d in enumerate(dirs):
+                cmd += [f"--name=fiobench{i}", f"--directory={d}"]
             r = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if r.returncode != 0:
                 raise RuntimeError(f"fio failed ({r.returncode}): {r.stderr.strip()[:500]}")
@@ -99,7 +110,7 @@ def run_fio(
             if not timed:
                 continue
             side = job["write" if phase == "write" else "read"]
-            runtime_s = job["job_runtime"] / 1000.0 / max(1, args.numjobs)
+            runtime_s = job["job_runtime"] / 1000.0 / max(1, args.numjobs * len(dirs))
             runtime_s = side["io_bytes"] / side["bw_bytes"] if side["bw_bytes"] else runtime_s
             pct = side.get("clat_ns", {}).get("percentile", {})
             clat: dict[str, float] = {}
@@ -120,7 +131,7 @@ def run_fio(
                 cpu_usr_s=job["usr_cpu"] / 100.0 * cpu_total,
                 cpu_sys_s=job["sys_cpu"] / 100.0 * cpu_total,
                 errors=int(job.get("error", 0)),
-                extra={"cmd": " ".join(cmd), "rw": fio_rw},
+                extra={"cmd": " ".join(cmd), "rw": fio_rw, "drives": len(dirs)},
             )
             log(_phase_line(res))
             results.append(res)
