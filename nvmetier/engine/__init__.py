@@ -44,6 +44,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENGINE_ENV = "NVMETIER_ENGINE"
+# Forces the io_uring worker count over io_workers (an integer or "auto"): runs
+# a test suite with several workers, as ENGINE_ENV runs it per engine.
+WORKERS_ENV = "NVMETIER_IO_WORKERS"
 ENGINE_NAMES = ("auto", "threads", "uring")
 
 # Bytes in flight per drive: enough ops of the chunk size to keep an NVMe
@@ -109,7 +112,20 @@ def resolve_workers(io_workers: int | str, fds: Sequence[int]) -> int:
     I/O on one core of the development machine (docs/bench.md), about one
     PCIe Gen4 NVMe drive, so one per drive keeps each drive's queue fed; a
     faster drive gets more only when set explicitly.
+
+    ``NVMETIER_IO_WORKERS`` (an integer 1..64 or ``auto``) overrides it.
+
+    Raises:
+        ConfigError: ``NVMETIER_IO_WORKERS`` holds something else.
     """
+    forced = os.environ.get(WORKERS_ENV, "").strip()
+    if forced:
+        if forced != "auto" and not (forced.isdigit() and 1 <= int(forced) <= 64):
+            raise ConfigError(
+                f"{WORKERS_ENV}={forced!r} is not a worker count; use an integer from 1 to 64 "
+                "or 'auto', or unset it"
+            )
+        io_workers = forced if forced == "auto" else int(forced)
     if io_workers == "auto":
         return max(1, min(64, count_drives(fds), usable_cpus()))
     return int(io_workers)

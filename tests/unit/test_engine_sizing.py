@@ -43,3 +43,18 @@ def test_auto_workers_never_exceed_the_usable_cpus(tmp_path, monkeypatch) -> Non
     monkeypatch.setattr(engine, "count_drives", lambda fds: 16)
     assert resolve_workers("auto", []) == min(16, usable_cpus())
     assert resolve_workers(3, []) == 3
+
+
+def test_nvmetier_io_workers_overrides_the_config(monkeypatch) -> None:
+    monkeypatch.setenv("NVMETIER_IO_WORKERS", "3")
+    assert resolve_workers("auto", []) == 3
+    assert resolve_workers(1, []) == 3
+
+
+@pytest.mark.parametrize("bad", ["0", "65", "two", "-1"])
+def test_a_bad_nvmetier_io_workers_is_a_config_error(monkeypatch, bad) -> None:
+    from nvmetier.errors import ConfigError
+
+    monkeypatch.setenv("NVMETIER_IO_WORKERS", bad)
+    with pytest.raises(ConfigError, match="NVMETIER_IO_WORKERS"):
+        resolve_workers("auto", [])
