@@ -159,13 +159,16 @@ def test_every_read_failing_fails_the_whole_job_and_loses_nothing(tier, buf, err
 
 # ------------------------------------------------------- one drive failing
 @pytest.mark.parametrize("io_workers", [2, 4])
-def test_a_failed_ring_of_one_drive_fails_only_that_drives_keys(tmp_path, buf, io_workers) -> None:
+def test_a_failed_ring_of_one_drive_fails_only_that_drives_keys(
+    tmp_path, buf, io_workers, monkeypatch
+) -> None:
     """io_uring with several workers over two drives: the ring of drive 1's
     worker fails (EIO on every op it is given); keys striped to drive 0 are
     stored and load back, keys on drive 1 fail and stay misses. With 4
     workers drive 1 has a second worker, so nothing fails."""
     from nvmetier.engine.uring import UringEngine
 
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)  # the counts matter here
     roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
     store = open_store(roots, buf, io_workers=io_workers)
     try:
