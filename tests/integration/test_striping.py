@@ -62,9 +62,12 @@ def test_capacity_list_must_match_root_dir(tmp_path, buffer) -> None:
 
 
 @pytest.mark.parametrize("io_workers", [1, 2, 3, "auto"])
-def test_several_io_workers_store_and_load_over_two_roots(tmp_path, buffer, io_workers) -> None:
+def test_several_io_workers_store_and_load_over_two_roots(
+    tmp_path, buffer, io_workers, monkeypatch
+) -> None:
     """Under both engines (the thread engine ignores io_workers): every key
     stored over two roots loads back with verified checksums."""
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)  # the count is asserted
     roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
     store = make_store(roots, buffer, capacity_bytes="16MiB", io_workers=io_workers)
     try:
