@@ -27,7 +27,8 @@ def test_inflight_bytes_is_per_drive_and_capped(drives, chunk, cap, expected) ->
     assert inflight_bytes(drives, chunk, cap) == expected
 
 
-def test_files_on_one_filesystem_are_one_drive(tmp_path) -> None:
+def test_files_on_one_filesystem_are_one_drive(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)
     fds = [os.open(tmp_path / f"f{i}", os.O_RDWR | os.O_CREAT, 0o600) for i in range(3)]
     try:
         assert count_drives(fds) == 1
@@ -40,6 +41,7 @@ def test_files_on_one_filesystem_are_one_drive(tmp_path) -> None:
 def test_auto_workers_never_exceed_the_usable_cpus(tmp_path, monkeypatch) -> None:
     import nvmetier.engine as engine
 
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)
     monkeypatch.setattr(engine, "count_drives", lambda fds: 16)
     assert resolve_workers("auto", []) == min(16, usable_cpus())
     assert resolve_workers(3, []) == 3
