@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Callable
 
 from nvmetier.bench.common import PCTS, _note_drop, _phases, _prealloc
+from nvmetier.bench.machine import busy_cores, machine_cpu
 from nvmetier.bench.report import PhaseResult, _phase_line
 
 
@@ -103,7 +104,9 @@ def run_fio(
             # Options above are global; one job section per drive.
             for i, d in enumerate(dirs):
                 cmd += [f"--name=fiobench{i}", f"--directory={d}"]
+            m0 = machine_cpu()
             r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            busy = busy_cores(m0, machine_cpu())
             if r.returncode != 0:
                 raise RuntimeError(f"fio failed ({r.returncode}): {r.stderr.strip()[:500]}")
             job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
@@ -131,7 +134,13 @@ def run_fio(
                 cpu_usr_s=job["usr_cpu"] / 100.0 * cpu_total,
                 cpu_sys_s=job["sys_cpu"] / 100.0 * cpu_total,
                 errors=int(job.get("error", 0)),
-                extra={"cmd": " ".join(cmd), "rw": fio_rw, "drives": len(dirs)},
+                extra={
+                    "cmd": " ".join(cmd),
+                    "rw": fio_rw,
+                    "drives": len(dirs),
+                    # over fio's whole run, its start and the untimed file layout included
+                    "machine_busy_cores": round(busy, 2),
+                },
             )
             log(_phase_line(res))
             results.append(res)

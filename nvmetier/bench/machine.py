@@ -65,6 +65,23 @@ def thread_cpu_s() -> dict[str, float]:
     return out
 
 
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of the machine (``/proc/stat``): the
+    share of the cores anything used (the drives' kernel threads, other
+    processes) over a phase. (0, 0) when unreadable."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+    return 0, 0
+
+
+def busy_cores(start: tuple[int, int], end: tuple[int, int]) -> float:
+    """Cores busy on average between two ``machine_cpu()`` readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
+
+
 def xxh3_s_per_gb(bs: int, total_bytes: int = 512 << 20) -> float:
     """CPU seconds per GB that XXH3-64 takes over ``bs``-byte chunks (the
     floor of a checksummed tier's own work). Warm data: a chunk just written

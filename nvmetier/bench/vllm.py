@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _bs, _note_drop
-from nvmetier.bench.machine import _Cpu, _settle_heap, thread_cpu_s, xxh3_s_per_gb
+from nvmetier.bench.machine import (
+    _Cpu,
+    _settle_heap,
+    busy_cores,
+    machine_cpu,
+    thread_cpu_s,
+    xxh3_s_per_gb,
+)
 from nvmetier.bench.report import LookupStats, PhaseResult, _percentiles, _phase_line
 
 
@@ -135,9 +142,10 @@ class _EngineProfile:
         self._stats = getattr(engine, "worker_stats", None)
         self._w0 = self._stats() if self._stats else []
         self._t0 = thread_cpu_s()
+        self._m0 = machine_cpu()
 
     def report(self, elapsed_s: float, log: Callable) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"machine_busy_cores": round(busy_cores(self._m0, machine_cpu()), 2)}
         threads = thread_cpu_s()
         out["thread_cpu_s"] = {
             name: round(cpu - self._t0.get(name, 0.0), 3)
@@ -168,6 +176,7 @@ class _EngineProfile:
         log(
             "  cpu by thread (s): "
             + ", ".join(f"{k} {v:.3f}" for k, v in out["thread_cpu_s"].items())
+            + f"; machine: {out['machine_busy_cores']:.2f} of {os.cpu_count()} cores busy"
         )
         return out
 
