@@ -621,10 +621,6 @@ static void engine_destroy(nvt_engine *e) {
 
 static int worker_init(nvt_engine *e, unsigned idx) {
     nvt_worker *w = &e->workers[idx];
-    w->e = e;
-    w->idx = idx;
-    w->wake_fd = -1;
-    pthread_mutex_init(&w->lock, NULL);
     double share = worker_share(e, idx);
     double qd = (double)e->cfg.queue_depth * share;
     w->qd = qd < 1.0 ? 1u : (qd > NVT_MAX_QUEUE_DEPTH ? NVT_MAX_QUEUE_DEPTH : (unsigned)(qd + 0.999));
@@ -755,12 +751,19 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     e->rr = calloc(nfds ? nfds : 1, sizeof(unsigned));
     e->workers = calloc(e->n_workers, sizeof(*e->workers));
     if (!e->fds || !e->rr || !e->workers) {
-        e->n_workers = e->workers ? e->n_workers : 0;
+        e->n_workers = 0; /* no worker mutex was initialized yet */
         engine_destroy(e);
         return -ENOMEM;
     }
     if (nfds)
         memcpy(e->fds, fds, nfds * sizeof(int));
+    /* Every worker gets what engine_destroy releases before any can fail. */
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        e->workers[i].e = e;
+        e->workers[i].idx = i;
+        e->workers[i].wake_fd = -1;
+        pthread_mutex_init(&e->workers[i].lock, NULL);
+    }
     int ret = 0;
     for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
         ret = worker_init(e, i);
@@ -790,7 +793,7 @@ void nvt_engine_get_info(const nvt_engine *e, unsigned w, nvt_engine_info *info)
     *info = e->workers[w].info;
 }
 
-void nvt_engine_worker_stats(const nvt_engine *e, unsigned w, nvt_worker_stats *out) {
+void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out) {
     nvt_worker *wk = &e->workers[w];
     out->ops = __atomic_load_n(&wk->n_ops, __ATOMIC_RELAXED);
     out->bytes = __atomic_load_n(&wk->n_bytes, __ATOMIC_RELAXED);
@@ -799,8 +802,12 @@ void nvt_engine_worker_stats(const nvt_engine *e, unsigned w, nvt_worker_stats *
     out->cpu_s = 0;
     clockid_t cid;
     struct timespec ts;
-    if (wk->started && pthread_getcpuclockid(wk->thread, &cid) == 0 && clock_gettime(cid, &ts) == 0)
+    /* close_lock: the thread must not be joined (its id freed) meanwhile. */
+    pthread_mutex_lock(&e->close_lock);
+    if (!e->joined && wk->started && pthread_getcpuclockid(wk->thread, &cid) == 0 &&
+        clock_gettime(cid, &ts) == 0)
         out->cpu_s = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    pthread_mutex_unlock(&e->close_lock);
 }
 
 int nvt_engine_fail_worker(nvt_engine *e, unsigned w, int err) {

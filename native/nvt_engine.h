@@ -132,7 +132,8 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
 /* Worker count, and what worker `w` set up (w < nvt_engine_workers(e)). */
 unsigned nvt_engine_workers(const nvt_engine *e);
 void nvt_engine_get_info(const nvt_engine *e, unsigned w, nvt_engine_info *info);
-void nvt_engine_worker_stats(const nvt_engine *e, unsigned w, nvt_worker_stats *out);
+/* Blocks while nvt_engine_close joins the threads (cpu_s is 0 once closed). */
+void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out);
 
 /*
  * Mark worker `w`'s ring failed with `err` (> 0), as the I/O thread does when
