@@ -252,3 +252,47 @@ def test_several_workers_fall_back_to_plain_io_under_a_small_memlock_limit(tmp_p
     assert len(got["warnings"]) == 1
     assert "Cannot allocate memory" in got["warnings"][0]
     assert "3 of 3 worker ring(s)" in got["warnings"][0]
+
+
+_NOFILE_CHILD = r"""
+import errno, mmap, os, resource, sys, threading
+from nvmetier.engine import uring
+mm = mmap.mmap(-1, 1 << 20)
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+stdin_before = os.fstat(0)
+n_open = len(os.listdir("/proc/self/fd"))
+# Room for 3 more fds: the workers' eventfds run out at the fourth.
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 3, hard))
+try:
+    uring.UringEngine(mm, [fd], workers=8)
+except OSError as exc:
+    print("error", errno.errorcode.get(exc.errno))
+else:
+    print("opened")
+same = os.fstat(0)
+print("stdin", (same.st_dev, same.st_ino) == (stdin_before.st_dev, stdin_before.st_ino))
+print("fds", len(os.listdir("/proc/self/fd")) - n_open + 1, "threads", threading.active_count())
+"""
+
+
+def test_an_open_that_runs_out_of_fds_fails_cleanly(tmp_path) -> None:
+    """Workers' setup failing part way (EMFILE) raises OSError and leaves
+    nothing behind: no fd of the caller's closed (stdin included), none leaked."""
+    r, w = os.pipe()  # a stdin the child can check
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _NOFILE_CHILD, str(tmp_path / "d")],
+            stdin=r,
+            capture_output=True,
+            text=True,
+            timeout=50,
+            check=True,
+        )
+    finally:
+        os.close(r)
+        os.close(w)
+    lines = out.stdout.split("\n")
+    assert lines[0] == "error EMFILE", out.stdout + out.stderr
+    assert lines[1] == "stdin True"
+    assert lines[2].startswith("fds 1 ")  # only the listdir's own fd
