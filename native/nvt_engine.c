@@ -1,10 +1,12 @@
 /*
  * nvt_engine: the io_uring I/O engine core (see nvt_engine.h for the thread
- * and lock rules). One native I/O thread owns the ring: it takes ops from the
- * pending queue, hashes write payloads, preps and submits SQEs, reaps CQEs,
- * hashes read payloads, continues short transfers and publishes completions.
+ * and lock rules). Each worker's native I/O thread owns its ring: it takes ops
+ * from its pending queue, hashes write payloads, preps and submits SQEs, reaps
+ * CQEs, hashes read payloads, continues short transfers and publishes
+ * completions to the engine's one done queue. nvt_engine_submit routes each
+ * op to a worker of its file (see nvt_engine.h).
  *
- * Each round of the I/O thread: take pending ops (within the queue-depth and
+ * Each round of an I/O thread: take pending ops (within the queue-depth and
  * byte caps), hash the writes and submit them, hash the reads reaped last
  * round, publish completions, then wait for at least one CQE and reap. Reads
  * are hashed after the ring was refilled so the device never idles while the
@@ -22,9 +24,11 @@
 #include <liburing.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,6 +45,21 @@
 #define NVT_SUBMIT_EVERY_BYTES (256ULL << 10)
 #define NVT_MAX_QUEUE_DEPTH 32767u
 #define NVT_PAGE_BYTES 4096ull
+/* A ring whose io_uring_enter fails this many times in a row (1 ms apart)
+ * with an error that is not transient is declared failed. */
+#define NVT_RING_FAIL_TRIES 100
+
+/* liburing 2.3 predates buffer cloning: the opcode and argument of
+ * IORING_REGISTER_CLONE_BUFFERS (kernel 6.12+), called by raw syscall. */
+#define NVT_REGISTER_CLONE_BUFFERS 30
+struct nvt_clone_buffers {
+    uint32_t src_fd;
+    uint32_t flags;
+    uint32_t src_off; /* 6.13+; 0 (and nr 0): every buffer, on 6.12 too */
+    uint32_t dst_off;
+    uint32_t nr;
+    uint32_t pad[3];
+};
 
 typedef struct {
     nvt_op op;
@@ -56,6 +75,44 @@ typedef struct {
     uint64_t seed;
 } nvt_read_done;
 
+typedef struct nvt_worker {
+    /* Immutable after nvt_engine_open returns. */
+    nvt_engine *e;
+    unsigned idx;
+    unsigned qd;
+    uint64_t max_inflight_bytes;
+    int wake_fd;
+    pthread_t thread;
+    int started;
+    nvt_engine_info info; /* written by the I/O thread before `ready` */
+
+    pthread_mutex_t lock;
+    /* Guarded by lock. */
+    nvt_op *pend; /* FIFO ring buffer of queued ops; pend_cap is a power of 2 */
+    size_t pend_head;
+    size_t pend_len;
+    size_t pend_cap;
+    int sleeping; /* the I/O thread may block with nothing pending: wake it */
+    int closing;  /* the I/O thread drains the ring and exits */
+    int failed;   /* errno the ring failed with: taken ops fail with it */
+
+    /* Owned by the I/O thread (failed_hint and the stats are also read racily). */
+    struct io_uring ring;
+    nvt_slot *slots;       /* qd slots, indexed by SQE user_data */
+    unsigned *free_slots;  /* stack of free slot indices */
+    unsigned n_free;
+    unsigned *taken;       /* slots taken this round, prepped after unlocking */
+    nvt_read_done *reads;  /* reads reaped this round (at most qd) */
+    unsigned n_reads;
+    uint64_t inflight_bytes;
+    uint64_t wake_value; /* target of the eventfd read */
+    int wake_armed;
+    int enter_errors; /* consecutive non-transient io_uring_enter failures */
+    nvt_completion_batch out; /* completions reaped but not yet published */
+    uint64_t n_ops, n_bytes, n_hashed; /* atomics: stats */
+    int failed_hint; /* atomic copy of `failed` for routing without the lock */
+} nvt_worker;
+
 struct nvt_engine {
     /* Immutable after nvt_engine_open returns. */
     uint8_t *buf;
@@ -63,39 +120,27 @@ struct nvt_engine {
     int *fds;
     unsigned nfds;
     nvt_config cfg;
-    int wake_fd;
-    pthread_t thread;
-    nvt_engine_info info; /* written by the I/O thread before `ready` */
+    unsigned n_workers;
+    nvt_worker *workers;
+    /* Set up by nvt_engine_open when several workers register the buffer:
+     * a plain ring (no single issuer, so any thread may clone from it) that
+     * registers the buffer once; every worker clones its table, and it is
+     * closed once they have (cloned buffers hold their own references). */
+    struct io_uring src_ring;
+    int src_ring_ok;   /* src_ring exists and holds the registered buffer */
+    int src_errno;     /* why its registration failed */
 
     pthread_mutex_t lock;
-    pthread_cond_t cv; /* completions published, setup finished, thread exited */
+    pthread_cond_t cv; /* completions published, setup finished, a thread exited */
     /* Guarded by lock. */
-    nvt_op *pend; /* FIFO ring buffer of queued ops; pend_cap is a power of 2 */
-    size_t pend_head;
-    size_t pend_len;
-    size_t pend_cap;
+    unsigned *rr; /* per file: ops routed so far (rotation over its workers) */
     nvt_completion_batch done;
-    int sleeping; /* the I/O thread may block with nothing pending: wake it */
-    int closing;  /* submit refuses; the I/O thread drains the ring and exits */
-    int ready;    /* ring setup finished, successfully or not */
-    int setup_err;
-    int exited; /* the I/O thread published its last completion */
+    int closing; /* submit refuses */
+    unsigned n_exited; /* I/O threads that published their last completion */
+    int setup_done;    /* setup of the worker being started finished */
 
     pthread_mutex_t close_lock; /* serializes nvt_engine_close */
     int joined;                 /* guarded by close_lock */
-
-    /* Owned by the I/O thread. */
-    struct io_uring ring;
-    nvt_slot *slots;       /* queue_depth slots, indexed by SQE user_data */
-    unsigned *free_slots;  /* stack of free slot indices */
-    unsigned n_free;
-    unsigned *taken;       /* slots taken this round, prepped after unlocking */
-    nvt_read_done *reads;  /* reads reaped this round (at most queue_depth) */
-    unsigned n_reads;
-    uint64_t inflight_bytes;
-    uint64_t wake_value; /* target of the eventfd read */
-    int wake_armed;
-    nvt_completion_batch out; /* completions reaped but not yet published */
 };
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -128,28 +173,28 @@ static void batch_push(nvt_completion_batch *b, void *op_id, int64_t result, uin
     c->checksum = checksum;
 }
 
-static int pend_reserve_locked(nvt_engine *e, size_t extra) {
-    if (e->pend_len + extra <= e->pend_cap)
+static int pend_reserve_locked(nvt_worker *w, size_t extra) {
+    if (w->pend_len + extra <= w->pend_cap)
         return 0;
-    size_t cap = e->pend_cap ? e->pend_cap : 256;
-    while (cap < e->pend_len + extra)
+    size_t cap = w->pend_cap ? w->pend_cap : 256;
+    while (cap < w->pend_len + extra)
         cap *= 2;
     nvt_op *ops = malloc(cap * sizeof(*ops));
     if (!ops)
         return -ENOMEM;
     /* Unwrap the ring into the new array in FIFO order. */
-    for (size_t i = 0; i < e->pend_len; i++)
-        ops[i] = e->pend[(e->pend_head + i) & (e->pend_cap - 1)];
-    free(e->pend);
-    e->pend = ops;
-    e->pend_head = 0;
-    e->pend_cap = cap;
+    for (size_t i = 0; i < w->pend_len; i++)
+        ops[i] = w->pend[(w->pend_head + i) & (w->pend_cap - 1)];
+    free(w->pend);
+    w->pend = ops;
+    w->pend_head = 0;
+    w->pend_cap = cap;
     return 0;
 }
 
-static void wake_io_thread(nvt_engine *e) {
+static void wake_io_thread(nvt_worker *w) {
     uint64_t one = 1;
-    while (write(e->wake_fd, &one, sizeof(one)) < 0 && errno == EINTR)
+    while (write(w->wake_fd, &one, sizeof(one)) < 0 && errno == EINTR)
         ;
 }
 
@@ -167,36 +212,75 @@ static int validate_op(const nvt_engine *e, const nvt_op *op) {
     return 0;
 }
 
+/* ---- workers and files -------------------------------------------------- */
+
+/* How many workers serve file `f`, and the k-th of them (see nvt_engine.h). */
+static unsigned file_n_workers(const nvt_engine *e, unsigned f) {
+    unsigned W = e->n_workers, F = e->nfds;
+    if (W < F)
+        return 1;
+    return W / F + (f < W % F ? 1u : 0u);
+}
+
+static unsigned file_worker(const nvt_engine *e, unsigned f, unsigned k) {
+    unsigned W = e->n_workers, F = e->nfds;
+    return W < F ? f % W : f + k * F;
+}
+
+/* A worker's share of the drives, in drives (its files, each divided by the
+ * number of workers serving it): sizes its queue depth and bytes in flight. */
+static double worker_share(const nvt_engine *e, unsigned w) {
+    unsigned W = e->n_workers, F = e->nfds ? e->nfds : 1;
+    if (W >= F)
+        return 1.0 / (double)file_n_workers(e, w % F);
+    unsigned files = F / W + (w < F % W ? 1u : 0u);
+    return (double)files;
+}
+
+/* The worker for the next op on file f: the file's workers in turn, skipping
+ * failed rings while a healthy one serves the file. Called with e->lock. */
+static nvt_worker *route_locked(nvt_engine *e, unsigned f) {
+    unsigned n = file_n_workers(e, f);
+    unsigned start = e->rr[f]++;
+    for (unsigned i = 0; i < n; i++) {
+        nvt_worker *w = &e->workers[file_worker(e, f, (start + i) % n)];
+        if (!__atomic_load_n(&w->failed_hint, __ATOMIC_RELAXED))
+            return w;
+    }
+    return &e->workers[file_worker(e, f, start % n)];
+}
+
 /* ---- I/O thread --------------------------------------------------------- */
 
-static struct io_uring_sqe *io_get_sqe(nvt_engine *e) {
+static struct io_uring_sqe *io_get_sqe(nvt_worker *w) {
     struct io_uring_sqe *sqe;
-    /* The SQ holds queue_depth + 1 entries and at most one SQE per slot plus
-     * the wake read is ever unsubmitted, so this loop is a safety net. */
-    while (!(sqe = io_uring_get_sqe(&e->ring)))
-        io_uring_submit(&e->ring);
+    /* The SQ holds qd + 1 entries and at most one SQE per slot plus the wake
+     * read is ever unsubmitted, so this loop is a safety net. */
+    while (!(sqe = io_uring_get_sqe(&w->ring)))
+        io_uring_submit(&w->ring);
     return sqe;
 }
 
-static void io_arm_wake(nvt_engine *e) {
-    struct io_uring_sqe *sqe = io_get_sqe(e);
-    io_uring_prep_read(sqe, e->wake_fd, &e->wake_value, sizeof(e->wake_value), 0);
+static void io_arm_wake(nvt_worker *w) {
+    struct io_uring_sqe *sqe = io_get_sqe(w);
+    io_uring_prep_read(sqe, w->wake_fd, &w->wake_value, sizeof(w->wake_value), 0);
     io_uring_sqe_set_data64(sqe, NVT_WAKE_TAG);
-    e->wake_armed = 1;
+    w->wake_armed = 1;
 }
 
 /* Prep the SQE moving the next part of slot `idx` (all of it, unless it
  * crosses a registered-buffer boundary or exceeds one SQE). */
-static void io_prep(nvt_engine *e, unsigned idx) {
-    nvt_slot *s = &e->slots[idx];
+static void io_prep(nvt_worker *w, unsigned idx) {
+    nvt_engine *e = w->e;
+    nvt_slot *s = &w->slots[idx];
     uint64_t off = (uint64_t)s->op.buf_offset + s->moved;
     uint64_t n = (uint64_t)s->op.length - s->moved;
     uint64_t file_off = (uint64_t)s->op.file_offset + s->moved;
     void *addr = e->buf + off;
-    int fd = e->info.fixed_files ? (int)s->op.file_idx : e->fds[s->op.file_idx];
-    struct io_uring_sqe *sqe = io_get_sqe(e);
+    int fd = w->info.fixed_files ? (int)s->op.file_idx : e->fds[s->op.file_idx];
+    struct io_uring_sqe *sqe = io_get_sqe(w);
 
-    if (e->info.registered_buffers) {
+    if (w->info.registered_buffers) {
         uint64_t chunk = e->cfg.register_chunk_bytes;
         uint64_t chunk_end = (off / chunk + 1) * chunk;
         int buf_index = (int)(off / chunk);
@@ -214,21 +298,28 @@ static void io_prep(nvt_engine *e, unsigned idx) {
         else
             io_uring_prep_read(sqe, fd, addr, (unsigned)n, file_off);
     }
-    if (e->info.fixed_files)
+    if (w->info.fixed_files)
         sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data64(sqe, idx);
 }
 
-static void io_finish(nvt_engine *e, unsigned idx, int64_t result, uint64_t checksum) {
-    nvt_slot *s = &e->slots[idx];
-    batch_reserve_hard(&e->out, 1);
-    batch_push(&e->out, s->op.op_id, result, checksum);
-    e->inflight_bytes -= (uint64_t)s->op.length;
-    e->free_slots[e->n_free++] = idx;
+static void io_count(nvt_worker *w, int64_t result) {
+    __atomic_fetch_add(&w->n_ops, 1, __ATOMIC_RELAXED);
+    if (result > 0)
+        __atomic_fetch_add(&w->n_bytes, (uint64_t)result, __ATOMIC_RELAXED);
 }
 
-static void io_on_cqe(nvt_engine *e, unsigned idx, int res) {
-    nvt_slot *s = &e->slots[idx];
+static void io_finish(nvt_worker *w, unsigned idx, int64_t result, uint64_t checksum) {
+    nvt_slot *s = &w->slots[idx];
+    batch_reserve_hard(&w->out, 1);
+    batch_push(&w->out, s->op.op_id, result, checksum);
+    io_count(w, result);
+    w->inflight_bytes -= (uint64_t)s->op.length;
+    w->free_slots[w->n_free++] = idx;
+}
+
+static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
+    nvt_slot *s = &w->slots[idx];
     uint64_t length = (uint64_t)s->op.length;
 
     if (res > 0) {
@@ -236,47 +327,80 @@ static void io_on_cqe(nvt_engine *e, unsigned idx, int res) {
         if (s->moved < length) {
             /* Short transfer (or a capped SQE): continue with the rest. A
              * retry that moves nothing or fails ends the op with -EIO. */
-            io_prep(e, idx);
+            io_prep(w, idx);
             return;
         }
         if (s->op.kind == NVT_OP_READ && s->op.checksum) {
             /* Hashed next round, after the ring was refilled; the slot is free
              * now (the caller owns the buffer range until the completion). */
-            nvt_read_done *r = &e->reads[e->n_reads++];
+            nvt_read_done *r = &w->reads[w->n_reads++];
             r->op_id = s->op.op_id;
-            r->data = e->buf + s->op.buf_offset;
+            r->data = w->e->buf + s->op.buf_offset;
             r->length = length;
             r->seed = s->op.seed;
-            e->inflight_bytes -= length;
-            e->free_slots[e->n_free++] = idx;
+            w->inflight_bytes -= length;
+            w->free_slots[w->n_free++] = idx;
             return;
         }
-        io_finish(e, idx, (int64_t)length, s->checksum);
+        io_finish(w, idx, (int64_t)length, s->checksum);
         return;
     }
     /* res == 0: end of file or no space, nothing moved. An error after some
      * bytes moved is a short transfer, which every engine reports as -EIO. */
-    io_finish(e, idx, (res == 0 || s->moved > 0) ? -EIO : res, 0);
+    io_finish(w, idx, (res == 0 || s->moved > 0) ? -EIO : res, 0);
 }
 
-/* Hand reaped completions to waiters. Called with e->lock held. */
-static void io_publish_locked(nvt_engine *e) {
-    if (!e->out.len)
+/* Hand a worker's reaped completions to waiters. Takes e->lock. */
+static void io_publish(nvt_worker *w) {
+    nvt_engine *e = w->e;
+    if (!w->out.len)
         return;
+    pthread_mutex_lock(&e->lock);
     if (!e->done.len) {
         nvt_completion_batch t = e->done;
-        e->done = e->out;
-        e->out = t;
+        e->done = w->out;
+        w->out = t;
     } else {
-        batch_reserve_hard(&e->done, e->out.len);
-        memcpy(e->done.items + e->done.len, e->out.items, e->out.len * sizeof(*e->out.items));
-        e->done.len += e->out.len;
+        batch_reserve_hard(&e->done, w->out.len);
+        memcpy(e->done.items + e->done.len, w->out.items, w->out.len * sizeof(*w->out.items));
+        e->done.len += w->out.len;
     }
-    e->out.len = 0;
+    w->out.len = 0;
     pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->lock);
 }
 
-static int io_setup(nvt_engine *e) {
+/* Register the buffer (in pieces of register_chunk_bytes) on `ring`. */
+static int ring_register_buffers(const nvt_engine *e, struct io_uring *ring) {
+    uint64_t chunk = e->cfg.register_chunk_bytes;
+    size_t n = (e->buf_len + chunk - 1) / chunk;
+    struct iovec *iov = calloc(n, sizeof(*iov));
+    if (!iov)
+        return -ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        uint64_t start = (uint64_t)i * chunk;
+        uint64_t left = e->buf_len - start;
+        iov[i].iov_base = e->buf + start;
+        iov[i].iov_len = left < chunk ? left : chunk;
+    }
+    int ret = io_uring_register_buffers(ring, iov, (unsigned)n);
+    free(iov);
+    return ret;
+}
+
+/* Copy the source ring's registered buffers into this ring (no second pin).
+ * The kernel refuses a source ring bound to another thread (single issuer),
+ * hence the plain source ring rather than worker 0's. */
+static int io_clone_buffers(nvt_worker *w) {
+    struct nvt_clone_buffers arg;
+    memset(&arg, 0, sizeof(arg));
+    arg.src_fd = (uint32_t)w->e->src_ring.ring_fd;
+    long ret = syscall(__NR_io_uring_register, w->ring.ring_fd, NVT_REGISTER_CLONE_BUFFERS, &arg, 1);
+    return ret < 0 ? -errno : 0;
+}
+
+static int io_setup(nvt_worker *w) {
+    nvt_engine *e = w->e;
     /* Best first: the ring is private to this thread, so completion work can
      * wait until it asks (DEFER_TASKRUN); then cooperative task work; then
      * whatever the kernel has. */
@@ -290,10 +414,10 @@ static int io_setup(nvt_engine *e) {
         struct io_uring_params p;
         memset(&p, 0, sizeof(p));
         p.flags = flag_sets[i];
-        ret = io_uring_queue_init_params(e->cfg.queue_depth + 1, &e->ring, &p);
+        ret = io_uring_queue_init_params(w->qd + 1, &w->ring, &p);
         if (ret == 0) {
-            e->info.setup_flags = flag_sets[i];
-            e->info.ring_entries = p.sq_entries;
+            w->info.setup_flags = flag_sets[i];
+            w->info.ring_entries = p.sq_entries;
             break;
         }
         if (ret != -EINVAL)
@@ -303,142 +427,166 @@ static int io_setup(nvt_engine *e) {
         return ret;
 
     if (e->cfg.register_buffers && e->buf_len > 0) {
-        uint64_t chunk = e->cfg.register_chunk_bytes;
-        size_t n = (e->buf_len + chunk - 1) / chunk;
-        struct iovec *iov = calloc(n, sizeof(*iov));
-        if (!iov) {
-            e->info.buffers_errno = ENOMEM;
-        } else {
-            for (size_t i = 0; i < n; i++) {
-                uint64_t start = (uint64_t)i * chunk;
-                uint64_t left = e->buf_len - start;
-                iov[i].iov_base = e->buf + start;
-                iov[i].iov_len = left < chunk ? left : chunk;
-            }
-            ret = io_uring_register_buffers(&e->ring, iov, (unsigned)n);
-            free(iov);
+        if (e->n_workers == 1) {
+            ret = ring_register_buffers(e, &w->ring);
             if (ret == 0)
-                e->info.registered_buffers = 1;
+                w->info.registered_buffers = NVT_BUFFERS_REGISTERED;
             else
-                e->info.buffers_errno = -ret;
+                w->info.buffers_errno = -ret;
+        } else if (e->src_ring_ok) {
+            ret = io_clone_buffers(w);
+            if (ret == 0) {
+                w->info.registered_buffers = NVT_BUFFERS_CLONED;
+            } else {
+                /* A kernel before 6.12: pin again for this ring
+                 * (RLIMIT_MEMLOCK counts it again; refused, it stays plain). */
+                w->info.clone_errno = -ret;
+                ret = ring_register_buffers(e, &w->ring);
+                if (ret == 0)
+                    w->info.registered_buffers = NVT_BUFFERS_REGISTERED;
+                else
+                    w->info.buffers_errno = -ret;
+            }
+        } else {
+            /* The one registration was refused (memlock): so would this be. */
+            w->info.buffers_errno = e->src_errno;
         }
     }
     if (e->cfg.fixed_files && e->nfds > 0) {
-        ret = io_uring_register_files(&e->ring, e->fds, e->nfds);
+        ret = io_uring_register_files(&w->ring, e->fds, e->nfds);
         if (ret == 0)
-            e->info.fixed_files = 1;
+            w->info.fixed_files = 1;
         else
-            e->info.files_errno = -ret;
+            w->info.files_errno = -ret;
     }
     return 0;
 }
 
-static void io_run(nvt_engine *e) {
-    unsigned qd = e->cfg.queue_depth;
+static void io_run(nvt_worker *w) {
+    nvt_engine *e = w->e;
+    unsigned qd = w->qd;
 
-    io_arm_wake(e);
+    io_arm_wake(w);
     for (;;) {
         unsigned n_taken = 0;
-        int stop;
+        int stop, failed;
 
-        pthread_mutex_lock(&e->lock);
-        io_publish_locked(e);
-        while (e->pend_len && e->n_free) {
-            nvt_op *op = &e->pend[e->pend_head];
-            /* One op larger than the cap still runs, alone. */
-            if (e->inflight_bytes && e->inflight_bytes + (uint64_t)op->length > e->cfg.max_inflight_bytes)
-                break;
-            unsigned idx = e->free_slots[--e->n_free];
-            e->slots[idx].op = *op;
-            e->slots[idx].moved = 0;
-            e->slots[idx].checksum = 0;
-            e->inflight_bytes += (uint64_t)op->length;
-            e->taken[n_taken++] = idx;
-            e->pend_head = (e->pend_head + 1) & (e->pend_cap - 1);
-            e->pend_len--;
+        io_publish(w);
+        pthread_mutex_lock(&w->lock);
+        failed = w->failed;
+        while (w->pend_len && (w->n_free || failed)) {
+            nvt_op *op = &w->pend[w->pend_head];
+            if (failed) {
+                /* The ring failed: the op fails without I/O. */
+                batch_reserve_hard(&w->out, 1);
+                batch_push(&w->out, op->op_id, -failed, 0);
+                io_count(w, -failed);
+            } else {
+                /* One op larger than the cap still runs, alone. */
+                if (w->inflight_bytes && w->inflight_bytes + (uint64_t)op->length > w->max_inflight_bytes)
+                    break;
+                unsigned idx = w->free_slots[--w->n_free];
+                w->slots[idx].op = *op;
+                w->slots[idx].moved = 0;
+                w->slots[idx].checksum = 0;
+                w->inflight_bytes += (uint64_t)op->length;
+                w->taken[n_taken++] = idx;
+            }
+            w->pend_head = (w->pend_head + 1) & (w->pend_cap - 1);
+            w->pend_len--;
         }
-        stop = e->closing;
+        stop = w->closing;
         /* While ops are in flight (or still pending) a completion wakes us
          * soon and we take new ops then, so a submitter need not pay for a
          * wake-up (an eventfd write that costs vLLM's thread several us).
-         * Only an idle engine, with nothing in flight, needs the eventfd. */
-        e->sleeping = !stop && e->pend_len == 0 && e->n_free == qd;
-        pthread_mutex_unlock(&e->lock);
+         * Only an idle worker, with nothing in flight, needs the eventfd. */
+        w->sleeping = !stop && w->pend_len == 0 && w->n_free == qd;
+        pthread_mutex_unlock(&w->lock);
+        if (failed)
+            io_publish(w);
 
         uint64_t hashed = 0;
         for (unsigned i = 0; i < n_taken; i++) {
-            nvt_slot *s = &e->slots[e->taken[i]];
+            nvt_slot *s = &w->slots[w->taken[i]];
             if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
                 s->checksum = nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length, s->op.seed);
                 hashed += (uint64_t)s->op.length;
+                __atomic_fetch_add(&w->n_hashed, (uint64_t)s->op.length, __ATOMIC_RELAXED);
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
-                    io_uring_submit(&e->ring);
+                    io_uring_submit(&w->ring);
                     hashed = 0;
                 }
             }
-            io_prep(e, e->taken[i]);
+            io_prep(w, w->taken[i]);
         }
 
-        if (e->n_reads) {
-            if (io_uring_sq_ready(&e->ring))
-                io_uring_submit(&e->ring);
-            batch_reserve_hard(&e->out, e->n_reads);
-            for (unsigned i = 0; i < e->n_reads; i++) {
-                nvt_read_done *r = &e->reads[i];
-                batch_push(&e->out, r->op_id, (int64_t)r->length, nvt_xxh3(r->data, r->length, r->seed));
+        if (w->n_reads) {
+            if (io_uring_sq_ready(&w->ring))
+                io_uring_submit(&w->ring);
+            batch_reserve_hard(&w->out, w->n_reads);
+            for (unsigned i = 0; i < w->n_reads; i++) {
+                nvt_read_done *r = &w->reads[i];
+                batch_push(&w->out, r->op_id, (int64_t)r->length, nvt_xxh3(r->data, r->length, r->seed));
+                io_count(w, (int64_t)r->length);
+                __atomic_fetch_add(&w->n_hashed, r->length, __ATOMIC_RELAXED);
             }
-            e->n_reads = 0;
-            pthread_mutex_lock(&e->lock);
-            io_publish_locked(e);
-            pthread_mutex_unlock(&e->lock);
+            w->n_reads = 0;
+            io_publish(w);
         }
 
-        if (stop && e->n_free == qd)
+        if (stop && w->n_free == qd)
             break; /* closing, and nothing left in the ring */
 
-        int ret = io_uring_submit_and_wait(&e->ring, 1);
+        int ret = io_uring_submit_and_wait(&w->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
             /* Not expected with a ring this thread sized itself; back off
-             * rather than spin, and keep reaping what completes. */
+             * rather than spin, and keep reaping what completes. A ring that
+             * keeps failing fails its ops from now on (only its own). */
+            if (++w->enter_errors >= NVT_RING_FAIL_TRIES && !w->failed)
+                nvt_engine_fail_worker(e, w->idx, -ret);
             usleep(1000);
+        } else {
+            w->enter_errors = 0;
         }
 
         struct io_uring_cqe *cqe;
         unsigned head, seen = 0;
-        io_uring_for_each_cqe(&e->ring, head, cqe) {
+        io_uring_for_each_cqe(&w->ring, head, cqe) {
             uint64_t tag = io_uring_cqe_get_data64(cqe);
             seen++;
             if (tag == NVT_WAKE_TAG)
-                e->wake_armed = 0;
+                w->wake_armed = 0;
             else
-                io_on_cqe(e, (unsigned)tag, cqe->res);
+                io_on_cqe(w, (unsigned)tag, cqe->res);
         }
-        io_uring_cq_advance(&e->ring, seen);
-        if (!e->wake_armed && !stop)
-            io_arm_wake(e);
+        io_uring_cq_advance(&w->ring, seen);
+        if (!w->wake_armed && !stop)
+            io_arm_wake(w);
     }
 }
 
 static void *io_main(void *arg) {
-    nvt_engine *e = arg;
-    pthread_setname_np(pthread_self(), "nvmetier-uring");
-    int err = io_setup(e);
+    nvt_worker *w = arg;
+    nvt_engine *e = w->e;
+    char name[16];
+    snprintf(name, sizeof(name), "nvt-uring-%u", w->idx);
+    pthread_setname_np(pthread_self(), name);
+    int err = io_setup(w);
 
     pthread_mutex_lock(&e->lock);
-    e->setup_err = err;
-    e->ready = 1;
+    e->setup_done = err ? err : 1;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
     if (err)
         return NULL;
-
-    io_run(e);
+    /* An open that fails after this worker started stops it through `closing`. */
+    io_run(w);
     /* Exiting the ring cancels the wake read and unregisters buffers/files. */
-    io_uring_queue_exit(&e->ring);
+    io_uring_queue_exit(&w->ring);
 
+    io_publish(w);
     pthread_mutex_lock(&e->lock);
-    io_publish_locked(e);
-    e->exited = 1;
+    e->n_exited++;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
     return NULL;
@@ -446,21 +594,132 @@ static void *io_main(void *arg) {
 
 /* ---- public API --------------------------------------------------------- */
 
+static void worker_destroy(nvt_worker *w) {
+    if (w->wake_fd >= 0)
+        close(w->wake_fd);
+    pthread_mutex_destroy(&w->lock);
+    free(w->slots);
+    free(w->free_slots);
+    free(w->taken);
+    free(w->reads);
+    free(w->pend);
+    free(w->out.items);
+}
+
 static void engine_destroy(nvt_engine *e) {
-    if (e->wake_fd >= 0)
-        close(e->wake_fd);
+    for (unsigned i = 0; e->workers && i < e->n_workers; i++)
+        worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->close_lock);
     pthread_cond_destroy(&e->cv);
+    free(e->workers);
+    free(e->rr);
     free(e->fds);
-    free(e->slots);
-    free(e->free_slots);
-    free(e->taken);
-    free(e->reads);
-    free(e->pend);
     free(e->done.items);
-    free(e->out.items);
     free(e);
+}
+
+static int worker_init(nvt_engine *e, unsigned idx) {
+    nvt_worker *w = &e->workers[idx];
+    double share = worker_share(e, idx);
+    double qd = (double)e->cfg.queue_depth * share;
+    w->qd = qd < 1.0 ? 1u : (qd > NVT_MAX_QUEUE_DEPTH ? NVT_MAX_QUEUE_DEPTH : (unsigned)(qd + 0.999));
+    double bytes = (double)e->cfg.max_inflight_bytes * share / (double)(e->nfds ? e->nfds : 1);
+    w->max_inflight_bytes = bytes < 1.0 ? 1 : (uint64_t)bytes;
+    w->info.queue_depth = w->qd;
+    w->info.max_inflight_bytes = w->max_inflight_bytes;
+    unsigned n = w->qd;
+    w->slots = calloc(n, sizeof(*w->slots));
+    w->free_slots = malloc(n * sizeof(unsigned));
+    w->taken = malloc(n * sizeof(unsigned));
+    w->reads = malloc(n * sizeof(*w->reads));
+    if (!w->slots || !w->free_slots || !w->taken || !w->reads || batch_reserve(&w->out, 2 * (size_t)n + 2))
+        return -ENOMEM;
+    for (unsigned i = 0; i < n; i++)
+        w->free_slots[i] = n - 1 - i;
+    w->n_free = n;
+    /* Blocking eventfd on purpose: io_uring completes a read of an O_NONBLOCK
+     * file with -EAGAIN instead of waiting for it to become readable. */
+    w->wake_fd = eventfd(0, EFD_CLOEXEC);
+    return w->wake_fd < 0 ? -errno : 0;
+}
+
+/* Register the buffer once on a plain ring that the workers clone from. */
+static void src_ring_open(nvt_engine *e) {
+    int ret = io_uring_queue_init(1, &e->src_ring, 0);
+    if (ret < 0) {
+        e->src_errno = -ret;
+        return;
+    }
+    ret = ring_register_buffers(e, &e->src_ring);
+    if (ret < 0) {
+        e->src_errno = -ret;
+        io_uring_queue_exit(&e->src_ring);
+        return;
+    }
+    e->src_ring_ok = 1;
+}
+
+/* Start worker w's thread and wait for its ring setup. */
+static int worker_start(nvt_engine *e, nvt_worker *w) {
+    /* The I/O threads block every signal: they belong to the application's
+     * threads (Python handles them on its main thread). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_mutex_lock(&e->lock);
+    e->setup_done = 0;
+    pthread_mutex_unlock(&e->lock);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int ret = pthread_create(&w->thread, NULL, io_main, w);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (ret != 0)
+        return -ret;
+    pthread_mutex_lock(&e->lock);
+    while (!e->setup_done)
+        pthread_cond_wait(&e->cv, &e->lock);
+    ret = e->setup_done < 0 ? e->setup_done : 0;
+    pthread_mutex_unlock(&e->lock);
+    if (ret != 0) {
+        pthread_join(w->thread, NULL); /* it returned after the failed setup */
+        return ret;
+    }
+    w->started = 1;
+    return 0;
+}
+
+/* Stop and join every started worker (queued ops cancelled). */
+static void engine_stop(nvt_engine *e) {
+    pthread_mutex_lock(&e->lock);
+    e->closing = 1;
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        nvt_worker *w = &e->workers[i];
+        pthread_mutex_lock(&w->lock);
+        /* Queued ops never reached a ring: cancel them. */
+        batch_reserve_hard(&e->done, w->pend_len);
+        for (size_t j = 0; j < w->pend_len; j++)
+            batch_push(&e->done, w->pend[(w->pend_head + j) & (w->pend_cap - 1)].op_id, -ECANCELED, 0);
+        w->pend_len = 0;
+        w->closing = 1;
+        pthread_mutex_unlock(&w->lock);
+    }
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->lock);
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        nvt_worker *w = &e->workers[i];
+        if (!w->started)
+            continue;
+        /* Unconditionally: the thread may be waiting on the ring. */
+        wake_io_thread(w);
+    }
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        nvt_worker *w = &e->workers[i];
+        if (!w->started)
+            continue;
+        pthread_join(w->thread, NULL);
+        w->started = 0;
+        close(w->wake_fd);
+        w->wake_fd = -1;
+    }
 }
 
 int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
@@ -468,7 +727,8 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     if (cfg->queue_depth < 1 || cfg->queue_depth > NVT_MAX_QUEUE_DEPTH || cfg->max_inflight_bytes == 0 ||
         cfg->register_chunk_bytes < NVT_PAGE_BYTES ||
         cfg->register_chunk_bytes > NVT_MAX_REGISTER_CHUNK_BYTES ||
-        cfg->register_chunk_bytes % NVT_PAGE_BYTES != 0)
+        cfg->register_chunk_bytes % NVT_PAGE_BYTES != 0 || cfg->workers < 1 ||
+        cfg->workers > NVT_MAX_WORKERS)
         return -EINVAL;
 
     nvt_engine *e = calloc(1, sizeof(*e));
@@ -478,7 +738,7 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     e->buf_len = buf_len;
     e->nfds = nfds;
     e->cfg = *cfg;
-    e->wake_fd = -1;
+    e->n_workers = cfg->workers;
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
     pthread_condattr_t ca;
@@ -487,50 +747,37 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
 
-    unsigned qd = cfg->queue_depth;
     e->fds = malloc((nfds ? nfds : 1) * sizeof(int));
-    e->slots = calloc(qd, sizeof(*e->slots));
-    e->free_slots = malloc(qd * sizeof(unsigned));
-    e->taken = malloc(qd * sizeof(unsigned));
-    e->reads = malloc(qd * sizeof(*e->reads));
-    if (!e->fds || !e->slots || !e->free_slots || !e->taken || !e->reads || batch_reserve(&e->out, 2 * (size_t)qd + 2)) {
+    e->rr = calloc(nfds ? nfds : 1, sizeof(unsigned));
+    e->workers = calloc(e->n_workers, sizeof(*e->workers));
+    if (!e->fds || !e->rr || !e->workers) {
+        e->n_workers = 0; /* no worker mutex was initialized yet */
         engine_destroy(e);
         return -ENOMEM;
     }
     if (nfds)
         memcpy(e->fds, fds, nfds * sizeof(int));
-    for (unsigned i = 0; i < qd; i++)
-        e->free_slots[i] = qd - 1 - i;
-    e->n_free = qd;
-
-    /* Blocking eventfd on purpose: io_uring completes a read of an O_NONBLOCK
-     * file with -EAGAIN instead of waiting for it to become readable. */
-    e->wake_fd = eventfd(0, EFD_CLOEXEC);
-    if (e->wake_fd < 0) {
-        int err = -errno;
-        engine_destroy(e);
-        return err;
+    /* Every worker gets what engine_destroy releases before any can fail. */
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        e->workers[i].e = e;
+        e->workers[i].idx = i;
+        e->workers[i].wake_fd = -1;
+        pthread_mutex_init(&e->workers[i].lock, NULL);
     }
-
-    /* The I/O thread blocks every signal: they belong to the application's
-     * threads (Python handles them on its main thread). */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_BLOCK, &all, &old);
-    int ret = pthread_create(&e->thread, NULL, io_main, e);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    if (ret != 0) {
-        engine_destroy(e);
-        return -ret;
+    int ret = 0;
+    for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
+        ret = worker_init(e, i);
+    if (ret == 0 && e->n_workers > 1 && cfg->register_buffers && buf_len > 0)
+        src_ring_open(e);
+    /* One at a time: each sets up its ring (and clones) before the next. */
+    for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
+        ret = worker_start(e, &e->workers[i]);
+    if (e->src_ring_ok) {
+        io_uring_queue_exit(&e->src_ring);
+        e->src_ring_ok = 0;
     }
-
-    pthread_mutex_lock(&e->lock);
-    while (!e->ready)
-        pthread_cond_wait(&e->cv, &e->lock);
-    ret = e->setup_err;
-    pthread_mutex_unlock(&e->lock);
     if (ret != 0) {
-        pthread_join(e->thread, NULL);
+        engine_stop(e);
         engine_destroy(e);
         return ret;
     }
@@ -538,59 +785,138 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     return 0;
 }
 
-void nvt_engine_get_info(const nvt_engine *e, nvt_engine_info *info) {
-    *info = e->info;
+unsigned nvt_engine_workers(const nvt_engine *e) {
+    return e->n_workers;
+}
+
+void nvt_engine_get_info(const nvt_engine *e, unsigned w, nvt_engine_info *info) {
+    *info = e->workers[w].info;
+}
+
+void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out) {
+    nvt_worker *wk = &e->workers[w];
+    out->ops = __atomic_load_n(&wk->n_ops, __ATOMIC_RELAXED);
+    out->bytes = __atomic_load_n(&wk->n_bytes, __ATOMIC_RELAXED);
+    out->hashed = __atomic_load_n(&wk->n_hashed, __ATOMIC_RELAXED);
+    out->failed_errno = __atomic_load_n(&wk->failed_hint, __ATOMIC_RELAXED);
+    out->cpu_s = 0;
+    clockid_t cid;
+    struct timespec ts;
+    /* close_lock: the thread must not be joined (its id freed) meanwhile. */
+    pthread_mutex_lock(&e->close_lock);
+    if (!e->joined && wk->started && pthread_getcpuclockid(wk->thread, &cid) == 0 &&
+        clock_gettime(cid, &ts) == 0)
+        out->cpu_s = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    pthread_mutex_unlock(&e->close_lock);
+}
+
+int nvt_engine_fail_worker(nvt_engine *e, unsigned w, int err) {
+    if (w >= e->n_workers || err <= 0)
+        return -EINVAL;
+    nvt_worker *wk = &e->workers[w];
+    pthread_mutex_lock(&wk->lock);
+    if (!wk->failed) {
+        wk->failed = err;
+        __atomic_store_n(&wk->failed_hint, err, __ATOMIC_RELAXED);
+    }
+    pthread_mutex_unlock(&wk->lock);
+    return 0;
 }
 
 int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
-    int wake = 0;
-    size_t queued = 0, immediate = 0;
+    size_t immediate = 0;
+    /* Small batches route on the stack; larger ones allocate. */
+    uint16_t stack_route[256];
+    uint16_t *route = n <= 256 ? stack_route : malloc(n * sizeof(uint16_t));
+    size_t counts[NVT_MAX_WORKERS];
+    if (!route)
+        return -ENOMEM;
 
     pthread_mutex_lock(&e->lock);
     if (e->closing) {
         pthread_mutex_unlock(&e->lock);
+        if (route != stack_route)
+            free(route);
         return -ESHUTDOWN;
     }
+    memset(counts, 0, sizeof(size_t) * e->n_workers);
+    for (size_t i = 0; i < n; i++) {
+        if (validate_op(e, &ops[i]) != 0 || ops[i].length == 0) {
+            route[i] = UINT16_MAX; /* completes at once, below */
+            continue;
+        }
+        nvt_worker *w = route_locked(e, (unsigned)ops[i].file_idx);
+        route[i] = (uint16_t)w->idx;
+        counts[w->idx]++;
+    }
     /* Reserve first so that an op is either queued or refused with the whole
-     * call, never half-submitted. */
-    if (pend_reserve_locked(e, n) != 0 || batch_reserve(&e->done, n) != 0) {
+     * call, never half-submitted. Only the workers that get ops are locked
+     * (in index order, under e->lock). */
+    int err = batch_reserve(&e->done, n);
+    unsigned locked = 0;
+    while (!err && locked < e->n_workers) {
+        nvt_worker *w = &e->workers[locked++];
+        if (!counts[w->idx])
+            continue;
+        pthread_mutex_lock(&w->lock);
+        if (pend_reserve_locked(w, counts[w->idx]) != 0)
+            err = -ENOMEM;
+    }
+    if (err) {
+        for (unsigned i = 0; i < locked; i++) {
+            if (counts[i])
+                pthread_mutex_unlock(&e->workers[i].lock);
+        }
         pthread_mutex_unlock(&e->lock);
+        if (route != stack_route)
+            free(route);
         return -ENOMEM;
     }
     for (size_t i = 0; i < n; i++) {
-        int err = validate_op(e, &ops[i]);
-        if (err != 0) {
-            batch_push(&e->done, ops[i].op_id, err, 0);
+        if (route[i] == UINT16_MAX) {
+            int verr = validate_op(e, &ops[i]);
+            if (verr != 0)
+                batch_push(&e->done, ops[i].op_id, verr, 0);
+            else
+                batch_push(&e->done, ops[i].op_id, 0, ops[i].checksum ? nvt_xxh3(NULL, 0, ops[i].seed) : 0);
             immediate++;
-        } else if (ops[i].length == 0) {
-            batch_push(&e->done, ops[i].op_id, 0, ops[i].checksum ? nvt_xxh3(NULL, 0, ops[i].seed) : 0);
-            immediate++;
-        } else {
-            e->pend[(e->pend_head + e->pend_len) & (e->pend_cap - 1)] = ops[i];
-            e->pend_len++;
-            queued++;
+            continue;
         }
+        nvt_worker *w = &e->workers[route[i]];
+        w->pend[(w->pend_head + w->pend_len) & (w->pend_cap - 1)] = ops[i];
+        w->pend_len++;
+    }
+    int wake[NVT_MAX_WORKERS];
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        nvt_worker *w = &e->workers[i];
+        wake[i] = 0;
+        if (!counts[i])
+            continue;
+        wake[i] = w->sleeping;
+        w->sleeping = 0;
+        pthread_mutex_unlock(&w->lock);
     }
     if (immediate)
         pthread_cond_broadcast(&e->cv);
-    if (queued && e->sleeping) {
-        e->sleeping = 0;
-        wake = 1;
-    }
     pthread_mutex_unlock(&e->lock);
-    if (wake)
-        wake_io_thread(e);
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        if (wake[i])
+            wake_io_thread(&e->workers[i]);
+    }
+    if (route != stack_route)
+        free(route);
     return 0;
 }
 
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch) {
-    /* A poll that finds nothing skips the mutex the I/O thread keeps taking:
+    /* A poll that finds nothing skips the mutex the I/O threads keep taking:
      * done.len is read racily as a hint; a completion it misses is found by
      * the next poll (the store is polled at every engine step). */
     if (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE))
         return;
     pthread_mutex_lock(&e->lock);
-    if (!e->done.len && !e->exited && timeout_s > 0) {
+    /* Every I/O thread exited (only after close began): nothing will come. */
+    if (!e->done.len && e->n_exited < e->n_workers && timeout_s > 0) {
         struct timespec deadline;
         if (timeout_s > 1e7)
             timeout_s = 1e7;
@@ -603,7 +929,7 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
             deadline.tv_sec++;
             deadline.tv_nsec -= 1000000000L;
         }
-        while (!e->done.len && !e->exited) {
+        while (!e->done.len && e->n_exited < e->n_workers) {
             if (pthread_cond_timedwait(&e->cv, &e->lock, &deadline) == ETIMEDOUT)
                 break;
         }
@@ -620,20 +946,7 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
 void nvt_engine_close(nvt_engine *e) {
     pthread_mutex_lock(&e->close_lock);
     if (!e->joined) {
-        pthread_mutex_lock(&e->lock);
-        e->closing = 1;
-        /* Queued ops never reached the ring: cancel them. */
-        batch_reserve_hard(&e->done, e->pend_len);
-        for (size_t i = 0; i < e->pend_len; i++)
-            batch_push(&e->done, e->pend[(e->pend_head + i) & (e->pend_cap - 1)].op_id, -ECANCELED, 0);
-        e->pend_len = 0;
-        pthread_cond_broadcast(&e->cv);
-        pthread_mutex_unlock(&e->lock);
-        /* Unconditionally: the thread may be waiting on the ring. */
-        wake_io_thread(e);
-        pthread_join(e->thread, NULL);
-        close(e->wake_fd);
-        e->wake_fd = -1;
+        engine_stop(e);
         e->joined = 1;
     }
     pthread_mutex_unlock(&e->close_lock);

@@ -1,6 +1,15 @@
 /*
  * nvt_engine: positioned reads and writes between one memory buffer and a set
- * of open files, driven by one io_uring owned by one native I/O thread.
+ * of open files, driven by one or more workers: each worker is one io_uring
+ * owned by one native I/O thread.
+ *
+ * Workers and files: with W workers and F files (one file per drive), a file
+ * is served by the workers w with w % F == f when W >= F (a fast drive can
+ * have several; ops of the file alternate between them), else by worker
+ * f % W (a worker serves several drives). Each worker's ring holds
+ * queue_depth ops and max_inflight_bytes / F bytes per drive it serves (its
+ * share when a drive has several workers), so every drive keeps its queue
+ * depth whatever the worker count. Each worker hashes the ops it completes.
  *
  * This layer knows nothing of Python: the binding (nvt_module.c) converts
  * objects to nvt_op and back. An op's `op_id` is an opaque pointer that the
@@ -14,10 +23,11 @@
  *     for the kernel.
  *   - nvt_engine_wait may be called from any thread; it blocks up to its
  *     timeout on `done_cv`.
- *   - The I/O thread alone touches the ring, the in-flight slots and the
- *     in-flight counters. It takes `lock` only to move ops out of the pending
- *     queue and completions into the done queue; it never holds it while
- *     hashing or in a syscall.
+ *   - Each worker's I/O thread alone touches its ring, in-flight slots and
+ *     counters. It takes its worker's lock to move ops out of its pending
+ *     queue, and the engine's `lock` to move completions into the shared done
+ *     queue, never both at once and never while hashing or in a syscall.
+ *     Lock order: engine `lock`, then a worker's lock (submit and close).
  *   - No function here needs the Python GIL; the binding releases it around
  *     every call that can block.
  */
@@ -64,37 +74,75 @@ typedef struct {
     size_t cap;
 } nvt_completion_batch;
 
+/* At most this many workers (rings and I/O threads) per engine. */
+#define NVT_MAX_WORKERS 64
+
 typedef struct {
-    unsigned queue_depth;           /* ops in the ring at once, >= 1 */
-    uint64_t max_inflight_bytes;    /* bytes in the ring at once (one op may exceed it) */
+    unsigned queue_depth;           /* ops in flight per drive (file), >= 1 */
+    uint64_t max_inflight_bytes;    /* bytes in flight over all drives (one op may exceed it) */
     int register_buffers;           /* try READ_FIXED/WRITE_FIXED */
     int fixed_files;                /* try registered files */
     uint64_t register_chunk_bytes;  /* bytes per registered iovec, <= 1 GiB */
+    unsigned workers;               /* rings and I/O threads, 1..NVT_MAX_WORKERS */
 } nvt_config;
 
-/* What nvt_engine_open achieved; fixed for the engine's life. */
+/* How a worker's ring got the buffer registered. */
+#define NVT_BUFFERS_PLAIN 0      /* not registered: READ/WRITE */
+#define NVT_BUFFERS_REGISTERED 1 /* registered (pinned) by this ring */
+#define NVT_BUFFERS_CLONED 2     /* IORING_REGISTER_CLONE_BUFFERS from worker 0: no second pin */
+
+/* What nvt_engine_open achieved for one worker; fixed for the engine's life. */
 typedef struct {
-    int registered_buffers;  /* 1 if READ_FIXED/WRITE_FIXED are used */
+    int registered_buffers;  /* NVT_BUFFERS_*: READ_FIXED/WRITE_FIXED unless PLAIN */
     int buffers_errno;       /* why registration failed (0: not tried or ok) */
+    int clone_errno;         /* why cloning from worker 0 failed (0: not tried or ok) */
     int fixed_files;         /* 1 if the fds are registered */
     int files_errno;         /* why file registration failed */
     unsigned ring_entries;   /* SQ size */
     unsigned setup_flags;    /* IORING_SETUP_* the ring was created with */
+    unsigned queue_depth;    /* ops in this ring at once */
+    uint64_t max_inflight_bytes; /* bytes in this ring at once */
 } nvt_engine_info;
 
+/* Running counters of one worker (read racily: for rates, not accounting). */
+typedef struct {
+    uint64_t ops;        /* ops completed */
+    uint64_t bytes;      /* bytes moved by successful ops */
+    uint64_t hashed;     /* bytes hashed */
+    double cpu_s;        /* CPU time of the worker's thread */
+    int failed_errno;    /* != 0: the ring failed; its ops fail with -failed_errno */
+} nvt_worker_stats;
+
 /*
- * Create the engine: start the I/O thread, which creates the ring and
- * registers the buffer and files (falling back to unregistered on failure).
+ * Create the engine: start the workers' I/O threads, which create their rings
+ * and register the buffer and files (falling back to unregistered on
+ * failure). Worker 0 registers the buffer; the others clone its registration
+ * (IORING_REGISTER_CLONE_BUFFERS, kernel 6.12+: nothing pinned twice) or,
+ * where the kernel lacks it, register again (counted against RLIMIT_MEMLOCK
+ * once per ring). A registration refused for memory leaves that ring plain.
  * `buf` and `fds` are borrowed and must outlive nvt_engine_close; `fds` is
  * copied. Blocks until the ring is ready.
  *
- * Returns 0 and sets *out, or -errno (ring setup failed, out of memory,
+ * Returns 0 and sets *out, or -errno (a ring's setup failed, out of memory,
  * thread creation failed) with nothing left behind.
  */
 int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
                     unsigned nfds, const nvt_config *cfg);
 
-void nvt_engine_get_info(const nvt_engine *e, nvt_engine_info *info);
+/* Worker count, and what worker `w` set up (w < nvt_engine_workers(e)). */
+unsigned nvt_engine_workers(const nvt_engine *e);
+void nvt_engine_get_info(const nvt_engine *e, unsigned w, nvt_engine_info *info);
+/* Blocks while nvt_engine_close joins the threads (cpu_s is 0 once closed). */
+void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out);
+
+/*
+ * Mark worker `w`'s ring failed with `err` (> 0), as the I/O thread does when
+ * its ring keeps refusing io_uring_enter: ops queued to it, and ops routed to
+ * it later while no other worker serves their file, complete with -err; ops
+ * already in its ring are reaped as usual. Other workers are untouched.
+ * Returns 0 or -EINVAL. Exposed for tests of that path.
+ */
+int nvt_engine_fail_worker(nvt_engine *e, unsigned w, int err);
 
 /*
  * Queue `n` ops. Ops that fail validation (bad file_idx -> -EBADF, range
@@ -117,8 +165,8 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n);
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch);
 
 /*
- * Stop: queued ops complete with -ECANCELED, ops in the ring finish, the I/O
- * thread exits (closing the ring, which unregisters everything). Blocks until
+ * Stop: queued ops complete with -ECANCELED, ops in the rings finish, the I/O
+ * threads exit (closing their rings, which unregisters everything). Blocks until
  * then. Idempotent and safe to call from several threads. Completions stay
  * available to nvt_engine_wait.
  */

@@ -8,8 +8,8 @@
  * returned tuple.
  *
  * Threads: any Python thread may call submit(), wait() and close(). The GIL
- * is released while the constructor sets up the ring, while wait() blocks and
- * while close() joins the I/O thread; submit() holds it (it only takes a
+ * is released while the constructor sets up the rings, while wait() blocks
+ * and while close() joins the I/O threads; submit() holds it (it only takes a
  * mutex that the I/O thread holds for a few instructions).
  */
 #define PY_SSIZE_T_CLEAN
@@ -31,7 +31,6 @@ typedef struct {
     nvt_engine *eng;
     Py_buffer view;
     int have_view;
-    nvt_engine_info info;
     nvt_config cfg;
     nvt_completion_batch spare; /* reused by wait(); guarded by the GIL */
     int spare_busy;
@@ -126,14 +125,19 @@ static void nvt_drop_completions(nvt_completion_batch *b) {
 
 static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", "fds", "queue_depth", "max_inflight_bytes", "register_buffers",
-                             "fixed_files", "register_chunk_bytes", NULL};
+                             "fixed_files", "register_chunk_bytes", "workers", NULL};
     PyObject *buffer, *fds_obj;
-    int queue_depth = 64, register_buffers = 1, fixed_files = 1;
+    int queue_depth = 64, register_buffers = 1, fixed_files = 1, workers = 1;
     long long max_inflight_bytes = 64LL << 20, chunk_bytes = (long long)NVT_MAX_REGISTER_CHUNK_BYTES;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppL", kwlist, &buffer, &fds_obj, &queue_depth,
-                                     &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLi", kwlist, &buffer, &fds_obj, &queue_depth,
+                                     &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes,
+                                     &workers))
         return NULL;
+    if (workers < 1 || workers > NVT_MAX_WORKERS) {
+        PyErr_Format(PyExc_ValueError, "workers must be in 1..%d, got %d", NVT_MAX_WORKERS, workers);
+        return NULL;
+    }
     if (queue_depth < 1 || queue_depth > 32767) {
         PyErr_Format(PyExc_ValueError, "queue_depth must be in 1..32767, got %d", queue_depth);
         return NULL;
@@ -184,6 +188,7 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     self->cfg.register_buffers = register_buffers;
     self->cfg.fixed_files = fixed_files;
     self->cfg.register_chunk_bytes = (uint64_t)chunk_bytes;
+    self->cfg.workers = (unsigned)workers;
 
     int ret;
     nvt_engine *eng = NULL;
@@ -199,7 +204,6 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         return NULL;
     }
     self->eng = eng;
-    nvt_engine_get_info(eng, &self->info);
     return (PyObject *)self;
 }
 
@@ -429,17 +433,95 @@ static PyObject *NvtEngine_close(NvtEngineObject *self, PyObject *Py_UNUSED(igno
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(info_doc, "info() -> dict\n\nWhat the engine set up: registration, ring size, limits.");
+PyDoc_STRVAR(info_doc, "info() -> dict\n\n"
+                       "What the engine set up: limits, and per worker (key 'workers', a list)\n"
+                       "its registration ('registered', 'cloned' or 'plain'), ring size, queue\n"
+                       "depth and byte cap. The top-level registered_buffers/fixed_files are\n"
+                       "true when every worker has them; buffers_errno/files_errno the first\n"
+                       "failure.");
 
 static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
-    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K,s:s}", "registered_buffers",
-                         self->info.registered_buffers ? Py_True : Py_False, "buffers_errno",
-                         self->info.buffers_errno, "fixed_files", self->info.fixed_files ? Py_True : Py_False,
-                         "files_errno", self->info.files_errno, "queue_depth", self->cfg.queue_depth,
-                         "ring_entries", self->info.ring_entries, "setup_flags", self->info.setup_flags,
-                         "max_inflight_bytes", (unsigned long long)self->cfg.max_inflight_bytes,
-                         "register_chunk_bytes", (unsigned long long)self->cfg.register_chunk_bytes,
-                         "checksum_impl", nvt_xxh3_impl());
+    static const char *modes[] = {"plain", "registered", "cloned"};
+    unsigned n = nvt_engine_workers(self->eng);
+    PyObject *list = PyList_New(n);
+    if (!list)
+        return NULL;
+    int all_bufs = 1, all_files = 1, buf_err = 0, file_err = 0;
+    for (unsigned i = 0; i < n; i++) {
+        nvt_engine_info in;
+        nvt_engine_get_info(self->eng, i, &in);
+        all_bufs &= in.registered_buffers != NVT_BUFFERS_PLAIN;
+        all_files &= in.fixed_files;
+        if (!buf_err)
+            buf_err = in.buffers_errno;
+        if (!file_err)
+            file_err = in.files_errno;
+        PyObject *d = Py_BuildValue("{s:s,s:i,s:i,s:O,s:i,s:I,s:I,s:I,s:K}", "buffers",
+                                    modes[in.registered_buffers], "buffers_errno", in.buffers_errno,
+                                    "clone_errno", in.clone_errno, "fixed_files",
+                                    in.fixed_files ? Py_True : Py_False, "files_errno", in.files_errno,
+                                    "ring_entries", in.ring_entries, "setup_flags", in.setup_flags,
+                                    "queue_depth", in.queue_depth, "max_inflight_bytes",
+                                    (unsigned long long)in.max_inflight_bytes);
+        if (!d) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, d);
+    }
+    nvt_engine_info first;
+    nvt_engine_get_info(self->eng, 0, &first);
+    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K,s:s,s:N}", "registered_buffers",
+                         all_bufs ? Py_True : Py_False, "buffers_errno", buf_err, "fixed_files",
+                         all_files ? Py_True : Py_False, "files_errno", file_err, "queue_depth",
+                         self->cfg.queue_depth, "ring_entries", first.ring_entries, "setup_flags",
+                         first.setup_flags, "max_inflight_bytes",
+                         (unsigned long long)self->cfg.max_inflight_bytes, "register_chunk_bytes",
+                         (unsigned long long)self->cfg.register_chunk_bytes, "checksum_impl",
+                         nvt_xxh3_impl(), "workers", list);
+}
+
+PyDoc_STRVAR(worker_stats_doc, "worker_stats() -> list[dict]\n\n"
+                               "Per worker: ops completed, bytes moved, bytes hashed, CPU seconds of\n"
+                               "its thread, and failed_errno (0 unless its ring failed). Read without\n"
+                               "locks: for rates, not for accounting.");
+
+static PyObject *NvtEngine_worker_stats(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    unsigned n = nvt_engine_workers(self->eng);
+    PyObject *list = PyList_New(n);
+    if (!list)
+        return NULL;
+    for (unsigned i = 0; i < n; i++) {
+        nvt_worker_stats st;
+        nvt_engine_worker_stats(self->eng, i, &st);
+        PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:d,s:i}", "ops", (unsigned long long)st.ops, "bytes",
+                                    (unsigned long long)st.bytes, "hashed_bytes",
+                                    (unsigned long long)st.hashed, "cpu_s", st.cpu_s, "failed_errno",
+                                    st.failed_errno);
+        if (!d) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, d);
+    }
+    return list;
+}
+
+PyDoc_STRVAR(fail_worker_doc, "fail_worker(worker, errno)\n\n"
+                              "Test hook: mark one worker's ring failed (see nvt_engine_fail_worker):\n"
+                              "its queued ops, and ops later routed to it while no healthy worker\n"
+                              "serves their file, complete with -errno.");
+
+static PyObject *NvtEngine_fail_worker(NvtEngineObject *self, PyObject *args) {
+    unsigned w;
+    int err;
+    if (!PyArg_ParseTuple(args, "Ii", &w, &err))
+        return NULL;
+    if (nvt_engine_fail_worker(self->eng, w, err) != 0) {
+        PyErr_Format(PyExc_ValueError, "no worker %u, or errno %d is not positive", w, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef NvtEngine_methods[] = {
@@ -449,13 +531,17 @@ static PyMethodDef NvtEngine_methods[] = {
     {"wait_raw", (PyCFunction)NvtEngine_wait_raw, METH_O, wait_raw_doc},
     {"close", (PyCFunction)NvtEngine_close, METH_NOARGS, close_doc},
     {"info", (PyCFunction)NvtEngine_info, METH_NOARGS, info_doc},
+    {"worker_stats", (PyCFunction)NvtEngine_worker_stats, METH_NOARGS, worker_stats_doc},
+    {"fail_worker", (PyCFunction)NvtEngine_fail_worker, METH_VARARGS, fail_worker_doc},
     {NULL, NULL, 0, NULL},
 };
 
 PyDoc_STRVAR(engine_doc,
              "Engine(buffer, fds, *, queue_depth=64, max_inflight_bytes=64 MiB,\n"
-             "       register_buffers=True, fixed_files=True, register_chunk_bytes=1 GiB)\n\n"
-             "An io_uring driven by its own native thread over a writable buffer and open fds.\n"
+             "       register_buffers=True, fixed_files=True, register_chunk_bytes=1 GiB,\n"
+             "       workers=1)\n\n"
+             "`workers` io_urings, each driven by its own native thread, over a writable\n"
+             "buffer and open fds (queue_depth is per drive, i.e. per fd).\n"
              "Registration failures fall back to unregistered I/O (see info()). Raises OSError\n"
              "if the ring cannot be created.");
 

@@ -211,6 +211,8 @@ class BlockStore:
                 io_threads=config.io_threads,
                 queue_depth=config.queue_depth,
                 max_inflight_bytes=config.max_inflight_bytes,
+                io_workers=config.io_workers,
+                chunk_bytes=row_bytes,
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)

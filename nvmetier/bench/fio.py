@@ -15,6 +15,7 @@ import subprocess
 from collections.abc import Callable
 
 from nvmetier.bench.common import PCTS, _note_drop, _phases, _prealloc
+from nvmetier.bench.machine import busy_cores, machine_cpu
 from nvmetier.bench.report import PhaseResult, _phase_line
 
 
@@ -61,9 +62,19 @@ def run_fio(
     log: Callable,
     level: str,
 ) -> list[PhaseResult]:
-    """fio on a fresh fallocated file in ``--dir``, same bs/iodepth/size/direct/numjobs."""
-    size = args.size // bs * bs
-    paths = [os.path.join(args.dir, f"fiobench.{j}.0") for j in range(args.numjobs)]
+    """fio on fresh fallocated files, same bs/iodepth/size/direct/numjobs.
+
+    With several drives (``args.dirs``, e.g. ``--loop-drives``) fio runs one
+    job section per drive (``--numjobs`` jobs each), and ``--size`` is split
+    between the drives so that fio moves the bytes the tier moves.
+    """
+    dirs = list(getattr(args, "dirs", None) or [args.dir])
+    size = args.size // len(dirs) // bs * bs
+    paths = [
+        os.path.join(d, f"fiobench{i}.{j}.0")
+        for i, d in enumerate(dirs)
+        for j in range(args.numjobs)
+    ]
     rand = "rand" if rand_pattern else ""
     results: list[PhaseResult] = []
     try:
@@ -75,8 +86,6 @@ def run_fio(
             fio_rw = rand + ("write" if phase == "write" else "read")
             cmd = [
                 "fio",
-                "--name=fiobench",
-                f"--directory={args.dir}",
                 f"--ioengine={engine}",
                 *extra,
                 f"--rw={fio_rw}",
@@ -92,14 +101,19 @@ def run_fio(
             ]
             if args.runtime > 0:
                 cmd.append(f"--runtime={args.runtime}")
+            # Options above are global; one job section per drive.
+            for i, d in enumerate(dirs):
+                cmd += [f"--name=fiobench{i}", f"--directory={d}"]
+            m0 = machine_cpu()
             r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            busy = busy_cores(m0, machine_cpu())
             if r.returncode != 0:
                 raise RuntimeError(f"fio failed ({r.returncode}): {r.stderr.strip()[:500]}")
             job = json.loads(r.stdout[r.stdout.index("{") :])["jobs"][0]
             if not timed:
                 continue
             side = job["write" if phase == "write" else "read"]
-            runtime_s = job["job_runtime"] / 1000.0 / max(1, args.numjobs)
+            runtime_s = job["job_runtime"] / 1000.0 / max(1, args.numjobs * len(dirs))
             runtime_s = side["io_bytes"] / side["bw_bytes"] if side["bw_bytes"] else runtime_s
             pct = side.get("clat_ns", {}).get("percentile", {})
             clat: dict[str, float] = {}
@@ -120,7 +134,13 @@ def run_fio(
                 cpu_usr_s=job["usr_cpu"] / 100.0 * cpu_total,
                 cpu_sys_s=job["sys_cpu"] / 100.0 * cpu_total,
                 errors=int(job.get("error", 0)),
-                extra={"cmd": " ".join(cmd), "rw": fio_rw},
+                extra={
+                    "cmd": " ".join(cmd),
+                    "rw": fio_rw,
+                    "drives": len(dirs),
+                    # over fio's whole run, its start and the untimed file layout included
+                    "machine_busy_cores": round(busy, 2),
+                },
             )
             log(_phase_line(res))
             results.append(res)

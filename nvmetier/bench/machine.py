@@ -43,6 +43,60 @@ class _Cpu:
         return t.user - self._t.user, t.system - self._t.system
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live threads, summed by
+    thread name (``nvt-uring-0``, ``nvmetier-io-3``, ``iou-wrk-...``). A
+    profile of where the process's CPU goes; threads that already exited are
+    missing. Never raises."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1 : stat.rindex(")")]
+            if name.startswith("iou-wrk-"):
+                name = "iou-wrk (kernel io_uring workers)"
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU of the machine (``/proc/stat``): the
+    share of the cores anything used (the drives' kernel threads, other
+    processes) over a phase. (0, 0) when unreadable."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+    return 0, 0
+
+
+def busy_cores(start: tuple[int, int], end: tuple[int, int]) -> float:
+    """Cores busy on average between two ``machine_cpu()`` readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total * (os.cpu_count() or 1) if total > 0 else 0.0
+
+
+def xxh3_s_per_gb(bs: int, total_bytes: int = 512 << 20) -> float:
+    """CPU seconds per GB that XXH3-64 takes over ``bs``-byte chunks (the
+    floor of a checksummed tier's own work). Warm data: a chunk just written
+    by a device's DMA costs more (cache misses)."""
+    import xxhash
+
+    chunk = memoryview(os.urandom(bs))
+    n = max(1, total_bytes // bs)
+    t0 = time.thread_time()
+    for i in range(n):
+        xxhash.xxh3_64_intdigest(chunk, i)
+    dt = time.thread_time() - t0
+    return dt / (n * bs / 1e9)
+
+
 def drop_caches() -> tuple[bool, str]:
     """``sync; echo 3 > /proc/sys/vm/drop_caches``. Never raises."""
     os.sync()

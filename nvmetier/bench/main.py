@@ -66,6 +66,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine level: 0 skips the per-op XXH3 (the raw I/O cost, as fio)",
     )
     p.add_argument("--dir", default=None, help="folder for the files (default: a temp dir under .)")
+    p.add_argument(
+        "--loop-drives",
+        type=int,
+        default=0,
+        metavar="N",
+        help="root: create N RAM-backed loop drives (tmpfs images, losetup --direct-io=on, "
+        "ext4), stripe the tier over them and run fio with one job per drive; removed at "
+        "the end, on Ctrl-C and on SIGTERM/SIGHUP (--dir is ignored)",
+    )
+    p.add_argument(
+        "--loop-drive-size",
+        default=None,
+        help="size of each loop drive (default: 3 x --size / N + 256 MiB, at least 1 GiB)",
+    )
+    p.add_argument(
+        "--io-workers",
+        default="auto",
+        help="tier and vllm levels: the tier's io_workers (an integer or auto)",
+    )
     p.add_argument("--output-format", choices=("normal", "json"), default="normal")
     p.add_argument("--compare-fio", action="store_true", help="run fio with the same parameters")
     p.add_argument("--no-fs-tier", action="store_true", help="vllm level: skip vLLM's fs tier")
@@ -163,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"nvmetier bench: {exc}", file=sys.stderr)
         return 2
+    if args.io_workers != "auto":
+        try:
+            args.io_workers = int(args.io_workers)
+        except ValueError:
+            print("nvmetier bench: --io-workers must be an integer or auto", file=sys.stderr)
+            return 2
+    if args.loop_drives < 0:
+        print("nvmetier bench: --loop-drives must be >= 0", file=sys.stderr)
+        return 2
     if args.iodepth < 1 or args.numjobs < 1:
         print("nvmetier bench: --iodepth and --numjobs must be >= 1", file=sys.stderr)
         return 2
@@ -181,11 +209,42 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if quiet else sys.stdout, flush=True)
 
+    if args.loop_drives:
+        from nvmetier.bench.drives import DriveSetupError, Interrupted, loop_drives
+
+        size = (
+            parse_size(args.loop_drive_size, "--loop-drive-size")
+            if args.loop_drive_size
+            else max(1 << 30, 3 * args.size // args.loop_drives + (256 << 20))
+        )
+        try:
+            with loop_drives(args.loop_drives, size, log) as mounts:
+                args.dir = mounts[0]
+                args.dirs = mounts
+                return _main_in(args, argv, bss, log, quiet, made_dir=False)
+        except DriveSetupError as exc:
+            print(f"nvmetier bench: {exc}", file=sys.stderr)
+            return 2
+        except (KeyboardInterrupt, Interrupted) as exc:
+            print(f"nvmetier bench: interrupted ({exc or 'Ctrl-C'})", file=sys.stderr)
+            return 130
     made_dir = args.dir is None
     if made_dir:
         args.dir = tempfile.mkdtemp(prefix="nvmetier-bench-", dir=os.getcwd())
     else:
         os.makedirs(args.dir, exist_ok=True)
+    args.dirs = [args.dir]
+    return _main_in(args, argv, bss, log, quiet, made_dir)
+
+
+def _main_in(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    bss: list[int],
+    log: Callable[[str], None],
+    quiet: bool,
+    made_dir: bool,
+) -> int:
     args._notes = []
     report: dict[str, Any] = {
         "command": "nvmetier bench " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -199,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             "numjobs": args.numjobs,
             "direct": args.direct,
             "dir": args.dir,
+            "dirs": args.dirs,
+            "loop_drives": args.loop_drives,
+            "io_workers": args.io_workers,
         },
         "machine": machine_info(args.dir),
     }

@@ -23,7 +23,9 @@ from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
 
 
-def _tier_config(args: argparse.Namespace, root: str, bs: int, n_chunks: int) -> TierConfig:
+def _tier_config(
+    args: argparse.Namespace, root: str | list[str], bs: int, n_chunks: int
+) -> TierConfig:
     # 2x the data: a set-associative index with 16 ways then overflows a set for
     # well under 1% of keys (Poisson mean 8 per set), so little is evicted.
     cap = 2 * n_chunks * (bs + 128) + (64 << 20)
@@ -31,6 +33,7 @@ def _tier_config(args: argparse.Namespace, root: str, bs: int, n_chunks: int) ->
         {
             "root_dir": root,
             "capacity_bytes": cap,
+            "io_workers": getattr(args, "io_workers", "auto"),
             "io_threads": args.iodepth,
             "queue_depth": args.iodepth,
             "max_inflight_bytes": args.iodepth * bs,
@@ -49,8 +52,10 @@ def run_tier_level(
     n = args.size // bs
     jc = max(1, min(args.job_chunks, args.iodepth))
     rows = args.iodepth
-    root = os.path.join(args.dir, f"tier-{engine_name}-{bs}")
-    cfg = _tier_config(args, root, bs, n)
+    dirs = list(getattr(args, "dirs", None) or [args.dir])
+    roots = [os.path.join(d, f"tier-{engine_name}-{bs}") for d in dirs]
+    root = roots[0]
+    cfg = _tier_config(args, roots if len(roots) > 1 else root, bs, n)
     buf = mmap.mmap(-1, rows * bs)
     pattern = os.urandom(bs)
     for r in range(rows):
@@ -95,7 +100,8 @@ def run_tier_level(
         view.release()
         buf.close()
         if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+            for path in roots:
+                shutil.rmtree(path, ignore_errors=True)
     return results
 
 

@@ -20,7 +20,14 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _bs, _note_drop
-from nvmetier.bench.machine import _Cpu, _settle_heap
+from nvmetier.bench.machine import (
+    _Cpu,
+    _settle_heap,
+    busy_cores,
+    machine_cpu,
+    thread_cpu_s,
+    xxh3_s_per_gb,
+)
 from nvmetier.bench.report import LookupStats, PhaseResult, _percentiles, _phase_line
 
 
@@ -126,14 +133,65 @@ class _TierClock:
         return other_threads + self.inside_ns / 1e9
 
 
-def _vllm_tier_dict(args: argparse.Namespace, which: str, root: str, bs: int, n: int) -> dict:
+class _EngineProfile:
+    """Per-worker rates (io_uring workers) and CPU by thread over one phase."""
+
+    def __init__(self, tier: Any) -> None:
+        store = getattr(tier, "store", None)
+        engine = getattr(store, "engine", None)
+        self._stats = getattr(engine, "worker_stats", None)
+        self._w0 = self._stats() if self._stats else []
+        self._t0 = thread_cpu_s()
+        self._m0 = machine_cpu()
+
+    def report(self, elapsed_s: float, log: Callable) -> dict[str, Any]:
+        out: dict[str, Any] = {"machine_busy_cores": round(busy_cores(self._m0, machine_cpu()), 2)}
+        threads = thread_cpu_s()
+        out["thread_cpu_s"] = {
+            name: round(cpu - self._t0.get(name, 0.0), 3)
+            for name, cpu in sorted(threads.items())
+            if cpu - self._t0.get(name, 0.0) >= 0.005
+        }
+        if self._stats:
+            rows = []
+            for a, b in zip(self._w0, self._stats(), strict=True):
+                moved = b["bytes"] - a["bytes"]
+                cpu = b["cpu_s"] - a["cpu_s"]
+                rows.append(
+                    {
+                        "ops": b["ops"] - a["ops"],
+                        "gbps": round(moved / elapsed_s / 1e9, 3) if elapsed_s else 0.0,
+                        "cpu_s": round(cpu, 3),
+                        "cpu_s_per_gb": round(cpu / (moved / 1e9), 4) if moved else None,
+                    }
+                )
+            out["workers"] = rows
+            log(
+                "  workers: "
+                + ", ".join(
+                    f"w{i} {r['gbps']:.2f} GB/s ({r['cpu_s_per_gb']} s/GB)"
+                    for i, r in enumerate(rows)
+                )
+            )
+        log(
+            "  cpu by thread (s): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in out["thread_cpu_s"].items())
+            + f"; machine: {out['machine_busy_cores']:.2f} of {os.cpu_count()} cores busy"
+        )
+        return out
+
+
+def _vllm_tier_dict(
+    args: argparse.Namespace, which: str, roots: list[str], bs: int, n: int
+) -> dict:
     if which == "fs":
-        return {"type": "fs", "root_dir": root}
+        return {"type": "fs", "root_dir": roots[0]}
     cap = 2 * n * (bs + 128) + (64 << 20)
     return {
         "type": "NvmeTierManager",
         "module_path": "nvmetier.vllm",
-        "root_dir": root,
+        "root_dir": roots if len(roots) > 1 else roots[0],
+        "io_workers": getattr(args, "io_workers", "auto"),
         "capacity_bytes": cap,
         "io_engine": which.removeprefix("nvmetier-"),
         "io_threads": args.iodepth,
@@ -153,10 +211,12 @@ def run_vllm_level(
 
     n = args.size // bs
     cpu_chunks = max(1, args.primary // bs)
-    root = os.path.join(args.dir, f"vllm-{which}-{bs}")
-    shutil.rmtree(root, ignore_errors=True)
-    os.makedirs(root, exist_ok=True)
-    tier = _vllm_tier_dict(args, which, root, bs, n)
+    dirs = list(getattr(args, "dirs", None) or [args.dir])
+    roots = [os.path.join(d, f"vllm-{which}-{bs}") for d in dirs]
+    for root in roots:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+    tier = _vllm_tier_dict(args, which, roots, bs, n)
     eng = SimulatedEngine(make_config([tier], chunk_bytes=bs, cpu_chunks=cpu_chunks))
     m = eng.manager
     clock = _TierClock(eng.tiers[0])
@@ -188,7 +248,9 @@ def run_vllm_level(
         # stamp inside the timed phase, so the CPU figures are the tier's and
         # the orchestrator's rather than a simulated memcpy's.
         eng.rows[:] = base
+        xxh3_cost = xxh3_s_per_gb(bs)
         _settle_heap()
+        prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         t0 = time.perf_counter()
         i = 0
@@ -225,6 +287,8 @@ def run_vllm_level(
         stored_bytes = n * bs
         extra: dict[str, Any] = {
             **clock.report(),
+            **prof.report(elapsed, log),
+            "xxh3_s_per_gb": round(xxh3_cost, 4),
             "chunks": n,
             "store_batch": batch,
             "primary_full_waits": full_waits,
@@ -264,6 +328,7 @@ def run_vllm_level(
         job_lat: list[float] = []
         lookup_s = 0.0
         retry_s = args.retry_ms / 1000.0
+        prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         busy = 0.0
         last: list[bytes] = []
@@ -323,6 +388,8 @@ def run_vllm_level(
             errors=n - loaded,
             extra={
                 **clock.report(),
+                **prof.report(busy, log),
+                "xxh3_s_per_gb": round(xxh3_cost, 4),
                 "chunks": n,
                 "chunks_per_request": per_req,
                 "lookup_misses": misses,
@@ -348,7 +415,8 @@ def run_vllm_level(
     finally:
         eng.shutdown()
         if not args.keep:
-            shutil.rmtree(root, ignore_errors=True)
+            for root in roots:
+                shutil.rmtree(root, ignore_errors=True)
     return results, lookups
 
 

@@ -4,16 +4,21 @@ Owns: ``n_threads`` daemon worker threads and one op queue. The files and
 the buffer are borrowed (the store opens and closes them).
 
 Threads: workers block in the syscalls with the GIL released; the checksum is
-computed by python-xxhash on the worker. ``submit`` only enqueues. Completions
-go to a ``queue.SimpleQueue`` that ``wait_completions`` drains. Packed ops
-(``submit_raw``) are enqueued as one item and unpacked by a worker, and their
-completions are packed by the workers, so the caller's thread pays per job,
-not per op.
+computed by python-xxhash on the worker. A worker survives any exception an op
+raises: the op completes with an error (``-EBADF``/``-EFAULT``/``-EINVAL`` for
+an op that fails the same checks as the io_uring engine's, ``-EIO`` for
+anything unexpected, logged once per engine) and the worker takes the next op,
+so no op, and no slot the table holds WRITING for it, is ever stranded.
+``submit`` only enqueues. Completions go to a ``queue.SimpleQueue`` that
+``wait_completions`` drains. Packed ops (``submit_raw``) are enqueued as one
+item and unpacked by a worker, and their completions are packed by the
+workers, so the caller's thread pays per job, not per op.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import queue
 import struct
@@ -26,6 +31,7 @@ import xxhash
 from nvmetier.engine.base import (
     COMPLETION_DTYPE,
     OP_DTYPE,
+    OP_READ,
     OP_WRITE,
     Completion,
     IoEngine,
@@ -33,6 +39,8 @@ from nvmetier.engine.base import (
     unpack_ops,
 )
 from nvmetier.errors import EngineClosedError
+
+logger = logging.getLogger(__name__)
 
 _STOP = None
 _PACKED = struct.Struct("<QqQ")  # a completion as COMPLETION_DTYPE lays it out
@@ -58,11 +66,13 @@ class ThreadEngine(IoEngine):
         if n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self._buf = memoryview(buffer).cast("B")
+        self._buf_len = len(self._buf)
         self._fds = list(fds)
         self._ops: queue.SimpleQueue[Op | bytes | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
         self._done_raw: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._closed = False
+        self._logged_unexpected = False
         self._close_lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._worker, name=f"nvmetier-io-{i}", daemon=True)
@@ -81,6 +91,8 @@ class ThreadEngine(IoEngine):
         """Queue packed ops as one item; a worker unpacks them."""
         if self._closed:
             raise EngineClosedError("the I/O engine is closed")
+        if len(ops) % OP_DTYPE.itemsize:
+            raise ValueError(f"packed ops must be a multiple of {OP_DTYPE.itemsize} bytes")
         if ops:
             self._ops.put(bytes(ops))
 
@@ -151,38 +163,84 @@ class ThreadEngine(IoEngine):
             op = self._ops.get()
             if op is None:
                 return
-            if isinstance(op, bytes):
-                # A packed batch: unpack here, off the caller's thread; run the
-                # first op and queue the rest for every worker.
-                batch = unpack_ops(op, _RawOp)
-                for rest in batch[1:]:
-                    self._ops.put(rest)
-                op = batch[0]
-            comp = self._run(op)
-            if isinstance(op, _RawOp):
-                self._done_raw.put(_PACKED.pack(comp.op_id, comp.result, comp.checksum))
-            else:
-                self._done.put(comp)
+            comp: Completion | None
+            try:
+                if isinstance(op, bytes):
+                    # A packed batch: unpack here, off the caller's thread; run
+                    # the first op and queue the rest for every worker.
+                    batch = unpack_ops(op, _RawOp)
+                    for rest in batch[1:]:
+                        self._ops.put(rest)
+                    op = batch[0]
+                comp = self._run(op)
+            except BaseException as exc:  # a dead worker would strand its op
+                comp = self._unexpected(op, exc)
+                if comp is None:
+                    continue
+            try:
+                if isinstance(op, _RawOp):
+                    self._done_raw.put(_PACKED.pack(comp.op_id, comp.result, comp.checksum))
+                else:
+                    self._done.put(comp)
+            except BaseException as exc:  # e.g. an op_id that does not pack
+                self._unexpected(op, exc)
+
+    def _unexpected(self, op: Op | bytes, exc: BaseException) -> Completion | None:
+        """Log ``exc`` (once per engine) and return ``op``'s failed completion,
+        or None when ``op`` was a packed batch that could not be unpacked (its
+        ops are failed here, each by its op_id)."""
+        if not self._logged_unexpected:
+            self._logged_unexpected = True
+            logger.error(
+                "nvmetier: thread engine op failed with an unexpected %s; the op fails with "
+                "EIO and the worker goes on (logged once)",
+                type(exc).__name__,
+                exc_info=exc,
+            )
+        if isinstance(op, bytes):
+            try:
+                ids = np.frombuffer(op[: len(op) - len(op) % OP_DTYPE.itemsize], dtype=OP_DTYPE)
+                for op_id in ids["op_id"].tolist():
+                    self._done_raw.put(_PACKED.pack(op_id, -errno.EIO, 0))
+            except BaseException:  # nothing left to report them with
+                pass
+            return None
+        try:
+            return Completion(op.op_id, -errno.EIO, 0)
+        except BaseException:
+            return None
 
     def _run(self, op: Op) -> Completion:
-        view = self._buf[op.buf_offset : op.buf_offset + op.length]
+        # One unpack instead of a property lookup per field use: this runs per
+        # op on a Python thread that competes with vLLM's for the GIL.
+        op_id, kind, file_idx, file_off, buf_off, length, seed, want_sum = op
+        # The io_uring engine's checks, so both engines fail a bad op alike (a
+        # negative index would otherwise address another file or buffer byte).
+        if kind != OP_WRITE and kind != OP_READ:
+            return Completion(op_id, -errno.EINVAL, 0)
+        fds = self._fds
+        if not 0 <= file_idx < len(fds):
+            return Completion(op_id, -errno.EBADF, 0)
+        end = buf_off + length
+        if buf_off < 0 or length < 0 or end > self._buf_len:
+            return Completion(op_id, -errno.EFAULT, 0)
+        if file_off < 0:
+            return Completion(op_id, -errno.EINVAL, 0)
+        view = self._buf[buf_off:end]
         try:
-            if len(view) != op.length:
-                return Completion(op.op_id, -errno.EFAULT, 0)
-            fd = self._fds[op.file_idx]
             checksum = 0
-            if op.kind == OP_WRITE:
-                if op.checksum:
-                    checksum = xxhash.xxh3_64_intdigest(view, op.seed)
-                n = os.pwritev(fd, [view], op.file_offset)
+            if kind == OP_WRITE:
+                if want_sum:
+                    checksum = xxhash.xxh3_64_intdigest(view, seed)
+                n = os.pwritev(fds[file_idx], [view], file_off) if length else 0
             else:
-                n = os.preadv(fd, [view], op.file_offset)
-                if op.checksum and n == op.length:
-                    checksum = xxhash.xxh3_64_intdigest(view, op.seed)
-            if n != op.length:
-                return Completion(op.op_id, -errno.EIO, 0)
-            return Completion(op.op_id, n, checksum)
+                n = os.preadv(fds[file_idx], [view], file_off) if length else 0
+                if want_sum and n == length:
+                    checksum = xxhash.xxh3_64_intdigest(view, seed)
+            if n != length:
+                return Completion(op_id, -errno.EIO, 0)
+            return Completion(op_id, n, checksum)
         except OSError as exc:
-            return Completion(op.op_id, -(exc.errno or errno.EIO), 0)
+            return Completion(op_id, -(exc.errno or errno.EIO), 0)
         finally:
             view.release()

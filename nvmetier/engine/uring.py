@@ -1,14 +1,16 @@
 """io_uring I/O engine: the ``IoEngine`` over the native ``nvmetier._uring``.
 
-Owns: one io_uring and the native I/O thread that drives it (both inside the
-extension), plus a reference to the caller's buffer from construction to
-``close``. The files are borrowed (the store opens and closes them; they must
+Owns: ``workers`` io_urings, each driven by its own native I/O thread (all
+inside the extension), plus a reference to the caller's buffer from
+construction to ``close``. Ops are routed to a worker of their file (one file
+per drive), so every drive keeps its queue depth and each worker hashes the
+ops it completes. The files are borrowed (the store opens and closes them; they must
 stay open until ``close`` returns).
 
 Threads: ``submit`` is called by the store's caller (the scheduler thread); it
-only appends to a native queue under a mutex and, when the I/O thread is idle,
-writes an eventfd — it never waits for the kernel. The native I/O thread runs
-without the GIL: it hashes write payloads before submitting them, reaps
+only appends to the workers' native queues under mutexes and, when an I/O
+thread is idle, writes its eventfd — it never waits for the kernel. The native
+I/O threads run without the GIL: it hashes write payloads before submitting them, reaps
 completions, hashes read payloads, continues short transfers and queues the
 results. ``wait_completions`` blocks up to ``timeout_s`` with the GIL released.
 ``close`` blocks until the ops in the ring finish.
@@ -81,16 +83,26 @@ def _probe_hint(err: int) -> str:
 
 
 class UringEngine(IoEngine):
-    """An ``IoEngine`` on one io_uring driven by a native thread.
+    """An ``IoEngine`` on ``workers`` io_urings, each driven by a native thread.
 
-    Up to ``queue_depth`` ops and ``max_inflight_bytes`` bytes are in the
-    ring at once (a single larger op still runs, alone); the rest wait in
-    FIFO order in a native queue. With ``register_buffers`` the buffer is
-    registered with the kernel (in pieces of at most 1 GiB) and ops use
-    READ_FIXED/WRITE_FIXED; with ``fixed_files`` the fds are registered.
-    When registration fails (RLIMIT_MEMLOCK, a file-backed buffer the kernel
-    will not pin, ...) the engine logs one warning and uses plain
-    READ/WRITE; ``describe()`` says which.
+    Per drive (file), up to ``queue_depth`` ops and ``max_inflight_bytes / n_files``
+    bytes are in flight at once (a single larger op still runs, alone); the
+    rest wait in FIFO order in a native queue per worker. With W workers and
+    F files, file f is served by workers f, f+F, f+2F, ... (its ops alternate
+    between them) when W >= F, else by worker f % W.
+
+    With ``register_buffers`` the buffer is registered with the kernel (in
+    pieces of at most 1 GiB) and ops use READ_FIXED/WRITE_FIXED: once, on a
+    source ring that every worker clones (``IORING_REGISTER_CLONE_BUFFERS``,
+    kernel 6.12+, nothing pinned twice), or per ring on older kernels. With
+    ``fixed_files`` the fds are registered. When registration fails
+    (RLIMIT_MEMLOCK, a file-backed buffer the kernel will not pin, ...) the
+    engine logs one warning and uses plain READ/WRITE; ``describe()`` says
+    which, per worker.
+
+    A worker whose ring keeps failing (io_uring_enter refused ~100 times in a
+    row) fails the ops routed to it with that error; ops of its files go to
+    another worker of the same file where there is one. Other workers go on.
 
     A short transfer is continued with the remaining bytes; a continuation
     that moves nothing or fails ends the op with ``-EIO``.
@@ -108,6 +120,7 @@ class UringEngine(IoEngine):
         register_chunk_bytes: bytes per registered buffer piece, a multiple of
             4096 up to 1 GiB (the kernel's limit). Ops crossing a piece
             boundary are split there. Smaller values exist for tests.
+        workers: rings and I/O threads, 1..64.
 
     Raises:
         ValueError: an argument is out of range.
@@ -130,6 +143,7 @@ class UringEngine(IoEngine):
         register_buffers: bool = True,
         fixed_files: bool = True,
         register_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES,
+        workers: int = 1,
     ) -> None:
         self._native = _uring.Engine(
             buffer,
@@ -139,8 +153,10 @@ class UringEngine(IoEngine):
             register_buffers=register_buffers,
             fixed_files=fixed_files,
             register_chunk_bytes=register_chunk_bytes,
+            workers=workers,
         )
         info = self._native.info()
+        self._workers_info = [dict(w) for w in info["workers"]]
         self._registered_buffers = bool(info["registered_buffers"])
         self._fixed_files = bool(info["fixed_files"])
         self._queue_depth = int(info["queue_depth"])
@@ -150,11 +166,14 @@ class UringEngine(IoEngine):
             failed.append(f"buffer registration: {os.strerror(info['buffers_errno'])}")
         if fixed_files and not self._fixed_files and info["files_errno"]:
             failed.append(f"file registration: {os.strerror(info['files_errno'])}")
+        plain = sum(w["buffers"] == "plain" for w in self._workers_info)
         if failed:
             logger.warning(
-                "io_uring %s; using unregistered I/O (more CPU per byte). "
+                "io_uring %s; %d of %d worker ring(s) use unregistered I/O (more CPU per byte). "
                 "Raise RLIMIT_MEMLOCK (ulimit -l) to register the buffer.",
                 "; ".join(failed),
+                plain,
+                len(self._workers_info),
             )
 
     def submit(self, ops: Sequence[Op]) -> None:
@@ -208,6 +227,21 @@ class UringEngine(IoEngine):
         """
         self._native.close()
 
+    def worker_stats(self) -> list[dict[str, float]]:
+        """Per worker: ``ops`` completed, ``bytes`` moved, ``hashed_bytes``,
+        ``cpu_s`` of its thread and ``failed_errno`` (0 unless its ring
+        failed). Read without locks: for rates, not accounting."""
+        return self._native.worker_stats()  # type: ignore[no-any-return]
+
+    def inject_ring_failure(self, worker: int, err: int = errno.EIO) -> None:
+        """Test hook: fail worker ``worker``'s ring with ``err``, as the I/O
+        thread does when its ring keeps refusing io_uring_enter.
+
+        Raises:
+            ValueError: no such worker, or ``err`` is not positive.
+        """
+        self._native.fail_worker(worker, err)
+
     def describe(self) -> dict[str, object]:
         return {
             "engine": self.name,
@@ -215,4 +249,8 @@ class UringEngine(IoEngine):
             "fixed_files": self._fixed_files,
             "queue_depth": self._queue_depth,
             "max_inflight_bytes": self._max_inflight_bytes,
+            "workers": len(self._workers_info),
+            "worker_buffers": [w["buffers"] for w in self._workers_info],
+            "worker_queue_depth": [w["queue_depth"] for w in self._workers_info],
+            "worker_max_inflight_bytes": [w["max_inflight_bytes"] for w in self._workers_info],
         }

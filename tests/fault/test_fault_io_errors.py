@@ -155,3 +155,38 @@ def test_every_read_failing_fails_the_whole_job_and_loses_nothing(tier, buf, err
     outcome, ok, _ = load_keys(tier.store, buf, KEYS)
     assert not outcome.success and ok == []
     assert tier.store.stats()["slots_used"] == len(KEYS)
+
+
+# ------------------------------------------------------- one drive failing
+@pytest.mark.parametrize("io_workers", [2, 4])
+def test_a_failed_ring_of_one_drive_fails_only_that_drives_keys(
+    tmp_path, buf, io_workers, monkeypatch
+) -> None:
+    """io_uring with several workers over two drives: the ring of drive 1's
+    worker fails (EIO on every op it is given); keys striped to drive 0 are
+    stored and load back, keys on drive 1 fail and stay misses. With 4
+    workers drive 1 has a second worker, so nothing fails."""
+    from nvmetier.engine.uring import UringEngine
+
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)  # the counts matter here
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    store = open_store(roots, buf, io_workers=io_workers)
+    try:
+        engine = store.engine
+        if not isinstance(engine, UringEngine):
+            pytest.skip("several io_uring workers need the io_uring engine")
+        engine.inject_ring_failure(1, errno.EIO)
+        outcome = store_keys(store, buf, KEYS)
+        stored = list(KEYS) if outcome.success else list(outcome.successful_keys or [])
+        failed = [k for k in KEYS if k not in stored]
+        if io_workers == 4:
+            assert outcome.success
+        else:
+            assert failed, "no key was striped to drive 1"
+            assert all(store.sb.slot_location(store.slot_of(k))[0] == 0 for k in stored)
+            assert not any(store.contains(k) for k in failed)
+            assert store.stats()["write_errors"] == len(failed)
+        loaded, ok, wrong = load_keys(store, buf, stored, job_id=2)
+        assert loaded.success and ok == stored and wrong == []
+    finally:
+        store.close()

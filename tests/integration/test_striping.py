@@ -59,3 +59,26 @@ def test_capacity_list_must_match_root_dir(tmp_path, buffer) -> None:
 
     with pytest.raises(ConfigError, match="one capacity per root_dir"):
         make_store([str(tmp_path / "a")], buffer, capacity_bytes=["1GiB", "1GiB"])
+
+
+@pytest.mark.parametrize("io_workers", [1, 2, 3, "auto"])
+def test_several_io_workers_store_and_load_over_two_roots(
+    tmp_path, buffer, io_workers, monkeypatch
+) -> None:
+    """Under both engines (the thread engine ignores io_workers): every key
+    stored over two roots loads back with verified checksums."""
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)  # the count is asserted
+    roots = [str(tmp_path / "nvme0"), str(tmp_path / "nvme1")]
+    store = make_store(roots, buffer, capacity_bytes="16MiB", io_workers=io_workers)
+    try:
+        keys = [key(i) for i in range(40)]
+        (outcome,) = store_keys(store, buffer, keys)
+        assert outcome.success
+        outcome, good = load_keys(store, buffer, keys)
+        assert outcome.success and good == keys
+        info = store.describe()
+        if info["engine"] == "uring":
+            # Both roots are on one filesystem here: "auto" is one worker.
+            assert info["workers"] == (1 if io_workers == "auto" else io_workers)
+    finally:
+        store.close()

@@ -81,6 +81,12 @@ def test_missing_required_key_is_named(missing: str) -> None:
         ("admit_after_lookups", -1),
         ("locality", "mars"),
         ("max_inflight_bytes", "lots"),
+        ("io_workers", 0),
+        ("io_workers", 65),
+        ("io_workers", "4"),
+        ("io_workers", "many"),
+        ("io_workers", True),
+        ("io_workers", 2.0),
     ],
 )
 def test_bad_value_names_key_and_value(key: str, value: object) -> None:
@@ -104,3 +110,13 @@ def test_bad_root_dir_list_is_rejected(roots: object) -> None:
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         TierConfig.from_dict({**BASE, "ways": -3})
+
+
+def test_io_workers_is_auto_by_default_and_takes_a_count() -> None:
+    assert TierConfig.from_dict(BASE).io_workers == "auto"
+    assert TierConfig.from_dict({**BASE, "io_workers": 4}).io_workers == 4
+
+
+def test_io_workers_error_says_what_is_accepted() -> None:
+    with pytest.raises(ConfigError, match="'auto' or an integer from 1 to 64"):
+        TierConfig.from_dict({**BASE, "io_workers": 0})

@@ -1,0 +1,298 @@
+"""Several io_uring workers in one engine: routing per drive, checksums, a
+failed ring, shutdown with ops in flight, registration sharing and its memlock
+fallback. Skipped where the extension or io_uring is unavailable."""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import xxhash
+
+pytest.importorskip("nvmetier._uring", reason="native extension nvmetier._uring is not built")
+
+from nvmetier.engine import uring
+from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, Op
+
+_OK, _WHY = uring.probe()
+if not _OK:
+    pytest.skip(f"io_uring is unusable here: {_WHY}", allow_module_level=True)
+
+ROW = 64 * 1024
+ROWS = 64
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def region() -> Iterator[mmap.mmap]:
+    mm = mmap.mmap(-1, ROWS * ROW)
+    for r in range(ROWS):
+        mm[r * ROW : (r + 1) * ROW] = os.urandom(64) * (ROW // 64)
+    yield mm
+    mm.close()
+
+
+@pytest.fixture
+def files(tmp_path) -> Iterator[list[int]]:
+    """Four 4 MiB files: the engine's "drives" (one file per drive)."""
+    fds = []
+    for i in range(4):
+        fd = os.open(tmp_path / f"d{i}", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, ROWS * ROW)
+        fds.append(fd)
+    yield fds
+    for fd in fds:
+        os.close(fd)
+
+
+@pytest.fixture
+def engines(region, files) -> Iterator[list[uring.UringEngine]]:
+    """Engines closed at teardown, before the region and files they use."""
+    made: list[uring.UringEngine] = []
+    yield made
+    for e in made:
+        e.close()
+
+
+def _engine(made, region, fds, **kw) -> uring.UringEngine:
+    e = uring.UringEngine(region, fds, **kw)
+    made.append(e)
+    return e
+
+
+def _collect(engine: uring.UringEngine, n: int, timeout_s: float = 30.0) -> dict[int, Completion]:
+    got: dict[int, Completion] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {len(got)} of {n} completions arrived"
+        for c in engine.wait_completions(0.5):
+            assert c.op_id not in got, f"op {c.op_id} completed twice"
+            got[c.op_id] = c
+    return got
+
+
+def _writes(n_files: int, per_file: int, first_id: int = 0) -> list[Op]:
+    """``per_file`` row writes to each file, interleaved, with checksums."""
+    return [
+        Op(first_id + i, OP_WRITE, i % n_files, (i // n_files) * ROW, (i % ROWS) * ROW, ROW, i)
+        for i in range(n_files * per_file)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("workers", "n_files", "expected_ops"),
+    [
+        (1, 2, [32]),  # one worker serves both drives
+        (2, 2, [16, 16]),  # one per drive
+        (4, 2, [8, 8, 8, 8]),  # two per drive, alternating
+        (3, 2, [8, 16, 8]),  # drive 0 has workers 0 and 2, drive 1 worker 1
+        (2, 4, [16, 16]),  # each worker serves two drives
+    ],
+)
+def test_ops_are_spread_over_workers_by_drive(
+    engines, region, files, workers, n_files, expected_ops
+) -> None:
+    engine = _engine(engines, region, files[:n_files], workers=workers)
+    ops = _writes(n_files, 32 // n_files)
+    engine.submit(ops)
+    done = _collect(engine, len(ops))
+    assert all(c.result == ROW for c in done.values())
+    assert [w["ops"] for w in engine.worker_stats()] == expected_ops
+    assert all(w["bytes"] == w["ops"] * ROW for w in engine.worker_stats())
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_several_workers_move_the_bytes_with_correct_checksums(
+    engines, region, files, workers
+) -> None:
+    engine = _engine(engines, region, files[:2], workers=workers)
+    ops = _writes(2, 32)
+    engine.submit(ops)
+    done = _collect(engine, len(ops))
+    for op in ops:
+        payload = region[op.buf_offset : op.buf_offset + ROW]
+        expected = xxhash.xxh3_64_intdigest(payload, op.seed)
+        assert done[op.op_id] == Completion(op.op_id, ROW, expected)
+        assert os.pread(files[op.file_idx], ROW, op.file_offset) == payload
+    # Read everything back into a zeroed region: same checksums.
+    sums = {op.op_id: done[op.op_id].checksum for op in ops}
+    region[:] = bytes(len(region))
+    reads = [op._replace(op_id=op.op_id + 1000, kind=OP_READ) for op in ops[:ROWS]]
+    engine.submit(reads)
+    back = _collect(engine, len(reads))
+    for op in reads:
+        assert back[op.op_id].result == ROW
+        assert back[op.op_id].checksum == sums[op.op_id - 1000]
+
+
+def test_queue_depth_and_bytes_in_flight_are_per_drive(engines, region, files) -> None:
+    cap = 64 << 20
+    one = _engine(engines, region, files[:2], workers=1, queue_depth=8, max_inflight_bytes=cap)
+    four = _engine(engines, region, files[:2], workers=4, queue_depth=8, max_inflight_bytes=cap)
+    assert one.describe()["worker_queue_depth"] == [16]
+    assert one.describe()["worker_max_inflight_bytes"] == [64 << 20]
+    assert four.describe()["worker_queue_depth"] == [4] * 4
+    assert four.describe()["worker_max_inflight_bytes"] == [16 << 20] * 4
+
+
+def test_one_failed_ring_fails_only_its_ops(engines, region, files) -> None:
+    engine = _engine(engines, region, files[:2], workers=2)
+    engine.inject_ring_failure(1, errno.EIO)
+    ops = _writes(2, 8)
+    engine.submit(ops)
+    done = _collect(engine, len(ops))
+    for op in ops:
+        assert done[op.op_id].result == (ROW if op.file_idx == 0 else -errno.EIO), op
+    stats = engine.worker_stats()
+    assert [w["failed_errno"] for w in stats] == [0, errno.EIO]
+
+
+def test_a_drive_with_another_worker_routes_around_a_failed_ring(engines, region, files) -> None:
+    engine = _engine(engines, region, files[:2], workers=4)
+    engine.inject_ring_failure(3, errno.EIO)
+    ops = _writes(2, 16)
+    engine.submit(ops)
+    done = _collect(engine, len(ops))
+    assert all(c.result == ROW for c in done.values())
+    assert engine.worker_stats()[3]["ops"] == 0
+
+
+def test_close_with_ops_in_flight_completes_each_op_once(engines, region, files) -> None:
+    engine = _engine(engines, region, files, workers=4, queue_depth=2)
+    ops = _writes(4, 64)
+    engine.submit(ops)
+    engine.close()
+    done = _collect(engine, len(ops), timeout_s=10)
+    results = {c.result for c in done.values()}
+    assert results <= {ROW, -errno.ECANCELED}
+    assert engine.wait_completions(0.1) == []
+    with pytest.raises(Exception, match="closed"):
+        engine.submit(ops[:1])
+
+
+def test_every_worker_clones_one_registration_where_the_kernel_can(engines, region, files) -> None:
+    engine = _engine(engines, region, files[:2], workers=3)
+    modes = engine.describe()["worker_buffers"]
+    major, minor = (int(x) for x in platform.release().split(".")[:2])
+    if (major, minor) < (6, 12):
+        assert modes == ["registered"] * 3  # registration per ring
+        return
+    assert modes == ["cloned"] * 3
+
+
+_MEMLOCK_LAUNCHER = r"""
+import ctypes, os, resource, sys
+PR_CAPBSET_DROP, CAP_IPC_LOCK = 24, 14
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0:
+    print("SKIP cannot drop CAP_IPC_LOCK: " + os.strerror(ctypes.get_errno()))
+    sys.exit(0)
+resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 * 1024, 64 * 1024))
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[1], sys.argv[2]])
+"""
+
+_MEMLOCK_CHILD = r"""
+import json, logging, mmap, os, sys, time
+from nvmetier.engine import uring
+from nvmetier.engine.base import OP_READ, OP_WRITE, Op
+with open("/proc/self/status") as f:
+    cap_eff = int(next(l for l in f if l.startswith("CapEff:")).split()[1], 16)
+if cap_eff & (1 << 14):
+    print("SKIP still has CAP_IPC_LOCK")
+    sys.exit(0)
+records = []
+handler = logging.Handler()
+handler.emit = records.append
+logging.getLogger("nvmetier").addHandler(handler)
+mm = mmap.mmap(-1, 64 << 20)
+fds = [os.open(sys.argv[1] + str(i), os.O_RDWR | os.O_CREAT, 0o644) for i in range(2)]
+engine = uring.UringEngine(mm, fds, workers=3)
+mm[:131072] = os.urandom(131072)
+got = {}
+deadline = time.monotonic() + 20
+def wait_for(n):
+    while len(got) < n and time.monotonic() < deadline:
+        for c in engine.wait_completions(0.5):
+            got[c.op_id] = c.result
+engine.submit([Op(i, OP_WRITE, i % 2, 0, i * 65536, 65536) for i in range(2)])
+wait_for(2)
+engine.submit([Op(2 + i, OP_READ, i % 2, 0, (2 + i) * 65536, 65536) for i in range(2)])
+wait_for(4)
+engine.close()
+print(json.dumps({"describe": engine.describe(), "results": [got.get(i) for i in range(4)],
+                  "same": mm[:131072] == mm[131072:262144],
+                  "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING]}))
+"""
+
+
+def test_several_workers_fall_back_to_plain_io_under_a_small_memlock_limit(tmp_path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMLOCK_LAUNCHER, _MEMLOCK_CHILD, str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
+    if out.stdout.startswith("SKIP"):
+        pytest.skip(out.stdout.strip())
+    got = json.loads(out.stdout)
+    if got["describe"]["registered_buffers"]:
+        pytest.skip("the kernel registered 64 MiB under a 64 KiB RLIMIT_MEMLOCK")
+    assert got["describe"]["worker_buffers"] == ["plain"] * 3
+    assert got["results"] == [65536] * 4
+    assert got["same"] is True
+    assert len(got["warnings"]) == 1
+    assert "Cannot allocate memory" in got["warnings"][0]
+    assert "3 of 3 worker ring(s)" in got["warnings"][0]
+
+
+_NOFILE_CHILD = r"""
+import errno, mmap, os, resource, sys, threading
+from nvmetier.engine import uring
+mm = mmap.mmap(-1, 1 << 20)
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+stdin_before = os.fstat(0)
+n_open = len(os.listdir("/proc/self/fd"))
+# Room for 3 more fds: the workers' eventfds run out at the fourth.
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (n_open + 3, hard))
+try:
+    uring.UringEngine(mm, [fd], workers=8)
+except OSError as exc:
+    print("error", errno.errorcode.get(exc.errno))
+else:
+    print("opened")
+same = os.fstat(0)
+print("stdin", (same.st_dev, same.st_ino) == (stdin_before.st_dev, stdin_before.st_ino))
+print("fds", len(os.listdir("/proc/self/fd")) - n_open + 1, "threads", threading.active_count())
+"""
+
+
+def test_an_open_that_runs_out_of_fds_fails_cleanly(tmp_path) -> None:
+    """Workers' setup failing part way (EMFILE) raises OSError and leaves
+    nothing behind: no fd of the caller's closed (stdin included), none leaked."""
+    r, w = os.pipe()  # a stdin the child can check
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _NOFILE_CHILD, str(tmp_path / "d")],
+            stdin=r,
+            capture_output=True,
+            text=True,
+            timeout=50,
+            check=True,
+        )
+    finally:
+        os.close(r)
+        os.close(w)
+    lines = out.stdout.split("\n")
+    assert lines[0] == "error EMFILE", out.stdout + out.stderr
+    assert lines[1] == "stdin True"
+    assert lines[2].startswith("fds 1 ")  # only the listdir's own fd
