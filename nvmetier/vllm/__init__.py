@@ -118,6 +118,42 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Chunk loads failed because another process reused the slot while loading (a miss).",
     ),
+    "loads_cancelled": (
+        "counter",
+        "Chunk loads cancelled before reaching the disk (the slot stays stored).",
+    ),
+    "stores_dropped_watch_timeout": (
+        "counter",
+        "Chunk stores failed because another process was still writing the same chunk "
+        "after the bounded wait (a stopped or hung sharer).",
+    ),
+    "stores_dropped_watch_failed": (
+        "counter",
+        "Chunk stores failed because another process's write of the same chunk, "
+        "waited for, did not land (error, cancelled, writer died).",
+    ),
+    "set_lock_timeouts": (
+        "counter",
+        "Set lock waits that gave up (a sharer stopped or hung holding the set): "
+        "a miss or a dropped store instead of a frozen scheduler thread.",
+    ),
+    "completions_deferred": (
+        "counter",
+        "Op completions deferred to a later poll because their set was held by another process.",
+    ),
+    "completions_abandoned": (
+        "counter",
+        "Op completions whose job stopped waiting for them (set held past the bound).",
+    ),
+    "loads_verified_unverified": (
+        "counter",
+        "Loads of slots recovered after a crash or from a dead writer, checksum-verified "
+        "whatever verify_checksums says.",
+    ),
+    "dead_slots_reclaimed": (
+        "counter",
+        "Slots of processes that died while writing them, reclaimed.",
+    ),
 }
 
 _warned_random_seed = False
