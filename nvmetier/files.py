@@ -492,6 +492,43 @@ def private_store_name(base: str) -> str:
     return f"{base}{PRIVATE_TAG}{os.getpid()}_{secrets.token_hex(4)}"
 
 
+def stores_of_other_formats(roots: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Stores under ``roots`` written by another nvmetier format version.
+
+    This version never opens them (its layout identity, hence its store
+    name, includes the format version), so after an upgrade the old store
+    sits beside the new one, outside the new one's ``capacity_bytes``. Blocks
+    for one directory listing and one superblock read per store; never raises.
+
+    Returns:
+        ``(main directory, format version, bytes on disk over all roots)``.
+    """
+    out: list[tuple[str, int, int]] = []
+    if not roots:
+        return out
+    try:
+        names = sorted(os.listdir(roots[0]))
+    except OSError:
+        return out
+    for name in names:
+        main = os.path.join(roots[0], name)
+        try:
+            with open(os.path.join(main, SUPERBLOCK_NAME), "rb") as f:
+                version = fmt.superblock_version(f.read(64))
+        except OSError:
+            continue
+        if version is None or version == fmt.FORMAT_VERSION:
+            continue
+        size = 0
+        for d in _under(roots, name):
+            with contextlib.suppress(OSError):
+                for entry in os.scandir(d):
+                    with contextlib.suppress(OSError):
+                        size += entry.stat(follow_symlinks=False).st_blocks * 512
+        out.append((main, version, size))
+    return out
+
+
 def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
     """Delete the private stores under ``roots`` whose process is gone, and
     the ``.removing-`` directories a crash left in the middle of a removal.

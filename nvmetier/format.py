@@ -175,6 +175,16 @@ def pack_superblock(sb: Superblock) -> bytes:
     return bytes(body)
 
 
+def superblock_version(data: bytes) -> int | None:
+    """The format version a superblock's bytes declare, or None when they are
+    not an nvmetier superblock (too short, bad magic). Reads nothing else, so
+    it works for every version, past and future."""
+    if len(data) < 12:
+        return None
+    magic, version = struct.unpack_from("<8sI", data)
+    return int(version) if magic == MAGIC else None
+
+
 def unpack_superblock(data: bytes, where: str = "superblock") -> Superblock:
     """Parse and verify a superblock.
 

@@ -57,7 +57,7 @@ from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
-from nvmetier.files import private_store_name, reclaim_private_stores
+from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import BlockStore, log_failed_job, log_refused_job
 
 if TYPE_CHECKING:
@@ -292,6 +292,30 @@ def store_name(
     return f"{name}_dp{dp_index}" if dp_size > 1 and sharing == "process" else name
 
 
+_warned_formats: set[str] = set()
+
+
+def _warn_other_formats(roots: tuple[str, ...]) -> None:
+    """One warning per store left by another format version (an upgrade):
+    this version never uses it, and it sits outside ``capacity_bytes``.
+    Never deleted automatically (it may belong to an older nvmetier still
+    running on this machine)."""
+    for path, version, size in stores_of_other_formats(roots):
+        if path in _warned_formats:
+            continue
+        _warned_formats.add(path)
+        logger.warning(
+            "nvmetier: %s is a store of format version %d, which this nvmetier (format %d) "
+            "never uses; it takes %.2f GiB outside capacity_bytes. Remove it when no older "
+            "nvmetier uses it any more (nvmetier info %s lists it)",
+            path,
+            version,
+            fmt.FORMAT_VERSION,
+            size / (1 << 30),
+            os.path.dirname(path),
+        )
+
+
 class NvmeTierManager(SecondaryTierManager):
     """A persistent, bounded, checksummed NVMe secondary tier.
 
@@ -367,6 +391,7 @@ class NvmeTierManager(SecondaryTierManager):
         reclaim_private_stores(self.config.root_dir)
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
+        _warn_other_formats(self.config.root_dir)
 
     @property
     def store(self) -> BlockStore:

@@ -241,3 +241,20 @@ def test_bench_vllm_level_attributes_cpu_to_the_tier_and_verifies_loads(tmp_path
     assert load["bytes"] > 0 and load["bytes"] + load["errors"] * (64 << 10) == 4 << 20
     n, total = load["extra"]["verified_sample"].split("/")
     assert n == total and int(n) > 0
+
+
+def test_a_store_of_an_older_format_is_reported_at_start(tmp_path, make_engine, caplog) -> None:
+    import logging
+    import struct
+
+    from nvmetier import format as fmt
+
+    root = tmp_path / "kv"
+    old = root / "model_0123456789ab"
+    old.mkdir(parents=True)
+    (old / "superblock").write_bytes(fmt.MAGIC + struct.pack("<I", fmt.FORMAT_VERSION - 1))
+    (old / "data").write_bytes(b"\0" * (1 << 20))
+    with caplog.at_level(logging.WARNING, logger="nvmetier.vllm"):
+        make_engine([nvme_tier(str(root))])
+    assert f"{old} is a store of format version {fmt.FORMAT_VERSION - 1}" in caplog.text
+    assert old.exists()  # reported, never deleted
