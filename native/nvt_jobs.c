@@ -153,6 +153,18 @@ static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
     return 0;
 }
 
+/* A snapshot of a sequence argument (keys, rows) as a tuple: its items are
+ * owned by it, so neither another thread (while a set wait releases the GIL)
+ * nor an item's __index__ can shrink or edit what this call walks, and a
+ * job keeps the keys it was given. NULL with TypeError(msg) when `obj` is not
+ * iterable. */
+PyObject *nvt_seq_snapshot(PyObject *obj, const char *msg) {
+    PyObject *t = PySequence_Tuple(obj);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError))
+        PyErr_SetString(PyExc_TypeError, msg);
+    return t;
+}
+
 /* Rows: a C-contiguous buffer of int32 or int64 (vLLM's chunk_ids, read in
  * place), or else any sequence of ints (copied into an int64 array that the
  * view then owns, so PyBuffer_Release frees it like any view). */
@@ -166,7 +178,7 @@ static int rows_arg(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
         PyBuffer_Release(view);
     }
     PyErr_Clear();
-    PyObject *seq = PySequence_Fast(obj, "rows must be a sequence of ints");
+    PyObject *seq = nvt_seq_snapshot(obj, "rows must be a sequence of ints");
     if (!seq)
         return -1;
     if (PySequence_Fast_GET_SIZE(seq) != n) {
@@ -243,7 +255,7 @@ static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, 
  * count, or -1 with an exception set and nothing held. */
 Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
                            PyObject **out) {
-    *seq = PySequence_Fast(keys, "keys must be a sequence");
+    *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!*seq)
         return -1;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(*seq);

@@ -119,5 +119,6 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
 void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
 PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
 PyObject *nvt_take_list(PyObject **slot);
+PyObject *nvt_seq_snapshot(PyObject *obj, const char *msg);
 
 #endif /* NVT_JOBS_H */

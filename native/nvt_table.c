@@ -220,7 +220,7 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
 
 static PyObject *Table_touch(TableObject *self, PyObject *keys) {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
