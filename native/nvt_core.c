@@ -28,7 +28,7 @@ int nvt_record_has_key(nvt_core *t, uint64_t slot, const char *key, size_t n) {
     const unsigned char *r = record(t, slot);
     uint32_t magic;
     memcpy(&magic, r, 4);
-    return magic == REC_MAGIC && r[4] == REC_STATE_VALID && r[5] == (unsigned char)n &&
+    return n <= REC_KEY_MAX && magic == REC_MAGIC && r[4] == REC_STATE_VALID && r[5] == (unsigned char)n &&
            memcmp(r + REC_KEY_OFFSET, key, (size_t)n) == 0;
 }
 
@@ -176,10 +176,12 @@ static int lock_bounded(nvt_core *t, uint64_t set) {
             until.tv_sec++;
             until.tv_nsec -= 1000000000L;
         }
+        t->waiting = 1;
         void *gil = t->unblock ? t->unblock() : NULL;
         r = pthread_mutex_clocklock(&h->mu, CLOCK_MONOTONIC, &until);
         if (t->reblock)
-        t->reblock(gil);
+            t->reblock(gil);
+        t->waiting = 0;
         if (r == ETIMEDOUT) {
             mark_stalled(t, set, now, st);
             t->c.set_lock_timeouts++;
@@ -229,13 +231,15 @@ static int recover_set(nvt_core *t, uint64_t set) {
     h->holder = 0;
     pthread_mutex_unlock(&h->mu);
     uint64_t until = now_mono_ns() + DYING_WAIT_MS * 1000000ULL;
-    void *gil = t->unblock ? t->unblock() : NULL;
+    t->waiting = 1;
+        void *gil = t->unblock ? t->unblock() : NULL;
     while (nvt_owner_alive(t, (uint8_t)(holder - 1), holder_inc) && now_mono_ns() < until) {
         struct timespec d = {0, 500000L};
         nanosleep(&d, NULL);
     }
     if (t->reblock)
         t->reblock(gil);
+    t->waiting = 0;
     int r = lock_bounded(t, set);
     if (r < 0)
         return -1;

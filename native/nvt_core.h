@@ -83,6 +83,10 @@ typedef struct nvt_core {
     /* Called around a bounded wait for another process (may be NULL). */
     void *(*unblock)(void);
     void (*reblock)(void *);
+    /* Set while a call waits with unblock() in effect (the GIL released): the
+     * core is mid-operation, and a caller must not enter it from another
+     * thread until reblock() (the CPython type refuses such calls). */
+    int waiting;
 } nvt_core;
 
 static inline uint64_t now_mono_ns(void) {
@@ -155,12 +159,23 @@ static inline uint8_t *set_states(nvt_core *t, uint64_t set) {
 }
 
 /* Milliseconds since `stamp` (0 when the stamp is in the future). */
-static inline uint64_t age_ms(uint64_t now, uint64_t stamp) { return now > stamp ? now - stamp : 0; }
+/* CLOCK_MONOTONIC is one clock for every process of a machine, except across
+ * time namespaces (containers may offset it). A stamp further than this
+ * ahead of our now was not made by our clock: treat it as long past rather
+ * than trust it (a sharer whose clock runs days ahead must not pin slots, nor
+ * hide its dead claims, for days). Also the longest lease a Table grants. */
+#define NVT_CLOCK_HORIZON_MS (3600ULL * 1000ULL)
+
+static inline uint64_t age_ms(uint64_t now, uint64_t stamp) {
+    if (stamp > now)
+        return stamp - now > NVT_CLOCK_HORIZON_MS ? UINT64_MAX : 0;
+    return now - stamp;
+}
 
 /* A lease whose end passed is zeroed where it is seen (the set is locked):
  * its grants' late releases then name an old epoch and take no pin. */
 static inline void lease_expire_locked(slot_ref s, uint64_t now) {
-    if (*s.pins && *s.stamp <= now) {
+    if (*s.pins && (*s.stamp <= now || *s.stamp - now > NVT_CLOCK_HORIZON_MS)) {
         *s.pins = 0;
         *s.stamp = 0;
         (*s.epoch)++;

@@ -67,6 +67,23 @@ static void *gil_release(void) { return PyEval_SaveThread(); }
 
 static void gil_restore(void *state) { PyEval_RestoreThread(state); }
 
+/* A Table belongs to one thread at a time (the store's caller). While one of
+ * its calls waits for another process with the GIL released, another thread
+ * could run Python and call in: refuse that, since the slabs and the set
+ * being worked on are mid-change (it would corrupt them). */
+static PyObject *table_busy(void) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "nvmetier Table used from two threads at once (a call of another thread is "
+                    "waiting for a set lock); a Table belongs to one thread at a time");
+    return NULL;
+}
+
+#define GUARD(self)                                                                                            \
+    do {                                                                                                       \
+        if ((self)->core.waiting)                                                                              \
+            return table_busy();                                                                               \
+    } while (0)
+
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
                              "n_rows", "lease_ns", "watch_timeout_ns", NULL};
@@ -110,7 +127,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->slot_bytes = slot_bytes;
     self->row_bytes = row_bytes;
     self->n_rows = n_rows;
-    self->core.lease_ms = lease_ns / 1000000ULL > 0x40000000ULL ? 0x40000000u
+    self->core.lease_ms = lease_ns / 1000000ULL > NVT_CLOCK_HORIZON_MS ? (uint32_t)NVT_CLOCK_HORIZON_MS
                      : (uint32_t)(lease_ns / 1000000ULL ? lease_ns / 1000000ULL : 1);
     self->core.watch_timeout_ms = watch_ns / 1000000ULL;
     return (PyObject *)self;
@@ -125,6 +142,7 @@ PyDoc_STRVAR(attach_doc, "attach() -> (index, incarnation)\n\n"
                          "pid, incarnation and time. Raises OSError when all entries are taken.");
 
 static PyObject *Table_attach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     int i = nvt_attach(&self->core);
     if (i == -EUSERS) {
         errno = EUSERS;
@@ -140,6 +158,7 @@ static PyObject *Table_attach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
 PyDoc_STRVAR(detach_doc, "detach()\n\nLeave the sharer registry (pid cleared, OFD lock released).");
 
 static PyObject *Table_detach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     nvt_detach(&self->core);
     Py_RETURN_NONE;
 }
@@ -149,6 +168,7 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
                          "no sharer evicts it for lease_ns, and counts as an access.");
 
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
+    GUARD(self);
     uint64_t set;
     int w, hit = 0;
     int r = nvt_locate(self, key, 1u << NVT_READY, &set, &w);
@@ -202,6 +222,7 @@ static int64_t ready_slot(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
 
 static PyObject *Table_contains(TableObject *self, PyObject *key) {
+    GUARD(self);
     int64_t slot = ready_slot(self, key);
     return slot == -2 ? NULL : PyBool_FromLong(slot >= 0);
 }
@@ -209,6 +230,7 @@ static PyObject *Table_contains(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(slot_of_doc, "slot_of(key) -> int | None\n\nThe slot holding key READY, or None.");
 
 static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
+    GUARD(self);
     int64_t slot = ready_slot(self, key);
     if (slot == -2)
         return NULL;
@@ -220,6 +242,7 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
 
 static PyObject *Table_touch(TableObject *self, PyObject *keys) {
+    GUARD(self);
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
@@ -252,6 +275,7 @@ PyDoc_STRVAR(store_ops_doc,
              "plus keys waiting for another write of the same key (0: the job is done).");
 
 static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
+    GUARD(self);
     long long job_id, max_ops;
     PyObject *keys, *rows_obj;
     int events;
@@ -298,6 +322,7 @@ PyDoc_STRVAR(load_ops_doc,
              "(or a bad row), or None.");
 
 static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
+    GUARD(self);
     long long job_id;
     PyObject *keys, *rows_obj;
     int verify;
@@ -340,6 +365,7 @@ PyDoc_STRVAR(complete_doc,
              "stored/removed: keys for KV events (events), or None.");
 
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
+    GUARD(self);
     Py_buffer comps;
     int events;
     if (!PyArg_ParseTuple(args, "y*p", &comps, &events))
@@ -380,6 +406,7 @@ PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, event
                        "and whether KV events are kept for take_events().");
 
 static PyObject *Table_bind(TableObject *self, PyObject *args) {
+    GUARD(self);
     PyObject *submit, *wait;
     unsigned int max_q;
     int verify, events;
@@ -402,14 +429,20 @@ PyDoc_STRVAR(submit_store_doc,
              "set (admission) are left out and succeed. Returns None, or the engine's error\n"
              "when it refused the ops (they then fail).");
 
-static PyObject *Table_submit_store(TableObject *self, PyObject *args) { return nvt_submit_job(self, args, 0); }
+static PyObject *Table_submit_store(TableObject *self, PyObject *args) {
+    GUARD(self);
+    return nvt_submit_job(self, args, 0);
+}
 
 PyDoc_STRVAR(submit_load_doc,
              "submit_load(job_id, keys, rows) -> None or str\n\n"
              "load_ops, then the ops to the bound engine, as one job that poll() reports.\n"
              "A key not READY fails at once (as missing: the job's error stays None).");
 
-static PyObject *Table_submit_load(TableObject *self, PyObject *args) { return nvt_submit_job(self, args, 1); }
+static PyObject *Table_submit_load(TableObject *self, PyObject *args) {
+    GUARD(self);
+    return nvt_submit_job(self, args, 1);
+}
 
 PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
                        "Apply the engine's completions (never waits) and return the jobs that\n"
@@ -417,6 +450,7 @@ PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
                        "transfer_time_s, moved_bytes, error or None, is_load).");
 
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     if ((self->outstanding || self->n_watches || self->n_deferred) && nvt_collect(self, py_zero_s) < 0)
         return NULL;
     if (!PyList_GET_SIZE(self->done))
@@ -429,6 +463,7 @@ PyDoc_STRVAR(collect_doc, "nvt_collect(timeout_s)\n\n"
                           "(the engine's wait_raw releases the GIL); finished jobs wait for poll().");
 
 static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
+    GUARD(self);
     if (!PyFloat_Check(timeout)) {
         PyErr_SetString(PyExc_TypeError, "timeout_s must be a float");
         return NULL;
@@ -443,6 +478,7 @@ PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
                               "(bind(events=True)).");
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     return nvt_take_list(&self->events);
 }
 
@@ -450,6 +486,7 @@ PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"
                            "Ops handed to the engine and not yet collected; jobs not yet finished.");
 
 static PyObject *Table_inflight(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     return Py_BuildValue("(II)", self->outstanding, self->jobs_live);
 }
 
@@ -458,6 +495,7 @@ PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
                                  "load (and no other sharer) extended since.");
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     for (size_t i = 0; i < self->n_held; i++) {
         uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->core.ways;
         if (nvt_set_lock(&self->core, set) != 0)
@@ -475,6 +513,7 @@ PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
                              "leased by a lookup or load. A removal is a KV event (bind(events=True)).");
 
 static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
+    GUARD(self);
     uint64_t set;
     int w, done = 0;
     int r = nvt_locate(self, key, (1u << NVT_READY) | (1u << NVT_BAD), &set, &w);
@@ -506,6 +545,7 @@ PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
                         "recount the used/ready gauges. Returns the slots reclaimed.");
 
 static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     return PyLong_FromLongLong(nvt_sweep(&self->core));
 }
 
@@ -519,6 +559,7 @@ PyDoc_STRVAR(load_doc,
              "next load, whatever verify_checksums says. Only while no other sharer is attached.");
 
 static PyObject *Table_load(TableObject *self, PyObject *args) {
+    GUARD(self);
     PyObject *arg;
     int unverified;
     if (!PyArg_ParseTuple(args, "Op", &arg, &unverified))
@@ -539,6 +580,7 @@ static PyObject *Table_load(TableObject *self, PyObject *args) {
 PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative counters.");
 
 static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     nvt_counters *c = &self->core.c;
     return Py_BuildValue(
         "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
@@ -561,6 +603,7 @@ PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
                         "process's stores waiting for another write of their key, and jobs in flight.");
 
 static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
     publish_counts(&self->core);
     int64_t used = __atomic_load_n(&self->core.hdr->used, __ATOMIC_RELAXED);
     int64_t ready = __atomic_load_n(&self->core.hdr->ready, __ATOMIC_RELAXED);
@@ -573,6 +616,7 @@ PyDoc_STRVAR(hold_set_doc, "_hold_set(set) -> bool\n\n"
                            "killed inside a critical section would). False when not taken.");
 
 static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
+    GUARD(self);
     unsigned long long set = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;
@@ -586,6 +630,7 @@ static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
 PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex _hold_set took.");
 
 static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
+    GUARD(self);
     unsigned long long set = PyLong_AsUnsignedLongLong(arg);
     if (PyErr_Occurred())
         return NULL;

@@ -308,11 +308,14 @@ class BlockStore:
     ) -> None:
         """Write the chunks of ``rows`` under ``keys``. Never blocks.
 
-        Keys already present, or being written by any sharer, are skipped
-        (success). Keys that cannot be admitted (queue over
-        ``max_queued_bytes``, all ways of the set busy, not yet looked up
-        ``admit_after_lookups`` times) are dropped, counted, and do not fail
-        the job.
+        Keys already present are skipped (success); a key another sharer is
+        writing succeeds once that write landed, and fails if it did not or
+        is still unfinished after ``WATCH_TIMEOUT_S``. Keys dropped for lack
+        of resources (queue over ``max_queued_bytes``, every way of the set
+        busy or leased, the set lock not taken in its bound) are counted and
+        fail the job quietly (``successful_keys`` names the stored ones).
+        Keys not yet looked up ``admit_after_lookups`` times are skipped on
+        purpose and succeed (the admission policy is not a failure).
         """
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")

@@ -1170,3 +1170,83 @@ def test_a_slot_reclaimed_from_a_dead_writer_is_verified_once_whatever_the_confi
     assert b.counters()["loads_verified_unverified"] == 1
     packed, _ = b.load_ops(6, [key], _rows(1), False)
     assert int(_ops(packed)[0]["checksum"]) == 0
+
+
+def test_a_second_thread_is_refused_while_a_call_waits_for_a_set_lock(shared: Shared) -> None:
+    """Was a bug (adversarial review, R02): a call that waits for a set held
+    briefly by another process releases the GIL; a second thread that applied
+    the same completion meanwhile applied it twice, freed its op twice and
+    made two later ops share one id. A Table belongs to one thread at a time:
+    the second thread's call is refused, and nothing is applied twice."""
+    a = _handle(shared)
+    (key,) = SET0_KEYS[:1]
+    ops, _ = _store(a, [key], job_id=1)
+    go_r, go_w = os.pipe()
+    held_r, held_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a sharer that holds set 0 for 8 ms when told
+        try:
+            os.close(go_w)
+            os.close(held_r)
+            c = _handle(shared)
+            os.read(go_r, 1)
+            assert c._hold_set(0)
+            os.write(held_w, b"x")
+            time.sleep(0.008)
+            c._release_set(0)
+        finally:
+            os._exit(0)
+    os.close(go_r)
+    os.close(held_w)
+    results: list[object] = []
+
+    def apply() -> None:
+        try:
+            results.append(a.complete(_ok(ops), False))
+        except RuntimeError as exc:
+            results.append(exc)
+
+    try:
+        os.write(go_w, b"x")
+        os.read(held_r, 1)  # the set is held now: both calls wait for it
+        threads = [threading.Thread(target=apply) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        os.waitpid(pid, 0)
+    assert len(results) == 2
+    refused = [r for r in results if isinstance(r, RuntimeError)]
+    assert all("two threads" in str(r) for r in refused)
+    # Whatever ran, the op was applied once: later ops each get an id of
+    # their own (keys of other sets).
+    others = [k for k in KEYS if set_of(k) != 0][:2]
+    ids = [int(op["op_id"]) for k in others for op in _store(a, [k], job_id=9)[0]]
+    assert len(set(ids)) == len(ids) == 2
+
+
+def test_a_lease_stamped_by_a_clock_days_ahead_does_not_pin_its_slot(shared: Shared) -> None:
+    """Was a bug (adversarial review, R06): a sharer whose CLOCK_MONOTONIC
+    runs ahead (a time namespace) looked keys up and died; every other sharer
+    then saw those slots leased for the whole offset (30 days): invalidate()
+    refused them and eviction skipped them. A stamp further ahead than any
+    lease lasts is not trusted."""
+    a = _handle(shared, lease_ms=100)
+    k1, k2 = SET0_KEYS[:2]
+    ops, _ = _store(a, [k1, k2], job_id=1)
+    a.complete(_ok(ops), False)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _table._set_clock_offset_ns(30 * 86400 * 10**9)
+            c = _handle(shared, lease_ms=100)
+            c.lookup(k1)
+            c.lookup(k2)
+            os.kill(os.getpid(), 9)
+        finally:
+            os._exit(1)
+    os.waitpid(pid, 0)
+    time.sleep(0.3)  # three times the lease
+    assert a.invalidate(k1)
+    assert a.invalidate(k2)
