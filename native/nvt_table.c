@@ -32,6 +32,7 @@
 #include "nvt_jobs.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -67,6 +68,18 @@ static void *gil_release(void) { return PyEval_SaveThread(); }
 
 static void gil_restore(void *state) { PyEval_RestoreThread(state); }
 
+/* Forks of this process so far, counted in the child (pthread_atfork). */
+static unsigned nvt_forks;
+
+static void count_fork_in_child(void) { nvt_forks++; }
+
+static PyObject *table_forked(void) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "nvmetier Table inherited through fork(): it would act as the parent's sharer "
+                    "(its registry entry and lock); open the store again in the child");
+    return NULL;
+}
+
 /* A Table belongs to one thread at a time (the store's caller). While one of
  * its calls waits for another process with the GIL released, another thread
  * could run Python and call in: refuse that, since the slabs and the set
@@ -82,6 +95,8 @@ static PyObject *table_busy(void) {
     do {                                                                                                       \
         if ((self)->core.waiting)                                                                              \
             return table_busy();                                                                               \
+        if ((self)->fork_gen != nvt_forks)                                                                     \
+            return table_forked();                                                                             \
     } while (0)
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -98,6 +113,7 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (!self)
         return NULL;
     self->core.me = -1;
+    self->fork_gen = nvt_forks;
     self->done = PyList_New(0);
     self->events = PyList_New(0);
     if (!self->done || !self->events)
@@ -794,8 +810,16 @@ static struct PyModuleDef table_module = {
 };
 
 PyMODINIT_FUNC PyInit__table(void) {
+    static int atfork_done;
     if (PyType_Ready(&TableType) < 0)
         return NULL;
+    if (!atfork_done) {
+        if (pthread_atfork(NULL, NULL, count_fork_in_child) != 0) {
+            PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+            return NULL;
+        }
+        atfork_done = 1;
+    }
     if (!py_zero_s && !(py_zero_s = PyFloat_FromDouble(0.0)))
         return NULL;
     if (!py_empty_tuple && !(py_empty_tuple = PyTuple_New(0)))

@@ -1250,3 +1250,31 @@ def test_a_lease_stamped_by_a_clock_days_ahead_does_not_pin_its_slot(shared: Sha
     time.sleep(0.3)  # three times the lease
     assert a.invalidate(k1)
     assert a.invalidate(k2)
+
+
+def test_a_table_inherited_through_fork_is_refused_in_the_child(shared: Shared) -> None:
+    """Was a bug (adversarial review, R11): a forked child that used the
+    parent's Table wrote slots as the parent's sharer (its registry entry and
+    OFD lock); if it died mid-write, nobody could ever reclaim the slot. The
+    child's calls are refused; a Table it opens itself works."""
+    a = _handle(shared)
+    k1, k2 = SET0_KEYS[:2]
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                a.store_ops(1, [k1], _rows(1), 64, False)
+            except RuntimeError as exc:
+                if "fork" in str(exc):
+                    own = _handle(shared)
+                    ops, _ = _store(own, [k2], job_id=2)
+                    own.complete(_ok(ops), False)
+                    code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert a.contains(k2) and not a.contains(k1)
+    ops, _ = _store(a, [k1], job_id=3)  # the parent's own Table still works
+    assert len(ops) == 1
