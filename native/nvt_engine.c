@@ -452,13 +452,29 @@ static int io_setup(nvt_worker *w) {
             w->info.buffers_errno = e->src_errno;
         }
     }
+    /* The data files (op file_idx i is entry i), then the keepalive fd. */
+    int keep = e->cfg.keepalive_fd;
     if (e->cfg.fixed_files && e->nfds > 0) {
-        ret = io_uring_register_files(&w->ring, e->fds, e->nfds);
-        if (ret == 0)
+        unsigned n = e->nfds + (keep >= 0 ? 1u : 0u);
+        int *all = malloc(n * sizeof(int));
+        if (all) {
+            memcpy(all, e->fds, e->nfds * sizeof(int));
+            if (keep >= 0)
+                all[e->nfds] = keep;
+            ret = io_uring_register_files(&w->ring, all, n);
+            free(all);
+        } else {
+            ret = -ENOMEM;
+        }
+        if (ret == 0) {
             w->info.fixed_files = 1;
-        else
+            w->info.keepalive = keep >= 0;
+        } else {
             w->info.files_errno = -ret;
+        }
     }
+    if (keep >= 0 && !w->info.keepalive && io_uring_register_files(&w->ring, &keep, 1) == 0)
+        w->info.keepalive = 1; /* registered alone: ops then name their fds */
     return 0;
 }
 

@@ -84,6 +84,13 @@ typedef struct {
     int fixed_files;                /* try registered files */
     uint64_t register_chunk_bytes;  /* bytes per registered iovec, <= 1 GiB */
     unsigned workers;               /* rings and I/O threads, 1..NVT_MAX_WORKERS */
+    /* An fd registered in every ring beside the data files and never used
+     * for I/O (-1: none): the store's lock fd, whose OFD locks say this
+     * process is alive. A ring holds its registered files until its queued
+     * I/O is done, so when this process dies the lock outlives its in-flight
+     * writes, and no other process reclaims a slot those writes may still
+     * land on. */
+    int keepalive_fd;
 } nvt_config;
 
 /* How a worker's ring got the buffer registered. */
@@ -98,6 +105,7 @@ typedef struct {
     int clone_errno;         /* why cloning from worker 0 failed (0: not tried or ok) */
     int fixed_files;         /* 1 if the fds are registered */
     int files_errno;         /* why file registration failed */
+    int keepalive;           /* 1 if the keepalive fd is registered in this ring */
     unsigned ring_entries;   /* SQ size */
     unsigned setup_flags;    /* IORING_SETUP_* the ring was created with */
     unsigned queue_depth;    /* ops in this ring at once */

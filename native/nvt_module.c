@@ -125,14 +125,14 @@ static void nvt_drop_completions(nvt_completion_batch *b) {
 
 static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", "fds", "queue_depth", "max_inflight_bytes", "register_buffers",
-                             "fixed_files", "register_chunk_bytes", "workers", NULL};
+                             "fixed_files", "register_chunk_bytes", "workers", "keepalive_fd", NULL};
     PyObject *buffer, *fds_obj;
-    int queue_depth = 64, register_buffers = 1, fixed_files = 1, workers = 1;
+    int queue_depth = 64, register_buffers = 1, fixed_files = 1, workers = 1, keepalive_fd = -1;
     long long max_inflight_bytes = 64LL << 20, chunk_bytes = (long long)NVT_MAX_REGISTER_CHUNK_BYTES;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLi", kwlist, &buffer, &fds_obj, &queue_depth,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLii", kwlist, &buffer, &fds_obj, &queue_depth,
                                      &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes,
-                                     &workers))
+                                     &workers, &keepalive_fd))
         return NULL;
     if (workers < 1 || workers > NVT_MAX_WORKERS) {
         PyErr_Format(PyExc_ValueError, "workers must be in 1..%d, got %d", NVT_MAX_WORKERS, workers);
@@ -189,6 +189,7 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     self->cfg.fixed_files = fixed_files;
     self->cfg.register_chunk_bytes = (uint64_t)chunk_bytes;
     self->cfg.workers = (unsigned)workers;
+    self->cfg.keepalive_fd = keepalive_fd < 0 ? -1 : keepalive_fd;
 
     int ret;
     nvt_engine *eng = NULL;
@@ -446,12 +447,13 @@ static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignor
     PyObject *list = PyList_New(n);
     if (!list)
         return NULL;
-    int all_bufs = 1, all_files = 1, buf_err = 0, file_err = 0;
+    int all_bufs = 1, all_files = 1, all_keep = 1, buf_err = 0, file_err = 0;
     for (unsigned i = 0; i < n; i++) {
         nvt_engine_info in;
         nvt_engine_get_info(self->eng, i, &in);
         all_bufs &= in.registered_buffers != NVT_BUFFERS_PLAIN;
         all_files &= in.fixed_files;
+        all_keep &= in.keepalive;
         if (!buf_err)
             buf_err = in.buffers_errno;
         if (!file_err)
@@ -471,9 +473,10 @@ static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignor
     }
     nvt_engine_info first;
     nvt_engine_get_info(self->eng, 0, &first);
-    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K,s:s,s:N}", "registered_buffers",
+    return Py_BuildValue("{s:O,s:i,s:O,s:i,s:O,s:I,s:I,s:I,s:K,s:K,s:s,s:N}", "registered_buffers",
                          all_bufs ? Py_True : Py_False, "buffers_errno", buf_err, "fixed_files",
-                         all_files ? Py_True : Py_False, "files_errno", file_err, "queue_depth",
+                         all_files ? Py_True : Py_False, "files_errno", file_err, "lock_registered",
+                         all_keep && self->cfg.keepalive_fd >= 0 ? Py_True : Py_False, "queue_depth",
                          self->cfg.queue_depth, "ring_entries", first.ring_entries, "setup_flags",
                          first.setup_flags, "max_inflight_bytes",
                          (unsigned long long)self->cfg.max_inflight_bytes, "register_chunk_bytes",

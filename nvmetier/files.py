@@ -898,6 +898,13 @@ class StoreFiles:
             release_free_memory()
         self.table.attach()
 
+    @property
+    def registry_fd(self) -> int:
+        """The fd whose OFD locks tell the other sharers this process is
+        alive (-1 when closed). The io_uring engine registers it in its rings
+        so that, if this process dies, the lock outlives its queued writes."""
+        return self._lock_fd
+
     def other_sharers(self) -> int:
         """How many other processes are attached now (a lock probe each)."""
         import nvmetier._table as _table
@@ -1134,6 +1141,11 @@ class StoreFiles:
             if removing:
                 _remove_dirs(self.dirs)  # still under lock.init: nobody attaches meanwhile
             if self._lock_fd >= 0:
+                # Unlock before the close: an io_uring ring that registered
+                # this fd (registry_fd) may hold the open file a few ms
+                # longer, and a flock goes only with the last reference.
+                with contextlib.suppress(OSError):
+                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
                 os.close(self._lock_fd)
                 self._lock_fd = -1
         finally:

@@ -213,6 +213,7 @@ class BlockStore:
                 max_inflight_bytes=config.max_inflight_bytes,
                 io_workers=config.io_workers,
                 chunk_bytes=row_bytes,
+                keepalive_fd=self.files.registry_fd,
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)

@@ -187,14 +187,17 @@ def make_engine(
     max_inflight_bytes: int = 64 << 20,
     io_workers: int | str = 1,
     chunk_bytes: int | None = None,
+    keepalive_fd: int = -1,
 ) -> IoEngine:
     """Construct the engine ``name`` (already resolved) over ``buffer`` and ``fds``.
 
     For ``uring``: ``io_workers`` rings (``resolve_workers``); with
     ``chunk_bytes`` the bytes in flight are sized per drive
     (``inflight_bytes``), capped by ``max_inflight_bytes``; without it
-    ``max_inflight_bytes`` is used as given. The thread engine uses
-    ``io_threads`` and ignores the rest.
+    ``max_inflight_bytes`` is used as given; ``keepalive_fd`` (the store's
+    lock fd) is registered in every ring so a dead process's lock outlives
+    its queued writes. The thread engine uses ``io_threads`` and ignores the
+    rest (its threads die with the process, and the lock only then).
     """
     if name == "threads":
         return ThreadEngine(buffer, fds, n_threads=io_threads)
@@ -210,5 +213,6 @@ def make_engine(
             register_buffers=register_buffers,
             max_inflight_bytes=max_inflight_bytes,
             workers=resolve_workers(io_workers, fds),
+            keepalive_fd=keepalive_fd,
         )
     raise ConfigError(f"unknown I/O engine {name!r}; use one of {ENGINE_NAMES}")

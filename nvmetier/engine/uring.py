@@ -144,7 +144,13 @@ class UringEngine(IoEngine):
         fixed_files: bool = True,
         register_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES,
         workers: int = 1,
+        keepalive_fd: int = -1,
     ) -> None:
+        # keepalive_fd (the store's lock fd, -1: none) is registered in every
+        # ring and never used for I/O: a ring holds its files until its queued
+        # I/O is done, so if this process dies, its lock (which tells the other
+        # sharers it is alive) outlives its in-flight writes, and no sharer
+        # reclaims a slot such a write may still land on.
         self._native = _uring.Engine(
             buffer,
             list(fds),
@@ -154,8 +160,10 @@ class UringEngine(IoEngine):
             fixed_files=fixed_files,
             register_chunk_bytes=register_chunk_bytes,
             workers=workers,
+            keepalive_fd=keepalive_fd,
         )
         info = self._native.info()
+        self._lock_registered = bool(info.get("lock_registered", False))
         self._workers_info = [dict(w) for w in info["workers"]]
         self._registered_buffers = bool(info["registered_buffers"])
         self._fixed_files = bool(info["fixed_files"])
@@ -247,6 +255,7 @@ class UringEngine(IoEngine):
             "engine": self.name,
             "registered_buffers": self._registered_buffers,
             "fixed_files": self._fixed_files,
+            "lock_registered": self._lock_registered,
             "queue_depth": self._queue_depth,
             "max_inflight_bytes": self._max_inflight_bytes,
             "workers": len(self._workers_info),

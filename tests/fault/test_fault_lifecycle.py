@@ -163,6 +163,12 @@ def _private_dirs(root: str) -> list[str]:
     return sorted(n for n in os.listdir(root) if "_private_" in n)
 
 
+def _wait_released(store: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while store_held(store) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_a_killed_process_private_store_is_reclaimed_by_the_next_start(tmp_path, procs) -> None:
     root = str(tmp_path / "kv")
     victim, survivor, _ = procs
@@ -171,6 +177,9 @@ def test_a_killed_process_private_store_is_reclaimed_by_the_next_start(tmp_path,
     victim.p.send_signal(signal.SIGKILL)
     victim.p.wait()
     assert _private_dirs(root) == [name]  # a whole preallocated store, left behind
+    # Its io_uring rings keep its lock until their queued I/O drained (the
+    # kernel tears them down just after the exit): reclaim comes after that.
+    _wait_released(os.path.join(root, name))
     _ok, _pid, mine, reclaimed = survivor.call(f"open_private {root}").split()
     assert (reclaimed, _private_dirs(root)) == ("1", [mine])
     survivor.call("close")

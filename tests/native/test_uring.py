@@ -526,3 +526,48 @@ def test_registration_failure_from_memlock_falls_back_to_plain_io(tmp_path):
     assert got["same"] is True
     assert len(got["warnings"]) == 1
     assert "Cannot allocate memory" in got["warnings"][0]
+
+
+def _ofd_locked(path: str) -> bool:
+    import fcntl
+    import struct
+
+    flock = struct.Struct("hhqqi4x")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+        return bool(flock.unpack(got)[0] != fcntl.F_UNLCK)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_lock_fd_outlives_its_close_until_the_rings_are_gone(tmp_path, workers: int) -> None:
+    """The store's lock fd is registered in every ring (issue 15 item 9): when
+    the process dies, the kernel closes its fds, but the rings keep the lock's
+    open file, so its OFD lock (this process is alive) holds until the rings
+    are torn down, after their queued writes. Here: our own fd closed, the
+    lock still held while the engine lives, gone once it is closed."""
+    import fcntl
+    import struct
+
+    data = os.open(tmp_path / "data", os.O_CREAT | os.O_RDWR)
+    os.ftruncate(data, MIB)
+    lock_path = str(tmp_path / "lock")
+    lock = os.open(lock_path, os.O_CREAT | os.O_RDWR)
+    flock = struct.Struct("hhqqi4x")
+    fcntl.fcntl(lock, fcntl.F_OFD_SETLK, flock.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
+    buf = memoryview(mmap.mmap(-1, MIB))
+    eng = uring.UringEngine(buf, [data], keepalive_fd=lock, workers=workers)
+    try:
+        assert eng.describe()["lock_registered"] is True
+        os.close(lock)  # what the kernel does first when the process dies
+        assert _ofd_locked(lock_path), "the rings must keep the lock while they live"
+    finally:
+        eng.close()
+        os.close(data)
+    # The kernel tears a ring down asynchronously once its fd is closed.
+    deadline = time.monotonic() + 10.0
+    while _ofd_locked(lock_path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _ofd_locked(lock_path), "the lock must go with the rings"

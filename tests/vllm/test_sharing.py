@@ -9,6 +9,7 @@ Every chunk loaded is compared with the bytes its writer stored.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from nvmetier.config import parse_size
+from nvmetier.files import store_held
 from tests.vllm import conftest
 from tests.vllm.sharer import (
     OP_TIMEOUT_S,
@@ -262,6 +264,12 @@ def test_random_hash_seed_store_of_a_killed_process_is_reclaimed_by_the_next_sta
     victim.call("store", keys=key_range(0, 32))
     victim.kill()
     assert files_under(root) != []  # its whole preallocated store is left
+    # Its io_uring rings keep its lock until their queued I/O drained (the
+    # kernel tears them down just after the exit): reclaim comes after that.
+    deadline = time.monotonic() + 10.0
+    while any(store_held(os.path.join(root, d)) for d in os.listdir(root)):
+        assert time.monotonic() < deadline, "a dead process's lock never dropped"
+        time.sleep(0.01)
     assert is_random(open_with_seed(later, root, order))
     later.call("store", keys=key_range(100, 8))
     later.exit()
