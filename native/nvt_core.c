@@ -50,6 +50,17 @@ void nvt_write_record(nvt_core *t, uint64_t slot, const char *key, uint8_t key_l
     memcpy(record(t, slot), body, REC_BYTES);
 }
 
+/* The OFD lock request for registry entry `index` (its byte of the lock file). */
+static struct flock registry_flock(int index, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = NVT_REGISTRY_LOCK_BASE + index;
+    fl.l_len = 1;
+    return fl;
+}
+
 /* Whether the sharer that claimed a WRITING slot is still attached. */
 int nvt_owner_alive(nvt_core *t, uint8_t owner, uint16_t inc) {
     if (t->me >= 0 && owner == (uint8_t)t->me && inc == (uint16_t)t->my_inc)
@@ -59,12 +70,7 @@ int nvt_owner_alive(nvt_core *t, uint8_t owner, uint16_t inc) {
         return 0; /* the entry was claimed again: the old owner detached or died */
     if (t->lock_fd < 0)
         return 1;
-    struct flock fl;
-    memset(&fl, 0, sizeof(fl));
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = NVT_REGISTRY_LOCK_BASE + owner;
-    fl.l_len = 1;
+    struct flock fl = registry_flock(owner, F_WRLCK);
     if (fcntl(t->lock_fd, F_OFD_GETLK, &fl) != 0)
         return 1; /* cannot tell: assume alive (the slot stays busy, never wrong) */
     return fl.l_type != F_UNLCK;
@@ -437,12 +443,7 @@ const char *nvt_core_init(nvt_core *t, char *table, uint64_t table_len, char *in
 }
 
 static int registry_lock(int fd, int index, short type) {
-    struct flock fl;
-    memset(&fl, 0, sizeof(fl));
-    fl.l_type = type;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = NVT_REGISTRY_LOCK_BASE + index;
-    fl.l_len = 1;
+    struct flock fl = registry_flock(index, type);
     return fcntl(fd, F_OFD_SETLK, &fl);
 }
 
@@ -484,12 +485,7 @@ void nvt_detach(nvt_core *t) {
 /* Whether registry entry `index` is held by a live process (an open file
  * description other than lock_fd's). */
 int nvt_sharer_live(int lock_fd, int index) {
-    struct flock fl;
-    memset(&fl, 0, sizeof(fl));
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = NVT_REGISTRY_LOCK_BASE + index;
-    fl.l_len = 1;
+    struct flock fl = registry_flock(index, F_WRLCK);
     return fcntl(lock_fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
 }
 

@@ -272,14 +272,16 @@ Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_b
     return m;
 }
 
-/* A key of a store job left out for lack of resources (a full queue, a set
- * whose ways are all busy or leased, a set lock that could not be taken): it
- * is not stored, so the job reports it failed (quiet: no error text). Goes to
- * `*failed` (store_ops) or the job (submit_store). -1 on out of memory. */
-static int store_dropped(TableObject *self, int64_t job, Py_ssize_t i, PyObject **failed) {
-    if (failed)
-        return append_pos(failed, i);
-    if (job_fail(&self->jobs[job], (uint32_t)i, FAIL_DROPPED, 0) < 0) {
+/* Key `i` of a job fails for `kind`: to `*list` as a position (store_ops,
+ * load_ops: the model test's primitives) or into the job (submit_store,
+ * submit_load). Used for bad arguments, keys missing from a load, and keys
+ * of a store left out for lack of resources (a full queue, a set whose ways
+ * are all busy or leased, a set lock not taken in its bound: DROPPED, quiet,
+ * no error text). -1 with an exception set on out of memory. */
+static int key_failed(TableObject *self, int64_t job, Py_ssize_t i, PyObject **list, int kind) {
+    if (list)
+        return append_pos(list, i);
+    if (job_fail(&self->jobs[job], (uint32_t)i, kind, 0) < 0) {
         PyErr_NoMemory();
         return -1;
     }
@@ -312,24 +314,20 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked in the first pass */
         int64_t row = row_at(rows, i);
         if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
-            if (failed ? append_pos(failed, i) < 0
-                       : job_fail(&self->jobs[job], (uint32_t)i, FAIL_BADARG, 0) < 0) {
-                if (!failed)
-                    PyErr_NoMemory();
+            if (key_failed(self, job, i, failed, FAIL_BADARG) < 0)
                 goto error;
-            }
             continue;
         }
         if (n_ops >= max_ops) {
             self->core.c.stores_dropped_queue_full++;
-            if (store_dropped(self, job, i, failed) < 0)
+            if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
                 goto error;
             continue;
         }
         uint64_t fp = fps[i], set = fp % self->core.n_sets;
         if (nvt_set_lock(&self->core, set) != 0) {
             self->core.c.stores_dropped_set_busy++;
-            if (store_dropped(self, job, i, failed) < 0)
+            if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
                 goto error;
             continue;
         }
@@ -369,7 +367,7 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
                 self->core.c.stores_skipped_present++;
             } else {
                 self->core.c.stores_dropped_set_busy++;
-                if (store_dropped(self, job, i, failed) < 0)
+                if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
                     goto error;
             }
             continue;
@@ -507,12 +505,8 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
         }
         if (w < 0) {
             self->core.c.load_keys_missing++;
-            if (missing ? append_pos(missing, i) < 0
-                        : job_fail(&self->jobs[job], (uint32_t)i, FAIL_MISSING, 0) < 0) {
-                if (!missing)
-                    PyErr_NoMemory();
+            if (key_failed(self, job, i, missing, FAIL_MISSING) < 0)
                 goto error;
-            }
             continue;
         }
         if (job < 0 && (job = job_alloc(self, job_id, 1)) < 0) {

@@ -631,15 +631,24 @@ PyDoc_STRVAR(hold_set_doc, "_hold_set(set) -> bool\n\n"
                            "Tests only: take a set's mutex and keep it (as a sharer stopped or\n"
                            "killed inside a critical section would). False when not taken.");
 
+/* A set index argument (tests' hold/release): 0, or -1 with an exception. */
+static int set_arg(TableObject *self, PyObject *arg, uint64_t *set) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return -1;
+    if (v >= self->core.n_sets) {
+        PyErr_SetString(PyExc_ValueError, "no such set");
+        return -1;
+    }
+    *set = v;
+    return 0;
+}
+
 static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
     GUARD(self);
-    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
+    uint64_t set;
+    if (set_arg(self, arg, &set) < 0)
         return NULL;
-    if (set >= self->core.n_sets) {
-        PyErr_SetString(PyExc_ValueError, "no such set");
-        return NULL;
-    }
     return PyBool_FromLong(nvt_set_lock(&self->core, set) == 0);
 }
 
@@ -647,13 +656,9 @@ PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex 
 
 static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
     GUARD(self);
-    unsigned long long set = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
+    uint64_t set;
+    if (set_arg(self, arg, &set) < 0)
         return NULL;
-    if (set >= self->core.n_sets) {
-        PyErr_SetString(PyExc_ValueError, "no such set");
-        return NULL;
-    }
     set_unlock(&self->core, set);
     Py_RETURN_NONE;
 }
