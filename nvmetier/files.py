@@ -64,17 +64,6 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)
 _MAX_LOGGED_DROPS = 20
 
 
-def _lock_file(directory: str, name: str, how: int) -> int:
-    """Open ``directory/name`` and flock it (blocking); returns the fd."""
-    fd = os.open(os.path.join(directory, name), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
-    try:
-        fcntl.flock(fd, how)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 # struct flock of Linux on 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
 _FLOCK = struct.Struct("hhqqi4x")
 
