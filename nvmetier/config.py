@@ -126,6 +126,13 @@ class TierConfig:
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
             it under pressure). False: no detector unless a section asks.
+        promotion_guard: answer vLLM's lookups so that a request loads, in
+            one step, the prefix of its disk hits that fits in the CPU tier
+            (``nvmetier.vllm.promotion``). False: every chunk on disk is a
+            HIT, as vLLM's own tiers answer (a prompt longer than the CPU
+            tier then re-reads it step after step and loads nothing).
+        promotion_fraction: the share of the CPU tier's chunks one request
+            may promote, in (0, 1].
     """
 
     root_dir: tuple[str, ...]
@@ -145,6 +152,8 @@ class TierConfig:
     locality: str | None = None
     default_backpressure: bool = True
     sharing: str = "node"
+    promotion_guard: bool = True
+    promotion_fraction: float = 1.0
     capacity_per_path: tuple[int, ...] | None = None
 
     @classmethod
@@ -220,9 +229,25 @@ class TierConfig:
             isinstance(ways, bool) or not isinstance(ways, int) or not 1 <= ways <= 1024
         ):
             raise ConfigError(f"ways={self.ways!r} must be an integer from 1 to 1024")
-        for key in ("verify_checksums", "enable_kv_events", "persist", "default_backpressure"):
+        for key in (
+            "verify_checksums",
+            "enable_kv_events",
+            "persist",
+            "default_backpressure",
+            "promotion_guard",
+        ):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
+        fraction = self.promotion_fraction
+        if (
+            isinstance(fraction, bool)
+            or not isinstance(fraction, (int, float))
+            or not 0 < fraction <= 1
+        ):
+            raise ConfigError(
+                f"promotion_fraction={fraction!r} must be a number in (0, 1]: the share of "
+                "vLLM's CPU tier one request may fill with disk hits (1: all of it)"
+            )
         if self.o_direct not in ("auto", True, False):
             raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")
         if self.sharing not in SHARING_MODES:

@@ -59,6 +59,7 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import BlockStore, log_failed_job, log_refused_job
+from nvmetier.vllm.promotion import PromotionGuard, check_cpu_tier_size, longest_request_chunks
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -153,6 +154,17 @@ METRICS: dict[str, tuple[str, str]] = {
     "dead_slots_reclaimed": (
         "counter",
         "Slots of processes that died while writing them, reclaimed.",
+    ),
+    # The promotion guard's counters (nvmetier.vllm.promotion).
+    "hits_not_loaded": (
+        "counter",
+        "Lookups answered HIT that vLLM did not load in that step: its CPU tier had no "
+        "free slot (the chunk is recomputed). Nonzero: raise cpu_bytes_to_use.",
+    ),
+    "lookups_withheld": (
+        "counter",
+        "Lookups answered MISS without asking the disk because the request had promoted "
+        "what the CPU tier could take (promotion_guard).",
     ),
 }
 
@@ -391,6 +403,7 @@ class NvmeTierManager(SecondaryTierManager):
         reclaim_private_stores(self.config.root_dir)
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
+        self._guard = self._build_guard(offloading_spec, primary_kv_view)
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -408,6 +421,23 @@ class NvmeTierManager(SecondaryTierManager):
         # (vLLM's chunk_ids array goes to the table as it is).
         submit_store, self._submit_load, self._release = store.table_calls()
         self._submit_store = store.submit_store if store.counts_lookups else submit_store
+
+    def _build_guard(self, spec: OffloadingSpec, view: memoryview) -> PromotionGuard:
+        """Warn when the CPU tier is too small for one longest request, and
+        build the promotion guard (counting only, with ``promotion_guard: false``)."""
+        # vLLM's primary view is (num_chunks, row bytes).
+        cpu_chunks = view.shape[0] if view.ndim >= 2 else view.nbytes // self.block_size_bytes
+        chunk_bytes = int(getattr(spec, "kv_bytes_per_chunk", 0) or self.block_size_bytes)
+        longest = longest_request_chunks(spec)
+        check_cpu_tier_size(longest, cpu_chunks, chunk_bytes, self.tier_label)
+        return PromotionGuard(
+            cpu_chunks,
+            self.config.promotion_fraction,
+            longest_request_chunks=longest,
+            chunk_bytes=chunk_bytes,
+            tier_label=self.tier_label,
+            enabled=self.config.promotion_guard,
+        )
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -456,7 +486,16 @@ class NvmeTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._seed_checked:
             self._check_seed()
-        return _HIT if self._lookup(key) else _MISS
+        guard = self._guard
+        # Only as many HITs per request as its CPU slots can take, in one step
+        # (nvmetier.vllm.promotion says why: otherwise a read storm).
+        req_id = req_context.req_id
+        if not guard.admits(req_id):
+            return _MISS
+        if not self._lookup(key):
+            return _MISS
+        guard.note_hit(key, req_id)
+        return _HIT
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -468,13 +507,14 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        return
+        self._guard.finish(req_context.req_id)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         # Promotions of this step were submitted before this hook runs; a HIT
         # that was not promoted (primary full) stops protecting its slot.
         self._release()
+        self._guard.end_step()  # counts this step's HITs that were not loaded
 
     # ------------------------------------------------------------ transfers
     @override
@@ -488,6 +528,7 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
+        self._guard.note_loaded(job_metadata.keys)
         job_id = job_metadata.job_id
         error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:
@@ -545,6 +586,7 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
         now = self.store.stats()
+        now.update(self._guard.stats())
         stats = OffloadingConnectorStats()
         labels = self._labels
         for name, (kind, _doc) in METRICS.items():
