@@ -426,7 +426,8 @@ class NvmeTierManager(SecondaryTierManager):
         """Warn when the CPU tier is too small for one longest request, and
         build the promotion guard (counting only, with ``promotion_guard: false``)."""
         # vLLM's primary view is (num_chunks, row bytes).
-        cpu_chunks = view.shape[0] if view.ndim >= 2 else view.nbytes // self.block_size_bytes
+        shape = view.shape
+        cpu_chunks = shape[0] if shape and len(shape) >= 2 else view.nbytes // self.block_size_bytes
         chunk_bytes = int(getattr(spec, "kv_bytes_per_chunk", 0) or self.block_size_bytes)
         longest = longest_request_chunks(spec)
         check_cpu_tier_size(longest, cpu_chunks, chunk_bytes, self.tier_label)
