@@ -59,7 +59,12 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import BlockStore, log_failed_job, log_refused_job
-from nvmetier.vllm.promotion import PromotionGuard, check_cpu_tier_size, longest_request_chunks
+from nvmetier.vllm.promotion import (
+    PromotionGuard,
+    check_cpu_tier_size,
+    group_chunking,
+    longest_request_chunks,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -437,6 +442,7 @@ class NvmeTierManager(SecondaryTierManager):
             longest_request_chunks=longest,
             chunk_bytes=chunk_bytes,
             tier_label=self.tier_label,
+            group_chunking=group_chunking(spec),
             enabled=self.config.promotion_guard,
         )
 
@@ -490,12 +496,11 @@ class NvmeTierManager(SecondaryTierManager):
         guard = self._guard
         # Only as many HITs per request as its CPU slots can take, in one step
         # (nvmetier.vllm.promotion says why: otherwise a read storm).
-        req_id = req_context.req_id
-        if not guard.admits(req_id):
+        if not guard.admits(key, req_context):
             return _MISS
         if not self._lookup(key):
             return _MISS
-        guard.note_hit(key, req_id)
+        guard.note_hit(key, req_context)
         return _HIT
 
     @override

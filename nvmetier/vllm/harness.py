@@ -49,8 +49,10 @@ def make_config(
     engine_id: str | None = None,
     enable_kv_cache_events: bool = False,
     extra: dict[str, Any] | None = None,
+    max_model_len: int = 0,
 ) -> OffloadingConfig:
-    """An ``OffloadingConfig`` whose primary rows are ``chunk_bytes`` each."""
+    """An ``OffloadingConfig`` whose primary rows are ``chunk_bytes`` each
+    (16 tokens a chunk; ``max_model_len`` 0: unknown)."""
     extra_config: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": chunk_bytes * cpu_chunks,
@@ -63,7 +65,7 @@ def make_config(
         enable_kv_cache_events=enable_kv_cache_events,
         extra_config=extra_config,
         engine_id=engine_id or f"nvmetier-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model, dtype=dtype),
+        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=max_model_len),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0,

@@ -43,8 +43,18 @@ The policy (per request, by ``req_id``):
   is no longer deferred once its reads land, and it loads that prefix in one
   go and recomputes the rest.
 - **A budget.** Within that step, at most ``budget`` HITs (``fraction`` of the
-  CPU tier's chunk count, at least 1): the rest of the walk gets MISS, so the
-  request never evicts its own promoted chunks in the same step.
+  CPU tier's chunk count, at least 1), less the chunks of the request that come
+  before its first disk hit: the rest of the walk gets MISS, so the request
+  never evicts its own promoted chunks in the same step, nor the chunks it
+  already has in the CPU tier (the CPU tier's lookups do not refresh their
+  recency, so a request's older chunks are the first a promotion would evict,
+  and it would then load nothing, a loss against no disk tier). Where those
+  chunks are in vLLM's GPU prefix cache instead (the tier cannot tell; vLLM
+  passes the walk's start to no tier), the budget is smaller than it could be:
+  the request recomputes more, never worse than with no disk tier. The
+  chunk's place comes from ``ReqContext.get_offload_key_position`` (the end
+  token vLLM's connector records for every key); without it, only the
+  fraction bounds the round.
 - Hence a request reads at most ``budget`` chunks from disk over its life
   (at most the CPU tier's size), is deferred by the tier at most until its
   one round of reads lands (a read that fails or is cancelled completes the
@@ -82,6 +92,7 @@ class _Round:
     """One request's promotion round."""
 
     step: int  # the step of its first HIT; HITs are answered in this step only
+    budget: int  # HITs it may get in that step
     hits: int = 0  # HITs answered in that step
     closed: bool = False
 
@@ -96,6 +107,9 @@ class PromotionGuard:
             the warning (0 when unknown).
         chunk_bytes: bytes of one CPU tier chunk (for the warning).
         tier_label: the tier's metric label (for the warning).
+        group_chunking: per KV group, ``(tokens per chunk, sliding window in
+            chunks or None)``: how many chunks a request holds before a token
+            position (empty: unknown, the fraction alone bounds a round).
         enabled: bound each request's HITs (False: every chunk on disk is a
             HIT, vLLM's own behaviour; HITs not loaded are still counted).
     """
@@ -108,6 +122,7 @@ class PromotionGuard:
         longest_request_chunks: int = 0,
         chunk_bytes: int = 0,
         tier_label: str = "",
+        group_chunking: tuple[tuple[int, int | None], ...] = (),
         enabled: bool = True,
     ) -> None:
         self.enabled = enabled
@@ -118,6 +133,7 @@ class PromotionGuard:
         self._longest = longest_request_chunks
         self._chunk_bytes = chunk_bytes
         self._tier_label = tier_label
+        self._groups = tuple((tpc, w) for tpc, w in group_chunking if tpc > 0)
         self._step = 0
         self._rounds: dict[str, _Round] = {}
         # HITs answered this step that no submit_load took yet: key -> req_id.
@@ -126,31 +142,58 @@ class PromotionGuard:
         self._not_logged = 0
         self._not_logged_reqs = 0
 
-    def admits(self, req_id: str) -> bool:
-        """Whether a lookup of ``req_id`` may be answered HIT (if on disk).
+    def _chunks_before(self, position: int) -> int:
+        """Chunks of a request before the chunk ending at token ``position``."""
+        total = 0
+        for tokens_per_chunk, window in self._groups:
+            before = max(0, position // tokens_per_chunk - 1)
+            total += before if window is None else min(before, window + 1)
+        return total
+
+    def _request_budget(self, key: Any, ctx: Any) -> int:
+        """HITs a round starting at ``key`` may get: the budget less the
+        request's chunks before ``key`` (those the CPU tier may hold)."""
+        get_position = getattr(ctx, "get_offload_key_position", None)
+        position = get_position(key) if get_position is not None and self._groups else None
+        if not position:
+            return self.budget
+        return min(self.budget, self.cpu_chunks - self._chunks_before(int(position)))
+
+    def admits(self, key: Any, ctx: Any) -> bool:
+        """Whether a lookup of ``key`` for request ``ctx`` may be answered HIT
+        (if on disk).
 
         False (counted in ``lookups_withheld``) once the request's round is
-        over or its budget is spent; the tier then answers MISS without
-        asking the disk.
+        over or its budget is spent, or when its chunks before ``key`` leave
+        no room; the tier then answers MISS without asking the disk.
         """
-        rnd = self._rounds.get(req_id)
-        if rnd is None:  # no HIT yet, or the guard is off
+        if not self.enabled:
             return True
-        if not rnd.closed and rnd.step == self._step and rnd.hits < self.budget:
+        req_id = ctx.req_id
+        rnd = self._rounds.get(req_id)
+        if rnd is None:  # no HIT yet: a round starts here if there is room
+            budget = self._request_budget(key, ctx)
+            if budget > 0:
+                return True
+            self._rounds[req_id] = _Round(self._step, budget, closed=True)
+            self.lookups_withheld += 1
+            return False
+        if not rnd.closed and rnd.step == self._step and rnd.hits < rnd.budget:
             return True
         rnd.closed = True
         self.lookups_withheld += 1
         return False
 
-    def note_hit(self, key: Any, req_id: str) -> None:
-        """The tier answers HIT for ``key`` of ``req_id`` (after ``admits``)."""
+    def note_hit(self, key: Any, ctx: Any) -> None:
+        """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
+        req_id = ctx.req_id
         if self._unloaded.get(key) == req_id:  # a key looked up twice counts once
             return
         self._unloaded[key] = req_id
         if self.enabled:
             rnd = self._rounds.get(req_id)
             if rnd is None:
-                rnd = self._rounds[req_id] = _Round(self._step)
+                rnd = self._rounds[req_id] = _Round(self._step, self._request_budget(key, ctx))
             rnd.hits += 1
 
     def note_loaded(self, keys: Iterable[Any]) -> None:
@@ -213,6 +256,22 @@ class PromotionGuard:
         }
 
 
+def group_chunking(spec: Any) -> tuple[tuple[int, int | None], ...]:
+    """Per KV group of ``spec``: (tokens per chunk, sliding window in chunks
+    or None for full attention); empty when the spec does not say."""
+    config = getattr(spec, "config", None)
+    groups = getattr(config, "groups", None) or ()
+    blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 0) or 0)
+    out = []
+    for group in groups:
+        tokens_per_chunk = int(getattr(group, "tokens_per_block", 0) or 0) * blocks_per_chunk
+        if tokens_per_chunk <= 0:
+            return ()
+        window = getattr(group, "sliding_window_size_in_chunks", None)
+        out.append((tokens_per_chunk, None if window is None else int(window)))
+    return tuple(out)
+
+
 def longest_request_chunks(spec: Any) -> int:
     """CPU tier chunks one ``max_model_len`` request occupies (0: unknown).
 
@@ -225,20 +284,13 @@ def longest_request_chunks(spec: Any) -> int:
     max_len = int(getattr(getattr(config, "model", None), "max_model_len", 0) or 0)
     if max_len <= 0:
         max_len = _current_max_model_len()
-    groups = getattr(config, "groups", None)
-    blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 0) or 0)
-    if max_len <= 0 or not groups or blocks_per_chunk <= 0:
+    groups = group_chunking(spec)
+    if max_len <= 0 or not groups:
         return 0
     total = 0
-    for group in groups:
-        tokens_per_chunk = int(group.tokens_per_block) * blocks_per_chunk
-        if tokens_per_chunk <= 0:
-            return 0
+    for tokens_per_chunk, window in groups:
         chunks = max_len // tokens_per_chunk
-        window = getattr(group, "sliding_window_size_in_chunks", None)
-        if window is not None:
-            chunks = min(chunks, int(window) + 1)
-        total += chunks
+        total += chunks if window is None else min(chunks, window + 1)
     return total
 
 
