@@ -47,6 +47,7 @@ class Prompt:
     ctx: ReqContext
     keys: list[bytes]
     arrival: int
+    gpu_cached: int = 0  # leading chunks in the GPU prefix cache (never looked up)
     scheduled_step: int | None = None
     hit_chunks: int = 0  # chunks loaded from the offloading tiers
     correct_chunks: int = 0  # of those, with the bytes that were stored
@@ -80,14 +81,16 @@ class ConnectorModel:
 
             tier.submit_load = counted  # type: ignore[method-assign]
 
-    def add(self, req_id: str, keys: list[bytes]) -> Prompt:
+    def add(self, req_id: str, keys: list[bytes], gpu_cached: int = 0) -> Prompt:
+        """A new request; its first ``gpu_cached`` chunks are GPU prefix-cache
+        hits (``num_computed_tokens``), so its walk starts after them."""
         ctx = ReqContext(req_id=req_id)
         # update_offload_keys: the end token of every key (16 tokens a chunk).
         for j, key in enumerate(keys):
             ctx.set_offload_key_position(key, (j + 1) * TOKENS_PER_CHUNK)
         with self.manager.lock:
             self.manager.on_new_request(ctx)
-        p = Prompt(ctx, list(keys), self.step_no)
+        p = Prompt(ctx, list(keys), self.step_no, gpu_cached)
         self.waiting.append(p)
         self.prompts.append(p)
         return p
@@ -97,7 +100,7 @@ class ConnectorModel:
         """``_maximal_prefix_lookup`` + the tail of ``_lookup_complete_chunks``."""
         hits = 0
         defer = False
-        for key in p.keys:
+        for key in p.keys[p.gpu_cached :]:
             result = self.manager.lookup(key, p.ctx)
             if result in (LookupResult.HIT, LookupResult.HIT_PENDING):
                 hits += 1
@@ -110,7 +113,7 @@ class ConnectorModel:
             return None  # the walk returns None before the zero check
         if hits == 0:
             return 0
-        if any(k in self._being_loaded for k in p.keys[:hits]):
+        if any(k in self._being_loaded for k in p.keys[p.gpu_cached : p.gpu_cached + hits]):
             return None
         return hits
 
@@ -130,17 +133,18 @@ class ConnectorModel:
                 p.scheduled_step = self.step_no
                 p.hit_chunks = hits
                 new_ids.append(p.ctx.req_id)
+                start = p.gpu_cached
                 if hits:
-                    spec = self.manager.prepare_load(p.keys[:hits], p.ctx)
+                    p.loading = p.keys[start : start + hits]
+                    spec = self.manager.prepare_load(p.loading, p.ctx)
                     rows = [self.engine.rows[int(c)] for c in spec.chunk_ids]  # type: ignore[attr-defined]
                     p.correct_chunks = sum(
                         bool(np.array_equal(row, payload_of(k, self.engine.chunk_bytes)))
-                        for k, row in zip(p.keys[:hits], rows, strict=True)
+                        for k, row in zip(p.loading, rows, strict=True)
                     )
-                    p.loading = p.keys[:hits]
                     self._being_loaded.update(p.loading)
                     loads.append(p)
-                p.to_store = p.keys[hits:]
+                p.to_store = p.keys[start + hits :]
             self.waiting = still_waiting
             # build_connector_meta: store what was computed last step, end the step.
             stores: list[tuple[Prompt, list[bytes]]] = []

@@ -193,6 +193,23 @@ def test_a_prompt_with_a_short_head_in_the_cpu_tier_promotes_only_the_room_left(
     assert model.chunks_read["whole"] == CPU_CHUNKS - 5
 
 
+@pytest.mark.parametrize(("gpu_cached", "expect_hits"), [(5, CPU_CHUNKS - 5), (20, 0)])
+def test_a_head_in_the_gpu_prefix_cache_is_counted_as_cpu_held_never_a_loss(
+    tmp_path, make_engine, gpu_cached: int, expect_hits: int
+) -> None:
+    """The tier cannot tell a head in the GPU prefix cache from one in the
+    CPU tier: it assumes the CPU tier, loading less than it could (or
+    nothing) but never reading what it does not load, nor deferring."""
+    eng = restarted_engine(make_engine, str(tmp_path / "kv"))
+    model = ConnectorModel(eng, reads_land_in_step=True)
+    p = model.add("warm", prompt_keys(0), gpu_cached=gpu_cached)
+    model.run(MAX_STEPS)
+    assert p.finished
+    assert p.hit_chunks == p.correct_chunks == expect_hits
+    assert model.chunks_read["warm"] == expect_hits
+    assert p.deferred_steps == (1 if expect_hits else 0)
+
+
 # ------------------------------------------------------------ start-up warning
 def _warnings(caplog) -> list[str]:  # type: ignore[no-untyped-def]
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
