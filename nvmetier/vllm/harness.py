@@ -65,7 +65,7 @@ def make_config(
         enable_kv_cache_events=enable_kv_cache_events,
         extra_config=extra_config,
         engine_id=engine_id or f"nvmetier-{uuid.uuid4().hex[:12]}",
-        model=OffloadingModelConfig(name=model, dtype=dtype, max_model_len=max_model_len),
+        model=_model_config(model, dtype, max_model_len),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0,
@@ -80,6 +80,14 @@ def make_config(
             is_parallelism_agnostic=False,
         ),
     )
+
+
+def _model_config(name: str, dtype: str, max_model_len: int) -> OffloadingModelConfig:
+    """vLLM 0.33 carries ``max_model_len`` in the offloading config; 0.32 has
+    no such field (0: unknown, not passed)."""
+    if max_model_len:
+        return OffloadingModelConfig(name=name, dtype=dtype, max_model_len=max_model_len)  # type: ignore[call-arg,unused-ignore]
+    return OffloadingModelConfig(name=name, dtype=dtype)
 
 
 def key_of(i: int, group: int = 0) -> bytes:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,6 +82,11 @@ class ConnectorModel:
 
             tier.submit_load = counted  # type: ignore[method-assign]
 
+    def _locked(self) -> AbstractContextManager[object]:
+        # vLLM 0.33's manager has a lock the connector holds; 0.32's has none.
+        lock = getattr(self.manager, "lock", None)
+        return lock if lock is not None else nullcontext()
+
     def add(self, req_id: str, keys: list[bytes], gpu_cached: int = 0) -> Prompt:
         """A new request; its first ``gpu_cached`` chunks are GPU prefix-cache
         hits (``num_computed_tokens``), so its walk starts after them."""
@@ -88,7 +94,7 @@ class ConnectorModel:
         # update_offload_keys: the end token of every key (16 tokens a chunk).
         for j, key in enumerate(keys):
             ctx.set_offload_key_position(key, (j + 1) * TOKENS_PER_CHUNK)
-        with self.manager.lock:
+        with self._locked():
             self.manager.on_new_request(ctx)
         p = Prompt(ctx, list(keys), self.step_no, gpu_cached)
         self.waiting.append(p)
@@ -122,7 +128,7 @@ class ConnectorModel:
         self.step_no += 1
         loads: list[Prompt] = []
         new_ids: list[str] = []
-        with self.manager.lock:
+        with self._locked():
             still_waiting = []
             for p in self.waiting:
                 hits = self._walk(p)
@@ -165,7 +171,7 @@ class ConnectorModel:
             for tier in self.manager.secondary_tiers:
                 tier.store.wait_idle(timeout_s=10.0)  # type: ignore[attr-defined]
         # update_connector_output: this step's GPU loads and stores are done.
-        with self.manager.lock:
+        with self._locked():
             for p in loads:
                 self.manager.complete_load(p.loading, p.ctx)
                 self._being_loaded.difference_update(p.loading)
