@@ -261,3 +261,42 @@ def test_a_bad_promotion_fraction_is_refused_naming_the_range(tmp_path, bad: obj
         TierConfig.from_dict(
             {"root_dir": str(tmp_path), "capacity_bytes": "1MiB", "promotion_fraction": bad}
         )
+
+
+# ------------------------------------------------------------ the guard alone
+class _Ctx:
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+
+
+def test_hits_not_loaded_are_logged_at_most_once_a_minute_with_the_count(caplog) -> None:
+    from nvmetier.vllm.promotion import PromotionGuard
+
+    caplog.set_level(logging.WARNING, logger="nvmetier")
+    guard = PromotionGuard(13, tier_label="1:nvme")
+    for step in range(3):
+        ctx = _Ctx(f"r{step}")
+        assert guard.admits(b"k%d" % step, ctx)
+        guard.note_hit(b"k%d" % step, ctx)
+        guard.end_step()  # no submit_load took it
+    msgs = [m for m in _warnings(caplog) if "were not loaded" in m]
+    assert len(msgs) == 1 and "1 disk hits of 1 requests" in msgs[0]
+    assert guard.stats()["hits_not_loaded"] == 3
+
+
+def test_a_loaded_hit_is_not_counted_and_a_round_lasts_one_step() -> None:
+    from nvmetier.vllm.promotion import PromotionGuard
+
+    guard = PromotionGuard(4)
+    ctx = _Ctx("r")
+    for key in (b"a", b"b"):
+        assert guard.admits(key, ctx)
+        guard.note_hit(key, ctx)
+    guard.note_loaded([b"a", b"b"])
+    guard.end_step()
+    assert guard.stats() == {"hits_not_loaded": 0, "lookups_withheld": 0}
+    assert not guard.admits(b"c", ctx)  # the next step: the round is over
+    assert guard.admits(b"c", _Ctx("other"))  # another request is not
+    guard.finish("r")
+    assert guard.admits(b"c", ctx)  # forgotten once finished
+    assert guard.stats()["lookups_withheld"] == 1
