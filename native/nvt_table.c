@@ -3,7 +3,7 @@
  * (argument parsing, tuples, the GIL hooks). The job path over the shared
  * table (ops, jobs, watches, completions, submit/poll) is nvt_jobs.c; the
  * table's rules (set locks, ways, leases, records, sharers, rebuild, sweep)
- * are nvt_core.c, with no Python in them; nvt_table.h has the shared layout
+ * are nvt_core.c, with no Python in them; nvt_layout.h has the shared layout
  * and its lock rules.
  *
  * Owns, per process (a `Table` object): an nvt_core (this process's view of
@@ -811,7 +811,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef table_module = {
     PyModuleDef_HEAD_INIT, "nvmetier._table",
-    "The process-shared slot table of an nvmetier store (see nvt_table.h).", -1, module_methods,
+    "The process-shared slot table of an nvmetier store (see nvt_layout.h).", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__table(void) {
