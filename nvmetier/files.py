@@ -526,6 +526,12 @@ class StoreFiles:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
         index_path = os.path.join(self.dirs[0], INDEX_NAME)
         self._preallocate(index_path, fmt.align_up(sb.index_bytes), mapped=True)
+        # The superblock claims the files: their directory entries (and each
+        # store directory's own entry in its root) are durable first, so a
+        # power loss never leaves a superblock naming files that are gone.
+        for d in self.dirs:
+            store_dir.fsync_dir(d)
+            store_dir.fsync_dir(os.path.dirname(os.path.normpath(d)))
         self._write_superblock(sb)
 
     @staticmethod
@@ -638,12 +644,21 @@ class StoreFiles:
             removing = last and remove and init_fd >= 0
             if last and self.table is not None and not removing:
                 self.table.sweep()
+            # The clean mark only after the index and the data are synced: a
+            # sync that failed leaves the store unclean (the next first opener
+            # then checks every record it rebuilds).
+            synced = True
             if hasattr(self, "index") and not self.index.closed and not removing:
-                self.flush_index()
+                try:
+                    self.index.flush()
+                except (ValueError, OSError):
+                    synced = False
             for fd in () if removing else self.data_fds:
-                with contextlib.suppress(OSError):
+                try:
                     os.fsync(fd)
-            if last and clean and not removing and self.table is not None:
+                except OSError:
+                    synced = False
+            if last and clean and synced and not removing and self.table is not None:
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None

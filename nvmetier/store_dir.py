@@ -178,6 +178,26 @@ def _sweep_probe_files(directory: str) -> None:
                         os.unlink(entry.path)
 
 
+def fsync_dir(path: str) -> None:
+    """fsync the directory ``path``: makes the entries created, renamed or
+    removed in it durable (a file's own fsync does not; ``docs/format.md``,
+    "Durability order"). Blocks for one journal commit.
+
+    Raises:
+        OSError: the directory cannot be opened or synced.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # A filesystem that cannot sync a directory (some FUSE ones) says
+        # EINVAL: there is nothing stronger to ask it for.
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+    finally:
+        os.close(fd)
+
+
 def _ensure_dir(path: str, key: str) -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{key} {path!r} is a file, not a directory; point it at a directory")

@@ -16,7 +16,7 @@ from typing import Any
 from nvmetier import format as fmt
 from nvmetier.config import DEFAULT_WAYS
 from nvmetier.errors import ConfigError, FormatError
-from nvmetier.store_dir import FILE_MODE, SUPERBLOCK_NAME
+from nvmetier.store_dir import FILE_MODE, SUPERBLOCK_NAME, fsync_dir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,18 @@ def read_superblock(path: str) -> fmt.Superblock:
 
 
 def write_superblock(directory: str, sb: fmt.Superblock) -> None:
-    """Write the superblock atomically (temp file + rename + fsync)."""
+    """Write the superblock atomically and durably: a temporary file, its
+    fsync, a rename over the old one, then an fsync of ``directory``.
+
+    Durable on return: without the directory's fsync the rename may still be
+    only in memory after a power loss, and a start would read the old
+    superblock (a *clean* one while the session's writes already landed:
+    ``docs/format.md``, "Durability order").
+
+    Raises:
+        OSError: any step failed; the old superblock may then still be the
+            one on disk (never a torn one).
+    """
     path = os.path.join(directory, SUPERBLOCK_NAME)
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
@@ -76,6 +87,7 @@ def write_superblock(directory: str, sb: fmt.Superblock) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    fsync_dir(directory)
 
 
 def check_same_layout(sb: fmt.Superblock, layout: Layout, main: str, n_paths: int) -> None:
