@@ -41,7 +41,7 @@ from typing import IO, Any
 import numpy as np
 
 from nvmetier.bench.machine import _settle_heap
-from nvmetier.bench.report import _bytes
+from nvmetier.bench.report import _bytes, pyplot, save_figure
 from nvmetier.bench.vllm import _TierClock
 
 ROUTES = ("round-robin", "random", "affinity")
@@ -1077,10 +1077,7 @@ def run_trace_level(
         print()
         print("\n".join(trace_table(out)))
     if args.plot:
-        msg = plot_curve(out, args.plot)
-        log(msg)
-        if msg.startswith("matplotlib"):
-            args._notes.append(msg)
+        log(plot_curve(out, args.plot))
     bad = total["wrong_chunks"]
     if bad:
         args._notes.append(f"{bad} promoted chunks did not verify byte for byte")
@@ -1144,14 +1141,14 @@ def trace_table(out: dict[str, Any]) -> list[str]:
 
 def plot_curve(out: dict[str, Any], path: str) -> str:
     """The capacity curve (token hit ratio against capacity at the real chunk
-    size, shared vs per-replica) with the measured point. Returns a message."""
-    try:
-        import matplotlib
+    size, shared vs per-replica) with the measured point. Returns a message.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"matplotlib is not installed; skipped the plot {path} (pip install matplotlib)"
+    Raises:
+        PlotError: matplotlib is missing or PATH cannot be written.
+    """
+    plt = pyplot(path)
+    import matplotlib.ticker
+
     c, rp, b = out["curve"], out["replay"], out["bound"]
     top = max(c["capacity_bytes_real"])
     unit, div = next(
@@ -1194,6 +1191,5 @@ def plot_curve(out: dict[str, Any], path: str) -> str:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return f"wrote {path}"
