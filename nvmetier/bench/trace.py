@@ -1076,11 +1076,11 @@ def run_trace_level(
     if args.output_format != "json":
         print()
         print("\n".join(trace_table(out)))
-    if args.plot:
-        log(plot_curve(out, args.plot))
     bad = total["wrong_chunks"]
     if bad:
         args._notes.append(f"{bad} promoted chunks did not verify byte for byte")
+    if args.plot:
+        log(plot_curve(out, args.plot))
     return 1 if bad else 0
 
 
