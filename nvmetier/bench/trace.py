@@ -37,7 +37,7 @@ from nvmetier.bench.lru import (
     prefix_depths,
 )
 from nvmetier.bench.machine import _settle_heap
-from nvmetier.bench.report import _bytes
+from nvmetier.bench.report import _bytes, pyplot, save_figure
 from nvmetier.bench.traces import (
     ROUTES,
     TraceError,
@@ -766,14 +766,11 @@ def run_trace_level(
     if args.output_format != "json":
         print()
         print("\n".join(trace_table(out)))
-    if args.plot:
-        msg = plot_curve(out, args.plot)
-        log(msg)
-        if msg.startswith("matplotlib"):
-            args._notes.append(msg)
     bad = total["wrong_chunks"]
     if bad:
         args._notes.append(f"{bad} promoted chunks did not verify byte for byte")
+    if args.plot:
+        log(plot_curve(out, args.plot))
     return 1 if bad else 0
 
 
@@ -834,14 +831,14 @@ def trace_table(out: dict[str, Any]) -> list[str]:
 
 def plot_curve(out: dict[str, Any], path: str) -> str:
     """The capacity curve (token hit ratio against capacity at the real chunk
-    size, shared vs per-replica) with the measured point. Returns a message."""
-    try:
-        import matplotlib
+    size, shared vs per-replica) with the measured point. Returns a message.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"matplotlib is not installed; skipped the plot {path} (pip install matplotlib)"
+    Raises:
+        PlotError: matplotlib is missing or PATH cannot be written.
+    """
+    plt = pyplot(path)
+    import matplotlib.ticker
+
     c, rp, b = out["curve"], out["replay"], out["bound"]
     top = max(c["capacity_bytes_real"])
     unit, div = next(
@@ -884,6 +881,5 @@ def plot_curve(out: dict[str, Any], path: str) -> str:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return f"wrote {path}"
