@@ -90,6 +90,9 @@ COUNTERS = (
     # Loads of slots left unverified by a crash or a dead writer, checked
     # whatever verify_checksums says, that verified.
     "loads_verified_unverified",
+    # KV event keys (stored/removed) not recorded for lack of memory; the
+    # ops themselves were applied.
+    "kv_events_lost",
 )
 
 
