@@ -236,12 +236,13 @@ static int ring_create(struct io_uring *ring, unsigned entries, struct io_uring_
     return ret;
 }
 
-/* Close a ring made by ring_create. */
+/* Close a ring made by ring_create (under engines_lock: a fork sees the
+ * ring either recorded or closed, never open and forgotten). */
 static void ring_destroy(struct io_uring *ring, int *fd_fork) {
     pthread_mutex_lock(&engines_lock);
     *fd_fork = -1;
-    pthread_mutex_unlock(&engines_lock);
     io_uring_queue_exit(ring);
+    pthread_mutex_unlock(&engines_lock);
 }
 
 /* ---- small helpers ------------------------------------------------------ */
@@ -1178,7 +1179,18 @@ void nvt_engine_free(nvt_engine *e) {
         engine_destroy(e);
 }
 
+static int probe_locked(const char **stage);
+
 int nvt_probe(const char **stage) {
+    /* Under engines_lock, as every ring: a fork never inherits this one. */
+    pthread_once(&engines_atfork_once, engines_atfork_install);
+    pthread_mutex_lock(&engines_lock);
+    int ret = probe_locked(stage);
+    pthread_mutex_unlock(&engines_lock);
+    return ret;
+}
+
+static int probe_locked(const char **stage) {
     struct io_uring ring;
     struct io_uring_cqe *cqe;
     int ret = io_uring_queue_init(2, &ring, 0);

@@ -660,9 +660,37 @@ _open_stores: weakref.WeakSet[StoreFiles] = weakref.WeakSet()
 
 
 def _forget_stores_in_child() -> None:
-    """``os.fork`` hook, in the child: drop every store fd inherited."""
-    for files in list(_open_stores):
+    """``os.fork`` hook, in the child: drop every store fd inherited.
+
+    First the fds each store holds, then any other fd on a store's lock
+    files: a fork while another thread was opening or closing a store (its
+    fd opened, not yet kept in the object; a ``lock.init`` wait) leaves one
+    that only that thread, absent in the child, knew. Nothing else in the
+    child refers to such an fd. The mapped index and table keep their own
+    fds (the mappings' own, closed with them): they hold no lock."""
+    stores = list(_open_stores)
+    for files in stores:
         files._forget_after_fork()
+    locks = {
+        os.path.realpath(os.path.join(f.dirs[0], n))
+        for f in stores
+        if f.dirs
+        for n in (LOCK_NAME, INIT_LOCK_NAME)
+    }
+    if not locks:
+        return
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target in locks:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 os.register_at_fork(after_in_child=_forget_stores_in_child)

@@ -26,7 +26,18 @@ import pytest
 
 from nvmetier import files
 
-from .faultkit import ROWS, STORE_NAME, key, new_buffer, open_store, store_keys
+from .faultkit import (
+    ROW,
+    ROWS,
+    STORE_NAME,
+    key,
+    load_keys,
+    new_buffer,
+    open_store,
+    payload,
+    store_keys,
+    wait_jobs,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VICTIM_KEYS = 4
@@ -205,3 +216,170 @@ def _is_store_fd(fd: int, store_dir: str) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}").startswith(store_dir)
     except OSError:
         return False
+
+
+# ------------------------------------------------------------ forks at odd times
+def _child(body) -> int:  # type: ignore[no-untyped-def]
+    """Fork; the child runs ``body()`` (an int: its exit code) and never
+    returns. Returns the child's exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = body()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_fork_with_jobs_in_flight_leaves_the_parents_jobs_whole(tmp_path) -> None:
+    root = str(tmp_path / "kv")
+    buf = new_buffer(ROWS)
+    store = open_store(root, buf)
+    try:
+        keys = [key(i, trial=8) for i in range(32)]
+        for r, k in enumerate(keys):
+            buf[r * ROW : (r + 1) * ROW] = payload(k)
+        store.submit_store(1, keys, list(range(len(keys))))
+
+        def child() -> int:
+            try:
+                store.submit_store(2, keys[:1], [0])
+            except RuntimeError:
+                pass  # the table refuses: it is the parent's
+            else:
+                return 1
+            store.close()  # a no-op for the parent's store
+            return 0
+
+        assert _child(child) == 0
+        (outcome,) = wait_jobs(store)
+        assert outcome.success
+        loaded, ok, wrong = load_keys(store, buf, keys, job_id=3)
+        assert loaded.success and len(ok) == len(keys) and wrong == []
+        assert [p for p, _at in files.sharers(store.files.dirs[0])] == [os.getpid()]
+    finally:
+        store.close()
+
+
+def test_a_forked_child_opens_the_store_as_its_own_sharer(tmp_path) -> None:
+    root = str(tmp_path / "kv")
+    buf = new_buffer(ROWS)
+    store = open_store(root, buf)
+    k = key(1, trial=9)
+    try:
+
+        def child() -> int:
+            own_buf = new_buffer(ROWS)
+            own = open_store(root, own_buf)
+            try:
+                if own.sharers() != 2:
+                    return 2
+                return 0 if store_keys(own, own_buf, [k], job_id=1).success else 3
+            finally:
+                own.close()
+
+        assert _child(child) == 0
+        assert store.contains(k)
+        assert store.sharers() == 1
+    finally:
+        store.close()
+
+
+EXITING_CHILD = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[2])
+from faultkit import ROWS, key, new_buffer, open_store, store_keys
+buf = new_buffer(ROWS)
+store = open_store(sys.argv[1], buf)
+assert store_keys(store, buf, [key(0, trial=10)], job_id=1).success
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: the inherited store is finalized in the child
+os.waitpid(pid, 0)
+assert store_keys(store, buf, [key(1, trial=10)], job_id=2).success
+print("ready", flush=True)
+sys.stdin.readline()
+store.close()
+"""
+
+
+def test_a_forked_child_that_exits_normally_leaves_the_parent_attached(tmp_path) -> None:
+    """The child's interpreter finalizes the inherited store, engine and
+    table: none of it may unlock or detach the parent."""
+    root = str(tmp_path / "kv")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", EXITING_CHILD, root, HERE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.readline().strip() == "ready"
+        store_dir = os.path.join(root, STORE_NAME)
+        assert [p for p, _at in files.sharers(store_dir)] == [proc.pid]
+        buf = new_buffer(ROWS)
+        other = open_store(root, buf)
+        try:
+            assert not other.files.alone  # the parent's shared flock is still held
+            assert other.contains(key(0, trial=10)) and other.contains(key(1, trial=10))
+        finally:
+            other.close()
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _holds(paths: set[str]) -> list[str]:
+    held = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target in paths or "io_uring" in target:
+            held.append(target)
+    return held
+
+
+def test_forks_while_another_thread_opens_and_closes_stores_leave_no_lock_in_the_child(
+    tmp_path,
+) -> None:
+    """A fork can land mid-open or mid-close (a lock.init wait, rings being
+    set up): the child holds neither lock file nor ring."""
+    import threading
+
+    root = str(tmp_path / "kv")
+    store_dir = os.path.realpath(os.path.join(root, STORE_NAME))
+    locks = {os.path.join(store_dir, n) for n in (files.LOCK_NAME, files.INIT_LOCK_NAME)}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        buf = new_buffer(ROWS)
+        try:
+            while not stop.is_set():
+                open_store(root, buf).close()
+        except BaseException as exc:  # reported by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=churn)
+    t.start()
+    try:
+        bad = []
+        for _ in range(100):
+            code = _child(lambda: 1 if _holds(locks) else 0)
+            if code:
+                bad.append(code)
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        t.join(60)
+    assert not errors
+    assert bad == []
+    assert files.sharers(store_dir) == []

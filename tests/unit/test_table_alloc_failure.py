@@ -50,26 +50,46 @@ class Engine:
 
 
 def _handle() -> tuple[_table.Table, Engine, int]:
+    """A table bound to an Engine, with a second sharer of the same table
+    (``table.other``, its own lock file description) that can hold sets."""
     table_map = mmap.mmap(-1, _table.table_bytes(N_SLOTS, WAYS))
     index_map = mmap.mmap(-1, N_SLOTS * 128)
     _table.format(table_map, N_SLOTS, WAYS)
     fd, path = tempfile.mkstemp(prefix="nvt-alloc-", suffix=".lock")
+    other_fd = os.open(path, os.O_RDWR)
     os.unlink(path)
-    table = _table.Table(
-        table_map,
-        index_map,
-        fd,
-        n_paths=1,
-        slot_bytes=ROW_BYTES,
-        row_bytes=ROW_BYTES,
-        n_rows=N_ROWS,
-        lease_ns=10**9,
-        watch_timeout_ns=10**9,
-    )
-    table.attach()
+    sharers = [
+        _table.Table(
+            table_map,
+            index_map,
+            lock_fd,
+            n_paths=1,
+            slot_bytes=ROW_BYTES,
+            row_bytes=ROW_BYTES,
+            n_rows=N_ROWS,
+            lease_ns=10**9,
+            watch_timeout_ns=10**9,
+        )
+        for lock_fd in (fd, other_fd)
+    ]
+    for t in sharers:
+        t.attach()
+    table, other = sharers
     engine = Engine()
     table.bind(engine.submit_raw, engine.wait_raw, 1000, True, True)
+    _others[id(table)] = (other, other_fd)
     return table, engine, fd
+
+
+# The second sharer of each table (kept alive, and its fd closed, with it).
+_others: dict[int, tuple[_table.Table, int]] = {}
+
+
+def _close(table: _table.Table, fd: int) -> None:
+    other, other_fd = _others.pop(id(table))
+    del other
+    os.close(other_fd)
+    os.close(fd)
 
 
 @pytest.fixture(autouse=True)
@@ -113,6 +133,13 @@ def _scenario(table: _table.Table) -> tuple[set[int], dict[int, list[tuple]]]:
     submit(1, False, STORE_A)
     submit(2, False, STORE_B)
     submit(3, False, STORE_A[:5])  # present, or being written by job 1
+    # Another sharer holds two sets: their completions are deferred,
+    # then applied once it lets go.
+    other = _others[id(table)][0]
+    held = [s for s in (0, 5) if other._hold_set(s)]
+    poll()
+    for s in held:
+        other._release_set(s)
     poll()
     submit(4, True, LOAD)
     poll()
@@ -153,7 +180,7 @@ def _points() -> int:
     n = _table._fail_allocs(-1, 0)
     _finish(table, reports)
     _check(table, accepted, reports)
-    os.close(fd)
+    _close(table, fd)
     return n
 
 
@@ -173,7 +200,7 @@ def test_an_allocation_failure_at_any_point_loses_no_job_and_no_slot(count: int)
         except AssertionError as exc:
             raise AssertionError(f"allocation point {after}: {exc}") from exc
         finally:
-            os.close(fd)
+            _close(table, fd)
 
 
 def test_a_report_that_cannot_be_built_comes_at_a_later_poll() -> None:
@@ -190,7 +217,7 @@ def test_a_report_that_cannot_be_built_comes_at_a_later_poll() -> None:
         assert table.inflight() == (0, 0)
         assert table.poll() == ()
     finally:
-        os.close(fd)
+        _close(table, fd)
 
 
 def test_a_lost_kv_event_is_counted_and_its_store_still_lands() -> None:
@@ -204,4 +231,4 @@ def test_a_lost_kv_event_is_counted_and_its_store_still_lands() -> None:
         assert table.counters()["kv_events_lost"] == 1
         assert [ev for _removed, keys in table.take_events() for ev in keys] == STORE_A[1:3]
     finally:
-        os.close(fd)
+        _close(table, fd)
