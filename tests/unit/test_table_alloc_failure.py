@@ -232,3 +232,31 @@ def test_a_lost_kv_event_is_counted_and_its_store_still_lands() -> None:
         assert [ev for _removed, keys in table.take_events() for ev in keys] == STORE_A[1:3]
     finally:
         _close(table, fd)
+
+
+def test_a_primitive_job_whose_report_fails_comes_at_a_later_complete() -> None:
+    """store_ops/complete (the model test's primitives): the same rule."""
+    table, _engine, fd = _handle()
+    try:
+        packed, failed, _evicted, _pending = table.store_ops(7, STORE_A[:2], [0, 1], 64, False)
+        assert failed is None
+        op_ids = [
+            struct.unpack_from("<Q", packed, i * _table.OP_BYTES)[0]
+            for i in range(len(packed) // _table.OP_BYTES)
+        ]
+        comps = b"".join(struct.pack("<QqQ", op_id, ROW_BYTES, 7) for op_id in op_ids)
+        _table._fail_allocs(0, 1)  # no room to defer: refused before anything is applied
+        with pytest.raises(MemoryError):
+            table.complete(comps, False)
+        assert not table.contains(STORE_A[0])
+        _table._fail_allocs(1, 10**9)  # the room, then no report
+        finished, _stored, _removed = table.complete(comps, False)
+        assert finished == []
+        assert table.usage()[3] == 1  # done, not yet reported
+        _table._fail_allocs(-1, 0)
+        finished, _stored, _removed = table.complete(b"", False)
+        assert [f[0] for f in finished] == [7]
+        assert table.usage()[3] == 0
+        assert all(table.contains(k) for k in STORE_A[:2])
+    finally:
+        _close(table, fd)
