@@ -724,9 +724,9 @@ static int finish_submitted(TableObject *self, uint32_t ji) {
         return -1;
     }
     PyObject *ok;
-    if (!failed) {
-        ok = Py_NewRef(Py_None);
-    } else if (j->oom || !j->keys) {
+    if (!failed || !j->keys) {
+        ok = Py_NewRef(Py_None); /* no keys kept (a store_ops job): none to name */
+    } else if (j->oom) {
         ok = PyList_New(0); /* which keys failed is not known: none succeeded */
     } else {
         Py_ssize_t m = PySequence_Fast_GET_SIZE(j->keys);
