@@ -11,6 +11,11 @@ higher): ``store_dir`` (names, directories, filesystem and O_DIRECT checks),
 ``superblock`` (reading, checking, durably writing it) and ``reclaim``
 (private stores, removal). Their public names are re-exported here, where
 callers and tests have always imported them.
+
+A child forked without exec closes its copies of every store fd at once
+(``_forget_stores_in_child``): those fds share the parent's open file
+descriptions, so a child that kept them would hold the parent's flock and
+registry lock for its whole life, and a dead parent would look alive.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import mmap
 import os
 import shutil
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -210,6 +216,48 @@ def _zero(mm: mmap.mmap) -> None:
         mm[off : off + n] = zeros[:n]
 
 
+# Every StoreFiles of this process that may hold fds (weakly: a store that is
+# gone needs nothing), for the fork hook below.
+_open_stores: weakref.WeakSet[StoreFiles] = weakref.WeakSet()
+
+
+def _forget_stores_in_child() -> None:
+    """``os.fork`` hook, in the child: drop every store fd inherited.
+
+    First the fds each store holds, then any other fd on a store's lock
+    files: a fork while another thread was opening or closing a store (its
+    fd opened, not yet kept in the object; a ``lock.init`` wait) leaves one
+    that only that thread, absent in the child, knew. Nothing else in the
+    child refers to such an fd. The mapped index and table keep their own
+    fds (the mappings' own, closed with them): they hold no lock."""
+    stores = list(_open_stores)
+    for files in stores:
+        files._forget_after_fork()
+    locks = {
+        os.path.realpath(os.path.join(f.dirs[0], n))
+        for f in stores
+        if f.dirs
+        for n in (LOCK_NAME, INIT_LOCK_NAME)
+    }
+    if not locks:
+        return
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target in locks:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+os.register_at_fork(after_in_child=_forget_stores_in_child)
+
+
 class StoreFiles:
     """The open files of one store.
 
@@ -291,6 +339,7 @@ class StoreFiles:
                 or layout identity.
         """
         self = cls()
+        _open_stores.add(self)  # before the first fd: a fork may come mid-open
         layout = Layout(capacity_bytes, chunk_bytes, ways, identity, capacity_per_path)
         self.exclusive = sharing == "process"
         self._row_bytes = row_bytes or chunk_bytes
@@ -595,6 +644,29 @@ class StoreFiles:
         it; it narrows what a power loss can lose."""
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
+
+    def _forget_after_fork(self) -> None:
+        """In a child forked from the process that opened the store: close the
+        child's copies of the store's fds, so the parent's locks go with the
+        parent.
+
+        A forked fd shares its open file description (and so the flock and
+        the OFD registry lock) with the parent's: closing it only drops the
+        child's reference and leaves the parent's locks alone, while any
+        unlock (``LOCK_UN``, ``F_UNLCK``) would release them for the parent
+        too, so nothing here unlocks. The store is then closed for the child:
+        ``close()`` does nothing but unmap (no detach, sweep or clean mark:
+        those are the parent's), and the Table refuses every call. The
+        mappings stay until then (the Table holds them); they hold no lock.
+        """
+        self.table = None
+        fds = [self._lock_fd, self._init_fd, self._index_fd, self._table_fd, *self.data_fds]
+        self._lock_fd = self._init_fd = self._index_fd = self._table_fd = -1
+        self.data_fds = []
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     def close(self, clean: bool = True, remove: bool = False) -> bool:
         """Detach; the last sharer also sweeps the table and, when ``clean``,

@@ -154,6 +154,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Slots of processes that died while writing them, reclaimed.",
     ),
+    "kv_events_lost": (
+        "counter",
+        "KV cache events not recorded for lack of memory (the chunks were stored or removed).",
+    ),
 }
 
 _warned_random_seed = False
