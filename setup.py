@@ -47,6 +47,16 @@ class OptionalBuildExt(build_ext):
 
 REQUIRED = ("nvmetier._table",)
 COMPILE_ARGS = ["-O2", "-Wall", "-Werror", "-std=gnu11", "-fvisibility=hidden"]
+# NVMETIER_SANITIZE=address,undefined (or thread): a sanitized build for
+# scripts/sanitize.sh, never for a wheel. The sanitizer runtime must then be
+# preloaded into Python (LD_PRELOAD), which that script does.
+SANITIZE = os.environ.get("NVMETIER_SANITIZE", "")
+SANITIZE_ARGS = (
+    [f"-fsanitize={SANITIZE}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g"]
+    if SANITIZE
+    else []
+)
+COMPILE_ARGS += SANITIZE_ARGS
 # The shared table's rules (nvt_core, no Python), its job path (nvt_jobs) and
 # its CPython type (nvt_table); the uring module is every other source.
 TABLE_SOURCES = [
@@ -69,6 +79,7 @@ ext_modules = [
         depends=sorted(glob.glob("native/*.h")),
         include_dirs=["native"],
         extra_compile_args=COMPILE_ARGS,
+        extra_link_args=SANITIZE_ARGS,
         libraries=["pthread"],
     )
 ]
@@ -83,7 +94,7 @@ if native_sources:
             # only PyInit__uring is exported: another liburing.so loaded in the
             # process cannot interpose on the one this module was built with.
             extra_compile_args=COMPILE_ARGS,
-            extra_link_args=["-Wl,--exclude-libs,ALL"] if extra_objects else [],
+            extra_link_args=(["-Wl,--exclude-libs,ALL"] if extra_objects else []) + SANITIZE_ARGS,
             extra_objects=extra_objects,
             libraries=libraries,
             optional=True,

@@ -1,6 +1,6 @@
 /*
  * nvt_core: the rules of the process-shared slot table, no Python (see
- * nvt_core.h; the layout and lock rules are in nvt_table.h).
+ * nvt_core.h; the layout and lock rules are in nvt_layout.h).
  */
 #define _GNU_SOURCE /* F_OFD_GETLK, pthread_mutex_clocklock */
 #include <errno.h>

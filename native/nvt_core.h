@@ -1,5 +1,5 @@
 /*
- * nvt_core: the rules of the process-shared slot table (nvt_table.h has the
+ * nvt_core: the rules of the process-shared slot table (nvt_layout.h has the
  * layout), with no Python in them: a process's view of one table (nvt_core),
  * set locks with their bounds and dead-holder recovery, the ways of a set
  * (find, claim, evict, clear, reclaim), leases, index records, the sharer
@@ -18,7 +18,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "nvt_table.h"
+#include "nvt_layout.h"
 
 /* Index record layout (format.py; changing it requires bumping FORMAT_VERSION). */
 #define REC_BYTES 128
@@ -105,7 +105,7 @@ static inline nvt_set_head *set_head(char *base, uint32_t set_bytes, uint64_t se
     return (nvt_set_head *)(base + NVT_TABLE_HEADER_BYTES + set * (uint64_t)set_bytes);
 }
 
-/* The fields of one way, as pointers into its set's arrays (nvt_table.h). */
+/* The fields of one way, as pointers into its set's arrays (nvt_layout.h). */
 typedef struct {
     uint8_t *tag, *state, *owner, *flags;
     uint16_t *owner_inc, *pins;

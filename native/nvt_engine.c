@@ -48,6 +48,10 @@
 /* A ring whose io_uring_enter fails this many times in a row (1 ms apart)
  * with an error that is not transient is declared failed. */
 #define NVT_RING_FAIL_TRIES 100
+/* Once close began, a failed ring waits this long at most for the ops the
+ * kernel took to come back; then they fail and the thread exits anyway (its
+ * ring's teardown cancels them in the kernel), so close() always returns. */
+#define NVT_STOP_GRACE_MS 5000
 
 /* liburing 2.3 predates buffer cloning: the opcode and argument of
  * IORING_REGISTER_CLONE_BUFFERS (kernel 6.12+), called by raw syscall. */
@@ -108,6 +112,14 @@ typedef struct nvt_worker {
     uint64_t wake_value; /* target of the eventfd read */
     int wake_armed;
     int enter_errors; /* consecutive non-transient io_uring_enter failures */
+    int sq_abandoned; /* failed: the SQEs the kernel never took were failed */
+    uint64_t stop_ms; /* failed and closing: when the thread first saw both */
+    /* Tests only (nvt_engine_inject_enter_error): every io_uring_enter of the
+     * thread fails with this errno instead of being made (0: none). Atomic. */
+    int inject_enter_err;
+    /* The ring's fd, for a forked child to close (-1: none). Written under
+     * engines_lock, so a fork sees it either set or not yet created. */
+    int ring_fd_fork;
     nvt_completion_batch out; /* completions reaped but not yet published */
     uint64_t n_ops, n_bytes, n_hashed; /* atomics: stats */
     int failed_hint; /* atomic copy of `failed` for routing without the lock */
@@ -141,7 +153,97 @@ struct nvt_engine {
 
     pthread_mutex_t close_lock; /* serializes nvt_engine_close */
     int joined;                 /* guarded by close_lock */
+
+    /* Every open engine (engines_lock), for the fork handler; src_ring's fd
+     * for a child to close (-1: none); `forked`: this is a forked child's
+     * copy, whose threads do not exist (set in the child before any call). */
+    struct nvt_engine *next_engine;
+    int src_ring_fd_fork;
+    int forked;
 };
+
+/* ---- fork --------------------------------------------------------------- */
+/* A child forked without exec inherits every ring fd (and, in the child's
+ * copy of each engine, I/O threads that do not exist there). A ring's
+ * registered files hold the store's data files and lock open, so a child
+ * that kept a ring would keep its parent's sharer lock alive after the
+ * parent died. Rings are mapped MADV_DONTFORK (io_uring_ring_dontfork), and
+ * the child closes every inherited ring and wake fd at once: it drops only
+ * its own references, so the parent's rings are untouched. The child's copy
+ * of an engine then refuses submits, returns nothing from waits and closes
+ * at once (never joining threads that are not there). */
+static pthread_mutex_t engines_lock = PTHREAD_MUTEX_INITIALIZER;
+static nvt_engine *engines;
+static pthread_once_t engines_atfork_once = PTHREAD_ONCE_INIT;
+
+static void engines_prepare(void) { pthread_mutex_lock(&engines_lock); }
+
+static void engines_parent(void) { pthread_mutex_unlock(&engines_lock); }
+
+static void engines_child(void) {
+    for (nvt_engine *e = engines; e; e = e->next_engine) {
+        e->forked = 1;
+        for (unsigned i = 0; i < e->n_workers; i++) {
+            nvt_worker *w = &e->workers[i];
+            if (w->ring_fd_fork >= 0)
+                close(w->ring_fd_fork);
+            w->ring_fd_fork = -1;
+            if (w->wake_fd >= 0)
+                close(w->wake_fd);
+            w->wake_fd = -1;
+            w->started = 0;
+        }
+        if (e->src_ring_fd_fork >= 0)
+            close(e->src_ring_fd_fork);
+        e->src_ring_fd_fork = -1;
+    }
+    pthread_mutex_unlock(&engines_lock); /* taken by engines_prepare in this thread */
+}
+
+static void engines_atfork_install(void) {
+    pthread_atfork(engines_prepare, engines_parent, engines_child);
+}
+
+static void engines_add(nvt_engine *e) {
+    pthread_once(&engines_atfork_once, engines_atfork_install);
+    pthread_mutex_lock(&engines_lock);
+    e->next_engine = engines;
+    engines = e;
+    pthread_mutex_unlock(&engines_lock);
+}
+
+static void engines_remove(nvt_engine *e) {
+    pthread_mutex_lock(&engines_lock);
+    for (nvt_engine **p = &engines; *p; p = &(*p)->next_engine) {
+        if (*p == e) {
+            *p = e->next_engine;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&engines_lock);
+}
+
+/* Create a ring that a forked child will not map, its fd recorded for the
+ * child to close (under engines_lock: no fork in between). */
+static int ring_create(struct io_uring *ring, unsigned entries, struct io_uring_params *p, int *fd_fork) {
+    pthread_mutex_lock(&engines_lock);
+    int ret = io_uring_queue_init_params(entries, ring, p);
+    if (ret == 0) {
+        io_uring_ring_dontfork(ring);
+        *fd_fork = ring->ring_fd;
+    }
+    pthread_mutex_unlock(&engines_lock);
+    return ret;
+}
+
+/* Close a ring made by ring_create (under engines_lock: a fork sees the
+ * ring either recorded or closed, never open and forgotten). */
+static void ring_destroy(struct io_uring *ring, int *fd_fork) {
+    pthread_mutex_lock(&engines_lock);
+    *fd_fork = -1;
+    io_uring_queue_exit(ring);
+    pthread_mutex_unlock(&engines_lock);
+}
 
 /* ---- small helpers ------------------------------------------------------ */
 
@@ -252,12 +354,20 @@ static nvt_worker *route_locked(nvt_engine *e, unsigned f) {
 
 /* ---- I/O thread --------------------------------------------------------- */
 
+/* io_uring_submit, or the tests' injected failure (nvt_engine_inject_enter_error). */
+static int io_submit(nvt_worker *w) {
+    int inj = __atomic_load_n(&w->inject_enter_err, __ATOMIC_RELAXED);
+    return inj ? -inj : io_uring_submit(&w->ring);
+}
+
 static struct io_uring_sqe *io_get_sqe(nvt_worker *w) {
     struct io_uring_sqe *sqe;
     /* The SQ holds qd + 1 entries and at most one SQE per slot plus the wake
      * read is ever unsubmitted, so this loop is a safety net. */
-    while (!(sqe = io_uring_get_sqe(&w->ring)))
-        io_uring_submit(&w->ring);
+    while (!(sqe = io_uring_get_sqe(&w->ring))) {
+        if (io_submit(w) < 0)
+            usleep(1000);
+    }
     return sqe;
 }
 
@@ -326,7 +436,12 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
         s->moved += (uint64_t)res;
         if (s->moved < length) {
             /* Short transfer (or a capped SQE): continue with the rest. A
-             * retry that moves nothing or fails ends the op with -EIO. */
+             * retry that moves nothing or fails ends the op with -EIO. A
+             * failed ring submits nothing more: the op fails (short: -EIO). */
+            if (w->sq_abandoned) {
+                io_finish(w, idx, -EIO, 0);
+                return;
+            }
             io_prep(w, idx);
             return;
         }
@@ -368,6 +483,46 @@ static void io_publish(nvt_worker *w) {
     w->out.len = 0;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
+}
+
+static uint64_t mono_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+/* A failed ring submits nothing more (nor re-arms its wake read): the ops
+ * whose SQEs the kernel never took (between its head and our tail) fail now
+ * with -err, once; the kernel never takes them later, since every later
+ * io_uring_enter of this thread submits nothing (io_uring_get_events). */
+static void io_fail_unsubmitted(nvt_worker *w, int err) {
+    if (w->sq_abandoned)
+        return;
+    w->sq_abandoned = 1;
+    struct io_uring_sq *sq = &w->ring.sq;
+    unsigned head = __atomic_load_n(sq->khead, __ATOMIC_ACQUIRE);
+    for (unsigned i = head; i != sq->sqe_tail; i++) {
+        uint64_t tag = sq->sqes[i & sq->ring_mask].user_data;
+        if (tag == NVT_WAKE_TAG)
+            w->wake_armed = 0;
+        else
+            io_finish(w, (unsigned)tag, -err, 0);
+    }
+    sq->sqe_head = sq->sqe_tail;
+}
+
+/* A failed ring past NVT_STOP_GRACE_MS of close: every op still in a slot
+ * (taken by the kernel, never reaped) fails with -err. */
+static void io_fail_slots(nvt_worker *w, int err) {
+    char *busy = calloc(w->qd, 1);
+    if (!busy)
+        return; /* keep waiting: the next round tries again */
+    for (unsigned i = 0; i < w->n_free; i++)
+        busy[w->free_slots[i]] = 1; /* free, in fact */
+    for (unsigned i = 0; i < w->qd; i++)
+        if (!busy[i])
+            io_finish(w, i, -err, 0);
+    free(busy);
 }
 
 /* Register the buffer (in pieces of register_chunk_bytes) on `ring`. */
@@ -414,7 +569,7 @@ static int io_setup(nvt_worker *w) {
         struct io_uring_params p;
         memset(&p, 0, sizeof(p));
         p.flags = flag_sets[i];
-        ret = io_uring_queue_init_params(w->qd + 1, &w->ring, &p);
+        ret = ring_create(&w->ring, w->qd + 1, &p, &w->ring_fd_fork);
         if (ret == 0) {
             w->info.setup_flags = flag_sets[i];
             w->info.ring_entries = p.sq_entries;
@@ -516,7 +671,7 @@ static void io_run(nvt_worker *w) {
          * soon and we take new ops then, so a submitter need not pay for a
          * wake-up (an eventfd write that costs vLLM's thread several us).
          * Only an idle worker, with nothing in flight, needs the eventfd. */
-        w->sleeping = !stop && w->pend_len == 0 && w->n_free == qd;
+        w->sleeping = !stop && !failed && w->pend_len == 0 && w->n_free == qd;
         pthread_mutex_unlock(&w->lock);
         if (failed)
             io_publish(w);
@@ -529,7 +684,7 @@ static void io_run(nvt_worker *w) {
                 hashed += (uint64_t)s->op.length;
                 __atomic_fetch_add(&w->n_hashed, (uint64_t)s->op.length, __ATOMIC_RELAXED);
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
-                    io_uring_submit(&w->ring);
+                    io_submit(w);
                     hashed = 0;
                 }
             }
@@ -537,8 +692,8 @@ static void io_run(nvt_worker *w) {
         }
 
         if (w->n_reads) {
-            if (io_uring_sq_ready(&w->ring))
-                io_uring_submit(&w->ring);
+            if (!failed && io_uring_sq_ready(&w->ring))
+                io_submit(w);
             batch_reserve_hard(&w->out, w->n_reads);
             for (unsigned i = 0; i < w->n_reads; i++) {
                 nvt_read_done *r = &w->reads[i];
@@ -550,11 +705,35 @@ static void io_run(nvt_worker *w) {
             io_publish(w);
         }
 
+        if (failed) {
+            /* Nothing more is submitted: what the kernel never took fails
+             * now, what it took is reaped as it completes (polled: no wake
+             * read). Closing, that wait is bounded. */
+            io_fail_unsubmitted(w, failed);
+            if (stop && w->n_free != qd) {
+                uint64_t now = mono_ms();
+                if (!w->stop_ms)
+                    w->stop_ms = now;
+                else if (now - w->stop_ms >= NVT_STOP_GRACE_MS)
+                    io_fail_slots(w, failed);
+            }
+            io_publish(w);
+        }
+
         if (stop && w->n_free == qd)
             break; /* closing, and nothing left in the ring */
 
-        int ret = io_uring_submit_and_wait(&w->ring, 1);
-        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
+        int inj = __atomic_load_n(&w->inject_enter_err, __ATOMIC_RELAXED);
+        int ret;
+        if (failed) {
+            ret = inj ? -inj : io_uring_get_events(&w->ring);
+            usleep(1000);
+        } else {
+            ret = inj ? -inj : io_uring_submit_and_wait(&w->ring, 1);
+        }
+        if (failed) {
+            /* already failed: its errors change nothing */
+        } else if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
             /* Not expected with a ring this thread sized itself; back off
              * rather than spin, and keep reaping what completes. A ring that
              * keeps failing fails its ops from now on (only its own). */
@@ -576,7 +755,7 @@ static void io_run(nvt_worker *w) {
                 io_on_cqe(w, (unsigned)tag, cqe->res);
         }
         io_uring_cq_advance(&w->ring, seen);
-        if (!w->wake_armed && !stop)
+        if (!w->wake_armed && !stop && !failed)
             io_arm_wake(w);
     }
 }
@@ -598,7 +777,7 @@ static void *io_main(void *arg) {
     /* An open that fails after this worker started stops it through `closing`. */
     io_run(w);
     /* Exiting the ring cancels the wake read and unregisters buffers/files. */
-    io_uring_queue_exit(&w->ring);
+    ring_destroy(&w->ring, &w->ring_fd_fork);
 
     io_publish(w);
     pthread_mutex_lock(&e->lock);
@@ -623,6 +802,7 @@ static void worker_destroy(nvt_worker *w) {
 }
 
 static void engine_destroy(nvt_engine *e) {
+    engines_remove(e);
     for (unsigned i = 0; e->workers && i < e->n_workers; i++)
         worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
@@ -662,7 +842,9 @@ static int worker_init(nvt_engine *e, unsigned idx) {
 
 /* Register the buffer once on a plain ring that the workers clone from. */
 static void src_ring_open(nvt_engine *e) {
-    int ret = io_uring_queue_init(1, &e->src_ring, 0);
+    struct io_uring_params p;
+    memset(&p, 0, sizeof(p));
+    int ret = ring_create(&e->src_ring, 1, &p, &e->src_ring_fd_fork);
     if (ret < 0) {
         e->src_errno = -ret;
         return;
@@ -670,7 +852,7 @@ static void src_ring_open(nvt_engine *e) {
     ret = ring_register_buffers(e, &e->src_ring);
     if (ret < 0) {
         e->src_errno = -ret;
-        io_uring_queue_exit(&e->src_ring);
+        ring_destroy(&e->src_ring, &e->src_ring_fd_fork);
         return;
     }
     e->src_ring_ok = 1;
@@ -755,6 +937,7 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     e->nfds = nfds;
     e->cfg = *cfg;
     e->n_workers = cfg->workers;
+    e->src_ring_fd_fork = -1;
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
     pthread_condattr_t ca;
@@ -778,8 +961,10 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
         e->workers[i].e = e;
         e->workers[i].idx = i;
         e->workers[i].wake_fd = -1;
+        e->workers[i].ring_fd_fork = -1;
         pthread_mutex_init(&e->workers[i].lock, NULL);
     }
+    engines_add(e); /* before any ring exists */
     int ret = 0;
     for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
         ret = worker_init(e, i);
@@ -789,7 +974,7 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
         ret = worker_start(e, &e->workers[i]);
     if (e->src_ring_ok) {
-        io_uring_queue_exit(&e->src_ring);
+        ring_destroy(&e->src_ring, &e->src_ring_fd_fork);
         e->src_ring_ok = 0;
     }
     if (ret != 0) {
@@ -816,6 +1001,8 @@ void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out) {
     out->hashed = __atomic_load_n(&wk->n_hashed, __ATOMIC_RELAXED);
     out->failed_errno = __atomic_load_n(&wk->failed_hint, __ATOMIC_RELAXED);
     out->cpu_s = 0;
+    if (e->forked)
+        return; /* no threads here; a parent's thread may hold close_lock */
     clockid_t cid;
     struct timespec ts;
     /* close_lock: the thread must not be joined (its id freed) meanwhile. */
@@ -826,9 +1013,21 @@ void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out) {
     pthread_mutex_unlock(&e->close_lock);
 }
 
+int nvt_engine_inject_enter_error(nvt_engine *e, unsigned w, int err) {
+    if (w >= e->n_workers || err < 0)
+        return -EINVAL;
+    if (e->forked)
+        return -ESHUTDOWN;
+    __atomic_store_n(&e->workers[w].inject_enter_err, err, __ATOMIC_RELAXED);
+    wake_io_thread(&e->workers[w]); /* out of a wait in the ring */
+    return 0;
+}
+
 int nvt_engine_fail_worker(nvt_engine *e, unsigned w, int err) {
     if (w >= e->n_workers || err <= 0)
         return -EINVAL;
+    if (e->forked)
+        return -ESHUTDOWN;
     nvt_worker *wk = &e->workers[w];
     pthread_mutex_lock(&wk->lock);
     if (!wk->failed) {
@@ -848,6 +1047,11 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
     if (!route)
         return -ENOMEM;
 
+    if (e->forked) {
+        if (route != stack_route)
+            free(route);
+        return -ESHUTDOWN;
+    }
     pthread_mutex_lock(&e->lock);
     if (e->closing) {
         pthread_mutex_unlock(&e->lock);
@@ -928,7 +1132,7 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
     /* A poll that finds nothing skips the mutex the I/O threads keep taking:
      * done.len is read racily as a hint; a completion it misses is found by
      * the next poll (the store is polled at every engine step). */
-    if (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE))
+    if (e->forked || (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE)))
         return;
     pthread_mutex_lock(&e->lock);
     /* Every I/O thread exited (only after close began): nothing will come. */
@@ -960,6 +1164,8 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
 }
 
 void nvt_engine_close(nvt_engine *e) {
+    if (e->forked)
+        return; /* a forked child's copy: no threads to stop, rings closed at the fork */
     pthread_mutex_lock(&e->close_lock);
     if (!e->joined) {
         engine_stop(e);
@@ -973,7 +1179,18 @@ void nvt_engine_free(nvt_engine *e) {
         engine_destroy(e);
 }
 
+static int probe_locked(const char **stage);
+
 int nvt_probe(const char **stage) {
+    /* Under engines_lock, as every ring: a fork never inherits this one. */
+    pthread_once(&engines_atfork_once, engines_atfork_install);
+    pthread_mutex_lock(&engines_lock);
+    int ret = probe_locked(stage);
+    pthread_mutex_unlock(&engines_lock);
+    return ret;
+}
+
+static int probe_locked(const char **stage) {
     struct io_uring ring;
     struct io_uring_cqe *cqe;
     int ret = io_uring_queue_init(2, &ring, 0);

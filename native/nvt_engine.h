@@ -153,6 +153,14 @@ void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out);
 int nvt_engine_fail_worker(nvt_engine *e, unsigned w, int err);
 
 /*
+ * Tests only: from now on every io_uring_enter of worker `w`'s thread fails
+ * with -err instead of being made (0: stop failing), as a ring the kernel
+ * keeps refusing would; NVT_RING_FAIL_TRIES of them fail the worker.
+ * Returns 0, -EINVAL, or -ESHUTDOWN in a forked child.
+ */
+int nvt_engine_inject_enter_error(nvt_engine *e, unsigned w, int err);
+
+/*
  * Queue `n` ops. Ops that fail validation (bad file_idx -> -EBADF, range
  * outside the buffer -> -EFAULT, negative file offset or bad kind -> -EINVAL)
  * and zero-length ops complete at once without I/O. Never blocks on I/O.
@@ -175,8 +183,12 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
 /*
  * Stop: queued ops complete with -ECANCELED, ops in the rings finish, the I/O
  * threads exit (closing their rings, which unregisters everything). Blocks until
- * then. Idempotent and safe to call from several threads. Completions stay
- * available to nvt_engine_wait.
+ * then, which is bounded: a failed ring (see nvt_engine_fail_worker) fails the
+ * ops the kernel never took at once, and the ones it took after
+ * NVT_STOP_GRACE_MS. Idempotent and safe to call from several threads.
+ * Completions stay available to nvt_engine_wait. In a child forked from the
+ * engine's process (whose copy has no threads, its rings closed at the fork:
+ * see nvt_engine.c), close, submit (-ESHUTDOWN) and wait do nothing.
  */
 void nvt_engine_close(nvt_engine *e);
 

@@ -11,6 +11,35 @@
 
 #include "nvt_hash.h"
 
+/* ------------------------------------------------- allocation-failure tests */
+/* Tests only (the module's _fail_allocs): every allocation of the job path
+ * first asks alloc_fails(); after `fail_after` more such points, the next
+ * `fail_count` fail as out of memory. `alloc_points` counts the points
+ * passed, so a test can walk every one of them in turn. */
+static long long fail_after = -1, fail_count;
+static unsigned long long alloc_points;
+
+unsigned long long nvt_test_fail_allocs(long long after, long long count) {
+    unsigned long long seen = alloc_points;
+    alloc_points = 0;
+    fail_after = count > 0 ? after : -1;
+    fail_count = count;
+    return seen;
+}
+
+static int alloc_fails(void) {
+    alloc_points++;
+    if (fail_after < 0)
+        return 0;
+    if (fail_after > 0) {
+        fail_after--;
+        return 0;
+    }
+    if (--fail_count <= 0)
+        fail_after = -1;
+    return 1;
+}
+
 /* ------------------------------------------------------------------ helpers */
 
 static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
@@ -28,7 +57,7 @@ static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
  * NULL with an exception set on a bad key or out of memory. */
 static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
                          int scan) {
-    uint64_t *fps = m <= n_local ? local : PyMem_Malloc((size_t)m * sizeof(uint64_t));
+    uint64_t *fps = m <= n_local ? local : alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(uint64_t));
     if (!fps) {
         PyErr_NoMemory();
         return NULL;
@@ -78,6 +107,8 @@ int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int 
 static int slab_grow(void **items, size_t size, uint32_t **free_list, uint32_t *n_free, uint32_t *cap,
                      uint32_t first) {
     uint32_t old = *cap, grown = old ? old * 2 : first;
+    if (alloc_fails())
+        return -1;
     char *it = PyMem_Realloc(*items, (size_t)grown * size);
     if (!it)
         return -1;
@@ -123,6 +154,8 @@ static int64_t job_alloc(TableObject *t, int64_t job_id, int is_load) {
     j->n_failed = 0;
     j->keys = NULL;
     j->start_ns = 0;
+    j->oom = 0;
+    j->unreported = 0;
     t->jobs_live++;
     return i;
 }
@@ -134,23 +167,29 @@ static void job_release(TableObject *t, uint32_t i) {
     t->jobs_live--;
 }
 
-static int job_fail(job_info *j, uint32_t pos, int kind, int err) {
+/* Key `pos` of job `j` failed for `kind`. Never fails: when the list of
+ * failed positions cannot grow, the job is marked `oom` and reports every key
+ * failed (successful_keys empty), so no failed key is ever reported stored or
+ * loaded, and nothing on the completion path has to be undone. */
+static void job_fail(job_info *j, uint32_t pos, int kind, int err) {
     if (!j->in_use)
-        return 0; /* the stand-in job of an abandoned op (apply_one) */
+        return; /* the stand-in job of an abandoned op (apply_one) */
     if (j->n_failed == j->cap_failed) {
         uint32_t cap = j->cap_failed ? j->cap_failed * 2 : 8;
-        uint32_t *f = PyMem_Realloc(j->failed, cap * sizeof(uint32_t));
-        if (!f)
-            return -1;
-        j->failed = f;
-        j->cap_failed = cap;
+        uint32_t *f = alloc_fails() ? NULL : PyMem_Realloc(j->failed, cap * sizeof(uint32_t));
+        if (f) {
+            j->failed = f;
+            j->cap_failed = cap;
+        }
     }
-    j->failed[j->n_failed++] = pos;
+    if (j->n_failed < j->cap_failed)
+        j->failed[j->n_failed++] = pos;
+    else
+        j->oom = 1;
     if (j->first_fail == FAIL_NONE || (fail_quiet(j->first_fail) && !fail_quiet(kind))) {
         j->first_fail = (uint8_t)kind;
         j->first_errno = err;
     }
-    return 0;
 }
 
 /* A snapshot of a sequence argument (keys, rows) as a tuple: its items are
@@ -216,6 +255,10 @@ static inline int64_t row_at(Py_buffer *v, Py_ssize_t i) {
 }
 
 static int append_pos(PyObject **list, Py_ssize_t pos) {
+    if (alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
     if (!*list && !(*list = PyList_New(0)))
         return -1;
     PyObject *v = PyLong_FromSsize_t(pos);
@@ -227,6 +270,10 @@ static int append_pos(PyObject **list, Py_ssize_t pos) {
 }
 
 static int append_key(PyObject **list, const char *key, Py_ssize_t n) {
+    if (alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
     if (!*list && !(*list = PyList_New(0)))
         return -1;
     PyObject *v = PyBytes_FromStringAndSize(key, n);
@@ -281,10 +328,7 @@ Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_b
 static int key_failed(TableObject *self, int64_t job, Py_ssize_t i, PyObject **list, int kind) {
     if (list)
         return append_pos(list, i);
-    if (job_fail(&self->jobs[job], (uint32_t)i, kind, 0) < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    job_fail(&self->jobs[job], (uint32_t)i, kind, 0);
     return 0;
 }
 
@@ -344,7 +388,7 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
             }
             if (self->n_watches == self->cap_watches) {
                 size_t cap = self->cap_watches ? self->cap_watches * 2 : 64;
-                struct watch *wl = PyMem_Realloc(self->watches, cap * sizeof(struct watch));
+                struct watch *wl = alloc_fails() ? NULL : PyMem_Realloc(self->watches, cap * sizeof(struct watch));
                 if (!wl) {
                     PyErr_NoMemory();
                     goto error;
@@ -564,12 +608,23 @@ static PyObject *fail_text(job_info *j) {
     case FAIL_BADARG:
         return PyUnicode_FromString("bad key length or row");
     default: /* none, or only keys that were not there: a miss, not an error */
+        if (j->oom)
+            return PyUnicode_FromString("out of memory recording the failed keys (all reported failed)");
         Py_RETURN_NONE;
     }
 }
 
-/* Apply one completion. Returns 0, 1 when its set could not be locked
- * (nothing changed: apply it again later, see defer), or -1 on out of memory. */
+/* A KV event key that could not be recorded (out of memory): the op is
+ * applied all the same, and the loss counted (kv_events_lost). */
+static void event_lost(TableObject *t) {
+    PyErr_Clear();
+    t->events_lost++;
+}
+
+/* Apply one completion: the slot is published or freed, the op released and
+ * its job counted down, with nothing that can fail in between (a failed key
+ * marks the job, a lost KV event is counted). Returns 0, or 1 when its set
+ * could not be locked (nothing changed: apply it again later, see defer). */
 static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObject **stored,
                      PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
@@ -600,14 +655,13 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             t->core.c.bytes_written += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
             if (events && append_key(stored, o->key, o->key_len) < 0)
-                return -1;
+                event_lost(t);
         } else {
             if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
                 nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
             set_unlock(&t->core, set);
             t->core.c.write_errors++;
-            if (job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result) < 0)
-                return -1;
+            job_fail(j, o->pos, FAIL_WRITE_IO, ok ? EIO : (int)-c->result);
         }
     } else {
         int same = (*s.gen) == o->gen && (*s.state) == NVT_READY;
@@ -616,15 +670,13 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
         if (!same) {
             set_unlock(&t->core, set);
             t->core.c.loads_raced++;
-            if (job_fail(j, o->pos, FAIL_RACED, 0) < 0)
-                return -1;
+            job_fail(j, o->pos, FAIL_RACED, 0);
         } else if (c->result == -ECANCELED) {
             /* Never read (the engine refused or cancelled the op): nothing is
              * known about the slot, which stays READY for every sharer. */
             set_unlock(&t->core, set);
             t->core.c.loads_cancelled++;
-            if (job_fail(j, o->pos, FAIL_READ_IO, ECANCELED) < 0)
-                return -1;
+            job_fail(j, o->pos, FAIL_READ_IO, ECANCELED);
         } else if (!ok) {
             /* A read error: a miss until rewritten (BAD, not freed: a
              * transient error is not proven corruption). */
@@ -632,21 +684,17 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             t->core.d_ready--;
             set_unlock(&t->core, set);
             t->core.c.read_errors++;
-            if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
-                return -1;
+            job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result);
         } else if (o->verify && c->checksum != o->expected) {
             /* Proven corruption of this very slot: a miss, and the slot is freed. */
             const unsigned char *r = record(&t->core, o->slot);
             int kl = r[5];
-            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0) {
-                set_unlock(&t->core, set);
-                return -1;
-            }
+            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
+                event_lost(t);
             nvt_clear_slot_locked(&t->core, s, o->slot);
             set_unlock(&t->core, set);
             t->core.c.checksum_failures++;
-            if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
-                return -1;
+            job_fail(j, o->pos, FAIL_CHECKSUM, 0);
         } else {
             if (o->verify && (*s.flags & NVT_FLAG_UNVERIFIED)) {
                 *s.flags &= (uint8_t)~NVT_FLAG_UNVERIFIED; /* verified once: trusted now */
@@ -666,21 +714,23 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
 /* A job of the submit/poll path is done: its entry joins `done` for the next
  * poll(), and the job is freed. The entry: (job_id, success, successful_keys
  * or None, transfer_time_s, moved_bytes, error or None, is_load); error is
- * None when every failed key was only missing (a miss, not a fault). */
+ * None when every failed key was only missing (a miss, not a fault). -1 (out
+ * of memory) leaves the job as it was, to be reported later. */
 static int finish_submitted(TableObject *self, uint32_t ji) {
     job_info *j = &self->jobs[ji];
-    PyObject *ok = Py_None;
-    Py_INCREF(ok);
-    if (j->n_failed) {
-        if (j->is_load)
-            self->core.c.load_jobs_failed++;
-        else
-            self->core.c.store_jobs_failed++;
+    int failed = j->n_failed || j->oom;
+    if (alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
     }
-    if (j->n_failed && j->keys) {
+    PyObject *ok;
+    if (!failed || !j->keys) {
+        ok = Py_NewRef(Py_None); /* no keys kept (a store_ops job): none to name */
+    } else if (j->oom) {
+        ok = PyList_New(0); /* which keys failed is not known: none succeeded */
+    } else {
         Py_ssize_t m = PySequence_Fast_GET_SIZE(j->keys);
         char *bad = PyMem_Calloc((size_t)(m ? m : 1), 1);
-        Py_DECREF(ok);
         ok = bad ? PyList_New(0) : NULL;
         if (!ok) {
             PyMem_Free(bad);
@@ -700,40 +750,56 @@ static int finish_submitted(TableObject *self, uint32_t ji) {
         }
         PyMem_Free(bad);
     }
+    if (!ok)
+        return -1;
     PyObject *text = fail_text(j);
     if (!text) {
         Py_DECREF(ok);
         return -1;
     }
     double secs = (double)(now_mono_ns() - j->start_ns) / 1e9;
-    PyObject *item = Py_BuildValue("(LONdKNO)", (long long)j->job_id, j->n_failed ? Py_False : Py_True, ok,
+    PyObject *item = Py_BuildValue("(LONdKNO)", (long long)j->job_id, failed ? Py_False : Py_True, ok,
                                    j->start_ns ? secs : 0.0, (unsigned long long)j->moved, text,
                                    j->is_load ? Py_True : Py_False);
-    job_release(self, ji);
-    if (!item || PyList_Append(self->done, item) < 0) {
-        Py_XDECREF(item);
+    if (!item)
+        return -1;
+    if (PyList_Append(self->done, item) < 0) {
+        Py_DECREF(item);
         return -1;
     }
     Py_DECREF(item);
+    if (failed) {
+        if (j->is_load)
+            self->core.c.load_jobs_failed++;
+        else
+            self->core.c.store_jobs_failed++;
+    }
+    job_release(self, ji);
     return 0;
 }
 
-/* Append job ji to `finished` (and free it) when its last op or watch is done
- * (a submit/poll job, or any job when `finished` is NULL: to `done`). */
-static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
+/* A job of store_ops/load_ops is done: its entry joins `finished`, and the
+ * job is freed. -1 (out of memory) leaves the job as it was. */
+static int finish_op_job(TableObject *self, uint32_t ji, PyObject *finished) {
     job_info *j = &self->jobs[ji];
-    if (j->remaining)
-        return 0;
-    if (j->keys || !finished)
-        return finish_submitted(self, ji);
-    PyObject *failed = Py_None, *text;
-    Py_INCREF(failed);
-    if (j->n_failed) {
-        Py_DECREF(failed);
+    if (alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject *failed, *text;
+    if (j->n_failed || j->oom) {
         if (!(failed = PyList_New(j->n_failed)))
             return -1;
-        for (uint32_t f = 0; f < j->n_failed; f++)
-            PyList_SET_ITEM(failed, f, PyLong_FromUnsignedLong(j->failed[f]));
+        for (uint32_t f = 0; f < j->n_failed; f++) {
+            PyObject *v = PyLong_FromUnsignedLong(j->failed[f]);
+            if (!v) {
+                Py_DECREF(failed);
+                return -1;
+            }
+            PyList_SET_ITEM(failed, f, v);
+        }
+    } else {
+        failed = Py_NewRef(Py_None);
     }
     if (!(text = fail_text(j))) {
         Py_DECREF(failed);
@@ -741,13 +807,48 @@ static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
     }
     PyObject *item = Py_BuildValue("(LOKNN)", (long long)j->job_id, j->is_load ? Py_True : Py_False,
                                    (unsigned long long)j->moved, failed, text);
-    job_release(self, ji);
-    if (!item || PyList_Append(finished, item) < 0) {
-        Py_XDECREF(item);
+    if (!item)
+        return -1;
+    if (PyList_Append(finished, item) < 0) {
+        Py_DECREF(item);
         return -1;
     }
     Py_DECREF(item);
+    job_release(self, ji);
     return 0;
+}
+
+/* Report job ji (to `finished`: a store_ops/load_ops job, or any job when
+ * `finished` is NULL: to `done`) and free it when its last op or watch is
+ * done. Never fails: a report that cannot be built (out of memory) leaves
+ * the job `unreported`, and report_unreported retries it at every later
+ * apply, so each job is reported exactly once. */
+static void maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
+    job_info *j = &self->jobs[ji];
+    if (j->remaining)
+        return;
+    int was = j->unreported;
+    int rc = (j->keys || !finished) ? finish_submitted(self, ji) : finish_op_job(self, ji, finished);
+    if (rc == 0) {
+        if (was)
+            self->n_unreported--;
+        return;
+    }
+    PyErr_Clear();
+    if (!was) {
+        j->unreported = 1;
+        self->n_unreported++;
+    }
+}
+
+/* Retry the reports that ran out of memory (maybe_finish). A store_ops or
+ * load_ops job waits for a call with its `finished` list (complete()). */
+static void report_unreported(TableObject *self, PyObject *finished) {
+    for (uint32_t i = 0; i < self->n_jobs_cap && self->n_unreported; i++) {
+        job_info *j = &self->jobs[i];
+        if (j->in_use && j->unreported && (j->keys || finished))
+            maybe_finish(self, i, finished);
+    }
 }
 
 /* Resolve watches (stores of keys another write was already writing). A
@@ -757,7 +858,7 @@ static int maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
  * its writer died (the slot left WRITING at that generation), or when it is
  * still WRITING past the watch's deadline (a stopped or hung writer). A set
  * that cannot be locked leaves the watch pending until its deadline. */
-static int check_watches(TableObject *self, PyObject *finished) {
+static void check_watches(TableObject *self, PyObject *finished) {
     size_t keep = 0;
     uint64_t now = nvt_now_ms();
     for (size_t i = 0; i < self->n_watches; i++) {
@@ -781,38 +882,36 @@ static int check_watches(TableObject *self, PyObject *finished) {
                 self->core.c.stores_dropped_watch_timeout++;
             else
                 self->core.c.stores_dropped_watch_failed++;
-            if (job_fail(&self->jobs[wt.job], wt.pos, FAIL_DROPPED, 0) < 0) {
-                PyErr_NoMemory();
-                pending = -1;
-            }
+            job_fail(&self->jobs[wt.job], wt.pos, FAIL_DROPPED, 0);
         }
         self->jobs[wt.job].remaining--;
-        if (pending < 0 || maybe_finish(self, wt.job, finished) < 0) {
-            /* keep the rest consistent: compact what is left, then fail */
-            for (size_t r = i + 1; r < self->n_watches; r++)
-                self->watches[keep++] = self->watches[r];
-            self->n_watches = keep;
-            return -1;
-        }
+        maybe_finish(self, wt.job, finished);
     }
     self->n_watches = keep;
+}
+
+/* Room for `n` deferred completions in all, so that defer() never fails
+ * while completions are being applied. -1 on out of memory (nothing changed). */
+static int defer_reserve(TableObject *self, size_t n) {
+    if (n <= self->cap_deferred)
+        return 0;
+    size_t cap = self->cap_deferred ? self->cap_deferred : 64;
+    while (cap < n)
+        cap *= 2;
+    struct deferred *d = alloc_fails() ? NULL : PyMem_Realloc(self->deferred, cap * sizeof(struct deferred));
+    if (!d) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->deferred = d;
+    self->cap_deferred = cap;
     return 0;
 }
 
 /* Keep a completion whose set could not be locked, to apply at a later
  * poll (its op stays in flight, its job unfinished until `deadline_ms`, 0: a
- * new deferral). -1 on out of memory. */
-static int defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms) {
-    if (self->n_deferred == self->cap_deferred) {
-        size_t cap = self->cap_deferred ? self->cap_deferred * 2 : 64;
-        struct deferred *d = PyMem_Realloc(self->deferred, cap * sizeof(struct deferred));
-        if (!d) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->deferred = d;
-        self->cap_deferred = cap;
-    }
+ * new deferral). The room was reserved (defer_reserve). */
+static void defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms) {
     if (!deadline_ms) {
         deadline_ms = nvt_now_ms() + self->core.watch_timeout_ms;
         self->core.c.completions_deferred++;
@@ -820,74 +919,66 @@ static int defer(TableObject *self, const nvt_completion *c, uint64_t deadline_m
     self->deferred[self->n_deferred].c = *c;
     self->deferred[self->n_deferred].deadline_ms = deadline_ms;
     self->n_deferred++;
-    return 0;
 }
 
 /* A deferred completion past its deadline: its job stops waiting for it (the
  * key fails quietly: not stored, or not loaded) and may finish; the op stays,
  * jobless, until its set can be locked (then its slot is published or freed,
- * or its lease released). -1 on out of memory. */
-static int abandon_op(TableObject *self, uint32_t oi, PyObject *finished) {
+ * or its lease released). */
+static void abandon_op(TableObject *self, uint32_t oi, PyObject *finished) {
     op_info *o = &self->ops[oi];
     uint32_t ji = o->job;
     o->job = JOB_NONE;
     self->core.c.completions_abandoned++;
     job_info *j = &self->jobs[ji];
-    if (job_fail(j, o->pos, FAIL_DROPPED, 0) < 0) {
-        PyErr_NoMemory();
-        return -1;
-    }
+    job_fail(j, o->pos, FAIL_DROPPED, 0);
     j->remaining--;
-    return maybe_finish(self, ji, finished);
+    maybe_finish(self, ji, finished);
 }
 
-/* Apply one completion, or defer it; then finish its job if that was its last op. */
-static int apply_or_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms, int events,
-                          PyObject *finished, PyObject **stored, PyObject **removed) {
+/* Apply one completion, or defer it (room reserved); then finish its job if
+ * that was its last op. Never fails. */
+static void apply_or_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms, int events,
+                           PyObject *finished, PyObject **stored, PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
     int live = raw < self->n_ops_cap && self->ops[oi].in_use;
     uint32_t ji = live ? self->ops[oi].job : JOB_NONE;
-    int r = apply_one(self, c, events, stored, removed);
-    if (r < 0)
-        return -1;
-    if (r > 0) {
-        if (deadline_ms && ji != JOB_NONE && nvt_now_ms() >= deadline_ms && abandon_op(self, oi, finished) < 0)
-            return -1;
-        return defer(self, c, deadline_ms);
+    if (apply_one(self, c, events, stored, removed) > 0) {
+        if (deadline_ms && ji != JOB_NONE && nvt_now_ms() >= deadline_ms)
+            abandon_op(self, oi, finished);
+        defer(self, c, deadline_ms);
+        return;
     }
-    if (ji != JOB_NONE && maybe_finish(self, ji, finished) < 0)
-        return -1;
-    return 0;
+    if (ji != JOB_NONE)
+        maybe_finish(self, ji, finished);
 }
 
-/* Apply the completions deferred by earlier calls (each is tried once). */
-static int apply_deferred(TableObject *self, int events, PyObject *finished, PyObject **stored,
-                          PyObject **removed) {
+/* Apply the completions deferred by earlier calls (each is tried once). Those
+ * deferred again go back in place (the array only shrinks meanwhile: no
+ * allocation). */
+static void apply_deferred(TableObject *self, int events, PyObject *finished, PyObject **stored,
+                           PyObject **removed) {
     size_t n = self->n_deferred;
-    if (!n)
-        return 0;
-    struct deferred *old = self->deferred;
-    self->deferred = NULL;
-    self->n_deferred = self->cap_deferred = 0;
-    int rc = 0;
+    self->n_deferred = 0;
     for (size_t i = 0; i < n; i++) {
-        if (rc == 0 &&
-            apply_or_defer(self, &old[i].c, old[i].deadline_ms, events, finished, stored, removed) < 0)
-            rc = -1;
-        else if (rc < 0 && defer(self, &old[i].c, old[i].deadline_ms) < 0) /* keep the rest for later */
-            PyErr_Clear();
+        struct deferred d = self->deferred[i]; /* defer() writes at an index <= i */
+        apply_or_defer(self, &d.c, d.deadline_ms, events, finished, stored, removed);
     }
-    PyMem_Free(old);
-    return rc;
 }
 
 /* Apply `n` completions, then resolve watches; finished jobs go to
- * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). */
+ * `finished` (store_ops/load_ops jobs) or `done` (submitted jobs). Returns
+ * -1 (out of memory) only before anything was applied; after that, nothing
+ * fails: every completion is applied or deferred and every job whose last op
+ * this was is reported (now or, out of memory, at a later call). */
 int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events,
                        PyObject *finished, PyObject **stored, PyObject **removed) {
-    if (apply_deferred(self, events, finished, stored, removed) < 0)
+    if (defer_reserve(self, self->n_deferred + (size_t)n) < 0)
         return -1;
+    if (self->n_unreported)
+        report_unreported(self, finished);
+    apply_deferred(self, events, finished, stored, removed);
     /* Prefetch (prefetch_set's comment): each op's slab entry, then once
      * those arrive, its set's head and state line and its record. */
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -904,14 +995,17 @@ int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, i
         }
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (apply_or_defer(self, &cs[i], 0, events, finished, stored, removed) < 0)
-            return -1;
-    if (self->n_watches && check_watches(self, finished) < 0)
-        return -1;
+        apply_or_defer(self, &cs[i], 0, events, finished, stored, removed);
+    if (self->n_watches)
+        check_watches(self, finished);
     return 0;
 }
 
 int nvt_push_event(TableObject *self, int removed, PyObject *keys) {
+    if (alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
     PyObject *ev = Py_BuildValue("(OO)", removed ? Py_True : Py_False, keys);
     int rc = ev ? PyList_Append(self->events, ev) : -1;
     Py_XDECREF(ev);
@@ -919,12 +1013,17 @@ int nvt_push_event(TableObject *self, int removed, PyObject *keys) {
 }
 
 /* Apply what the engine completed, waiting up to `timeout` (a float) for it,
- * and the completions deferred earlier, and resolve watches. */
+ * and the completions deferred earlier, and resolve watches. -1 only when
+ * nothing was taken from the engine (its call failed, or no room for what it
+ * may return could be reserved): what it completed stays there. */
 int nvt_collect(TableObject *self, PyObject *timeout) {
     PyObject *comps = NULL;
     Py_buffer b = {0};
     Py_ssize_t n = 0;
     if (self->outstanding && self->eng_wait) {
+        /* Every completion taken may have to be deferred: room first. */
+        if (defer_reserve(self, self->n_deferred + self->outstanding) < 0)
+            return -1;
         comps = PyObject_CallOneArg(self->eng_wait, timeout);
         if (!comps)
             return -1;
@@ -936,13 +1035,13 @@ int nvt_collect(TableObject *self, PyObject *timeout) {
         self->outstanding = (uint64_t)n >= self->outstanding ? 0 : self->outstanding - (uint32_t)n;
     }
     int rc = 0;
-    if (n || self->n_deferred || self->n_watches) {
+    if (n || self->n_deferred || self->n_watches || self->n_unreported) {
         PyObject *stored = NULL, *removed = NULL;
         rc = nvt_apply_batch(self, n ? b.buf : NULL, n, self->events_on, NULL, &stored, &removed);
-        if (rc == 0 && stored)
-            rc = nvt_push_event(self, 0, stored);
-        if (rc == 0 && removed)
-            rc = nvt_push_event(self, 1, removed);
+        if (stored && nvt_push_event(self, 0, stored) < 0)
+            event_lost(self);
+        if (removed && nvt_push_event(self, 1, removed) < 0)
+            event_lost(self);
         Py_XDECREF(stored);
         Py_XDECREF(removed);
         publish_counts(&self->core);
@@ -997,9 +1096,12 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
     }
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
-    if (rc == 0 && evicted)
-        rc = nvt_push_event(self, 1, evicted);
+    if (rc == 0 && evicted && nvt_push_event(self, 1, evicted) < 0)
+        event_lost(self); /* the evictions happened: the store goes on */
     Py_XDECREF(evicted);
+    /* Room to defer every op, should the engine refuse them (below). */
+    if (rc == 0 && n_ops && defer_reserve(self, self->n_deferred + (size_t)n_ops) < 0)
+        rc = -1;
     if (rc < 0) {
         if (is_load)
             nvt_load_unwind(self, ops, n_ops, job);
@@ -1029,9 +1131,8 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
             PyErr_Fetch(&type, &value, &tb);
             for (Py_ssize_t i = 0; i < n_ops; i++) {
                 nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
-                int r = apply_one(self, &c, 0, NULL, NULL);
-                if (r < 0 || (r > 0 && defer(self, &c, 0) < 0)) /* only out of memory */
-                    PyErr_Clear();
+                if (apply_one(self, &c, 0, NULL, NULL) > 0)
+                    defer(self, &c, 0);
             }
             publish_counts(&self->core);
             Py_DECREF(err);
@@ -1043,17 +1144,15 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
             Py_XDECREF(type);
             Py_XDECREF(value);
             Py_XDECREF(tb);
-            if (!err) {
-                Py_DECREF(out);
-                return NULL;
+            if (!err) { /* out of memory: the job fails all the same, untold why */
+                PyErr_Clear();
+                err = Py_NewRef(Py_None);
             }
         }
     }
     Py_DECREF(out);
-    if (maybe_finish(self, (uint32_t)job, NULL) < 0) {
-        Py_DECREF(err);
-        return NULL;
-    }
+    /* The job is accepted from here on: reported by a poll, now or later. */
+    maybe_finish(self, (uint32_t)job, NULL);
     return err;
 fail_args:
     PyBuffer_Release(&rows);

@@ -67,6 +67,12 @@ typedef struct {
      * the job's keys as submitted (for successful_keys) and its start. */
     PyObject *keys;
     uint64_t start_ns;
+    /* A failed key could not be recorded (out of memory): every key of the
+     * job is reported failed. */
+    uint8_t oom;
+    /* Done, but its report could not be built (out of memory): reported at
+     * a later apply (TableObject.n_unreported). */
+    uint8_t unreported;
 } job_info;
 
 
@@ -105,6 +111,10 @@ typedef struct {
     uint32_t outstanding, max_queued_ops;
     int verify, events_on;
     PyObject *done, *events;
+    /* Jobs done but not yet reported (job_info.unreported), and KV event
+     * keys lost to out of memory (counted: kv_events_lost). */
+    uint32_t n_unreported;
+    unsigned long long events_lost;
     /* The module's fork count when this Table was made: a forked child that
      * inherits it shares the parent's registry entry and OFD lock, so it must
      * not use it (the CPython type refuses; the child opens its own). */
@@ -124,5 +134,9 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
 PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
 PyObject *nvt_take_list(PyObject **slot);
 PyObject *nvt_seq_snapshot(PyObject *obj, const char *msg);
+/* Tests only: after `after` more allocation points of the job path, the
+ * next `count` fail as out of memory (count 0: none). Returns the points
+ * passed since the previous call. */
+unsigned long long nvt_test_fail_allocs(long long after, long long count);
 
 #endif /* NVT_JOBS_H */

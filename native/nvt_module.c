@@ -520,8 +520,36 @@ static PyObject *NvtEngine_fail_worker(NvtEngineObject *self, PyObject *args) {
     int err;
     if (!PyArg_ParseTuple(args, "Ii", &w, &err))
         return NULL;
-    if (nvt_engine_fail_worker(self->eng, w, err) != 0) {
+    int ret = nvt_engine_fail_worker(self->eng, w, err);
+    if (ret == -ESHUTDOWN) {
+        PyErr_SetString(PyExc_RuntimeError, "an engine inherited through fork() has no workers");
+        return NULL;
+    }
+    if (ret != 0) {
         PyErr_Format(PyExc_ValueError, "no worker %u, or errno %d is not positive", w, err);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(inject_enter_error_doc,
+             "_inject_enter_error(worker, errno)\n\n"
+             "Tests only: every io_uring_enter of the worker's thread fails with -errno from\n"
+             "now on (0: stop), as a ring the kernel keeps refusing; enough of them fail\n"
+             "the worker (see fail_worker).");
+
+static PyObject *NvtEngine_inject_enter_error(NvtEngineObject *self, PyObject *args) {
+    unsigned w;
+    int err;
+    if (!PyArg_ParseTuple(args, "Ii", &w, &err))
+        return NULL;
+    int ret = nvt_engine_inject_enter_error(self->eng, w, err);
+    if (ret == -ESHUTDOWN) {
+        PyErr_SetString(PyExc_RuntimeError, "an engine inherited through fork() has no workers");
+        return NULL;
+    }
+    if (ret != 0) {
+        PyErr_Format(PyExc_ValueError, "no worker %u, or errno %d is negative", w, err);
         return NULL;
     }
     Py_RETURN_NONE;
@@ -536,6 +564,7 @@ static PyMethodDef NvtEngine_methods[] = {
     {"info", (PyCFunction)NvtEngine_info, METH_NOARGS, info_doc},
     {"worker_stats", (PyCFunction)NvtEngine_worker_stats, METH_NOARGS, worker_stats_doc},
     {"fail_worker", (PyCFunction)NvtEngine_fail_worker, METH_VARARGS, fail_worker_doc},
+    {"_inject_enter_error", (PyCFunction)NvtEngine_inject_enter_error, METH_VARARGS, inject_enter_error_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,7 +3,7 @@
  * (argument parsing, tuples, the GIL hooks). The job path over the shared
  * table (ops, jobs, watches, completions, submit/poll) is nvt_jobs.c; the
  * table's rules (set locks, ways, leases, records, sharers, rebuild, sweep)
- * are nvt_core.c, with no Python in them; nvt_table.h has the shared layout
+ * are nvt_core.c, with no Python in them; nvt_layout.h has the shared layout
  * and its lock rules.
  *
  * Owns, per process (a `Table` object): an nvt_core (this process's view of
@@ -467,7 +467,8 @@ PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
 
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD(self);
-    if ((self->outstanding || self->n_watches || self->n_deferred) && nvt_collect(self, py_zero_s) < 0)
+    if ((self->outstanding || self->n_watches || self->n_deferred || self->n_unreported) &&
+        nvt_collect(self, py_zero_s) < 0)
         return NULL;
     if (!PyList_GET_SIZE(self->done))
         return Py_NewRef(py_empty_tuple);
@@ -550,8 +551,10 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
         PyObject *keys = Py_BuildValue("[O]", key);
         int rc = keys ? nvt_push_event(self, 1, keys) : -1;
         Py_XDECREF(keys);
-        if (rc < 0)
-            return NULL;
+        if (rc < 0) { /* the removal happened: only its event is lost */
+            PyErr_Clear();
+            self->events_lost++;
+        }
     }
     return PyBool_FromLong(done);
 }
@@ -599,7 +602,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
     GUARD(self);
     nvt_counters *c = &self->core.c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -611,7 +614,8 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         "loads_verified_unverified", c->loads_verified_unverified,
         "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
-        c->completions_deferred, "completions_abandoned", c->completions_abandoned);
+        c->completions_deferred, "completions_abandoned", c->completions_abandoned, "kv_events_lost",
+        self->events_lost);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
@@ -800,8 +804,22 @@ static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(fail_allocs_doc,
+             "_fail_allocs(after, count) -> int\n\n"
+             "Tests only: after `after` more allocation points of the job path (slabs, lists,\n"
+             "reports, deferrals), the next `count` fail as out of memory (count 0: none).\n"
+             "Returns the points passed since the previous call.");
+
+static PyObject *py_fail_allocs(PyObject *m, PyObject *args) {
+    long long after, count;
+    if (!PyArg_ParseTuple(args, "LL", &after, &count))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(nvt_test_fail_allocs(after, count));
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
+    {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},
@@ -811,7 +829,7 @@ static PyMethodDef module_methods[] = {
 
 static struct PyModuleDef table_module = {
     PyModuleDef_HEAD_INIT, "nvmetier._table",
-    "The process-shared slot table of an nvmetier store (see nvt_table.h).", -1, module_methods,
+    "The process-shared slot table of an nvmetier store (see nvt_layout.h).", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__table(void) {

@@ -1,27 +1,21 @@
-"""Files of a store: directories, the locks, the superblock, the mapped index,
-the mapped shared slot table and the preallocated data files (one per root
-directory, one per drive).
+"""Files of one open store: the mapped index, the mapped shared slot table and
+the preallocated data files (one per root directory, one per drive), and this
+process's attachment to the store (``nvmetier._table.Table``).
 
-Owns: every fd of a store, the mappings of its index and table, and this
-process's attachment to the store (``nvmetier._table.Table``). Called on the
-constructing thread (open/create, blocking, may take seconds to preallocate)
-and at shutdown. The O_DIRECT probe runs once per directory.
+Owns: every fd of an open store, the mappings of its index and table, and the
+table's rebuild from the records when this process is the first attached.
+Called on the constructing thread (open/create, blocking, may take seconds to
+preallocate) and at shutdown. The layers below it (lower never import
+higher): ``store_dir`` (names, directories, filesystem and O_DIRECT checks),
+``locks`` (``lock.init`` and ``lock``: the sharing protocol),
+``superblock`` (reading, checking, durably writing it) and ``reclaim``
+(private stores, removal). Their public names are re-exported here, where
+callers and tests have always imported them.
 
-Sharing protocol (``sharing: node``), with two files in the main store dir:
-
-- ``lock.init``: an exclusive flock held only while a process opens or closes
-  the store, so opens and closes never interleave (a dead holder's flock is
-  released by the kernel);
-- ``lock``: every attached process holds a *shared* flock on it for its whole
-  life. An opener that gets it *exclusively* (non-blocking) is alone: it may
-  create the store, rebuild the table from the records and clear the clean
-  flags, then converts to shared (safe: ``lock.init`` keeps other openers
-  out). A closer that gets it exclusively is the last sharer: it sweeps the
-  table and marks the superblock clean. ``sharing: process`` keeps it exclusive
-  for the process's life, so any other opener gets ``StoreLockedError``, and
-  so does an exclusive opener while sharers are attached. Each sharer also
-  holds an OFD byte lock on ``lock`` naming its registry entry in the table
-  (its pid), which is how the table tells a dead writer from a live one.
+A child forked without exec closes its copies of every store fd at once
+(``_forget_stores_in_child``): those fds share the parent's open file
+descriptions, so a child that kept them would hold the parent's flock and
+registry lock for its whole life, and a dead parent would look alive.
 """
 
 from __future__ import annotations
@@ -35,158 +29,104 @@ import fcntl
 import logging
 import mmap
 import os
-import re
-import secrets
 import shutil
-import struct
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from nvmetier import format as fmt
-from nvmetier.config import DEFAULT_WAYS, format_size
+from nvmetier import locks, store_dir
+from nvmetier.config import format_size
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
+from nvmetier.locks import (
+    INIT_LOCK_TIMEOUT_S,
+    InitLockTimeout,
+    _lock_init,
+    _lock_init_fd,
+    _unlock_file,
+    holders,
+    mark_init_busy,
+    sharer_pids,
+    sharers,
+    store_held,
+)
+from nvmetier.reclaim import (
+    PRIVATE_TAG,
+    _remove_dirs,
+    private_store_name,
+    reclaim_private_stores,
+    stores_of_other_formats,
+)
+from nvmetier.store_dir import (
+    DATA_NAME,
+    DIR_MODE,
+    FILE_MODE,
+    INDEX_NAME,
+    INIT_LOCK_NAME,
+    LOCK_NAME,
+    NETWORK_FILESYSTEMS,
+    NO_RESERVE_FILESYSTEMS,
+    O_DIRECT,
+    OVERLAYFS,
+    PROBE_PREFIX,
+    REMOVING_TAG,
+    SUPERBLOCK_NAME,
+    TABLE_NAME,
+    _ensure_dir,
+    check_filesystem,
+    fs_type,
+    probe_o_direct,
+    statfs_type,
+)
+from nvmetier.superblock import Layout, check_same_layout, read_superblock, write_superblock
+
+# Re-exported: callers and tests import these from here (``fs_type`` and
+# ``INIT_LOCK_TIMEOUT_S`` are read at call time from ``store_dir`` and
+# ``locks``: patch them there).
+__all__ = [
+    "DATA_NAME",
+    "DIR_MODE",
+    "FILE_MODE",
+    "INDEX_NAME",
+    "INIT_LOCK_NAME",
+    "INIT_LOCK_TIMEOUT_S",
+    "LOCK_NAME",
+    "NETWORK_FILESYSTEMS",
+    "NO_RESERVE_FILESYSTEMS",
+    "OVERLAYFS",
+    "O_DIRECT",
+    "PRIVATE_TAG",
+    "PROBE_PREFIX",
+    "REMOVING_TAG",
+    "SUPERBLOCK_NAME",
+    "TABLE_NAME",
+    "InitLockTimeout",
+    "Layout",
+    "StoreFiles",
+    "check_filesystem",
+    "check_same_layout",
+    "fs_type",
+    "holders",
+    "mark_init_busy",
+    "private_store_name",
+    "probe_o_direct",
+    "read_superblock",
+    "reclaim_private_stores",
+    "release_free_memory",
+    "sharer_pids",
+    "sharers",
+    "statfs_type",
+    "store_held",
+    "stores_of_other_formats",
+    "write_superblock",
+]
 
 logger = logging.getLogger(__name__)
 
-SUPERBLOCK_NAME = "superblock"
-INDEX_NAME = "index"
-DATA_NAME = "data"
-LOCK_NAME = "lock"
-INIT_LOCK_NAME = "lock.init"
-TABLE_NAME = "table"
-REMOVING_TAG = ".removing-"  # a store directory renamed aside to be deleted
-DIR_MODE = 0o700
-FILE_MODE = 0o600
-O_DIRECT = getattr(os, "O_DIRECT", 0)
 _MAX_LOGGED_DROPS = 20
-
-
-# struct flock of Linux on 64-bit ABIs: l_type, l_whence, l_start, l_len, l_pid.
-_FLOCK = struct.Struct("hhqqi4x")
-
-
-def mark_init_busy(fd: int) -> None:
-    """Hold an OFD write lock on byte 0 of ``lock.init`` (fd holding it
-    exclusively): a flag that probes read with ``F_OFD_GETLK`` without taking
-    any lock, so an operator command never stands in an opener's way. It
-    goes with the fd, like the flock."""
-    with contextlib.suppress(OSError, AttributeError):  # a probe then sees "not busy"
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
-
-
-def _busy(path: str) -> bool:
-    """Whether a process holds ``lock.init`` at ``path`` now (opening,
-    closing, removing or repairing the store). Takes no lock."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        got = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0))
-        return bool(_FLOCK.unpack(got)[0] != fcntl.F_UNLCK)
-    except (OSError, AttributeError):
-        return False
-    finally:
-        os.close(fd)
-
-
-# How long an open or a close waits for another process's hold of
-# ``lock.init`` (it opens, closes, removes or repairs the store). Holds last
-# milliseconds, or seconds for the rebuild of a very large store; a holder that
-# is stopped (SIGSTOP, ``docker pause``) or hung would hold it for ever.
-INIT_LOCK_TIMEOUT_S = float(os.environ.get("NVMETIER_INIT_LOCK_TIMEOUT_S", "60"))
-
-
-class InitLockTimeout(TimeoutError):
-    """``lock.init`` stayed held by another process past the bound."""
-
-
-def _flock_bounded(fd: int, timeout_s: float) -> None:
-    """flock ``fd`` exclusively, polling, for at most ``timeout_s``.
-
-    Raises:
-        InitLockTimeout: still held by another process at the deadline.
-    """
-    deadline = time.monotonic() + timeout_s
-    pause = 0.001
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        now = time.monotonic()
-        if now >= deadline:
-            raise InitLockTimeout(f"held by another process for over {timeout_s:g} s")
-        time.sleep(min(pause, deadline - now))
-        pause = min(pause * 2, 0.05)
-
-
-def _lock_init_fd(directory: str, timeout_s: float | None = None) -> int:
-    """``lock.init`` of the store in ``directory``, flocked exclusively
-    (waiting at most ``timeout_s``, default ``INIT_LOCK_TIMEOUT_S``) and
-    marked busy; returns the fd.
-
-    Raises:
-        InitLockTimeout: another process held it past the bound.
-    """
-    fd = os.open(
-        os.path.join(directory, INIT_LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE
-    )
-    try:
-        _flock_bounded(fd, INIT_LOCK_TIMEOUT_S if timeout_s is None else timeout_s)
-    except BaseException:
-        os.close(fd)
-        raise
-    mark_init_busy(fd)
-    return fd
-
-
-def _is_linked(fd: int, path: str) -> bool:
-    """Whether ``fd`` is still the file at ``path`` (not unlinked or replaced)."""
-    try:
-        st, at = os.fstat(fd), os.stat(path)
-    except FileNotFoundError:
-        return False
-    return st.st_nlink > 0 and (st.st_dev, st.st_ino) == (at.st_dev, at.st_ino)
-
-
-def _lock_init(dirs: Sequence[str]) -> int:
-    """Take ``lock.init`` of the store whose main directory is ``dirs[0]``
-    exclusively (blocking); returns its fd.
-
-    A store is removed under this lock (``StoreFiles.close(remove=True)``,
-    ``reclaim_private_stores``), so a process that waited on it may get the
-    lock of a file that is gone by then: it starts again, recreating the
-    directories, and so never attaches to unlinked files.
-    """
-    deadline = time.monotonic() + INIT_LOCK_TIMEOUT_S
-    while True:
-        for d in dirs:
-            _ensure_dir(d, "store directory")
-        try:
-            fd = _lock_init_fd(dirs[0], max(0.0, deadline - time.monotonic()))
-        except FileNotFoundError:
-            continue  # the directory was removed between makedirs and open
-        except InitLockTimeout:
-            raise StoreLockedError(
-                f"store {dirs[0]!r} is being opened, closed or repaired by another process "
-                f"that has held its {INIT_LOCK_NAME} for over {INIT_LOCK_TIMEOUT_S:g} s "
-                f"(attached: {holders(dirs[0])}); a process stopped (SIGSTOP, docker pause) "
-                "or hung while opening or closing the store holds it: resume or kill it, "
-                "or use another root_dir"
-            ) from None
-        if _is_linked(fd, os.path.join(dirs[0], INIT_LOCK_NAME)):
-            return fd
-        os.close(fd)
-
-
-def _unlock_file(fd: int) -> None:
-    if fd >= 0:
-        os.close(fd)  # closing the only fd of the open file drops its flock
 
 
 def _fallocate(fd: int, size: int, path: str) -> None:
@@ -203,80 +143,7 @@ def _fallocate(fd: int, size: int, path: str) -> None:
         os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
 
 
-# --- filesystems --------------------------------------------------------------
-# statfs f_type magics (linux/magic.h and the filesystems' own headers).
-NETWORK_FILESYSTEMS: dict[int, str] = {
-    0x6969: "NFS",
-    0x517B: "SMB",
-    0xFE534D42: "SMB2",
-    0xFF534D42: "CIFS",
-    0x0BD00BD0: "Lustre",
-    0x00C36400: "CephFS",
-    0x47504653: "GPFS",
-    0x19830326: "BeeGFS",
-    0x65735546: "FUSE",
-}
-OVERLAYFS = 0x794C7630
-# fallocate does not reserve blocks for overwrites (copy on write).
-NO_RESERVE_FILESYSTEMS: dict[int, str] = {0x9123683E: "btrfs", 0x2FC12FC1: "ZFS"}
 _FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
-
-
-def statfs_type(path: str) -> int:
-    """The ``f_type`` of the filesystem holding ``path`` (``statfs(2)``; 0
-    when it cannot be read). ``os.statvfs`` does not give it."""
-    global _statfs
-    if _statfs is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            _statfs = libc.statfs
-            _statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
-            _statfs.restype = ctypes.c_int
-        except (OSError, AttributeError):
-            _statfs = False
-    if not _statfs:
-        return 0
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
-    if _statfs(os.fsencode(path), buf) != 0:
-        return 0
-    # f_type is the first field, a long (__fsword_t).
-    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-
-
-_statfs: Any = None
-# Test hook: how a directory's filesystem type is read (tests inject one).
-fs_type = statfs_type
-
-
-def check_filesystem(path: str, sharing: str) -> int:
-    """Refuse ``sharing: node`` on a filesystem where the shared table cannot
-    be coherent; warn on overlayfs. Returns the ``f_type``.
-
-    Raises:
-        ConfigError: ``sharing: node`` on a network or cluster filesystem
-            (MAP_SHARED pages, robust mutexes and OFD locks are per node, or
-            not coherent, there).
-    """
-    kind = fs_type(path)
-    if sharing != "node":
-        return kind
-    name = NETWORK_FILESYSTEMS.get(kind)
-    if name is not None:
-        raise ConfigError(
-            f"root_dir {path!r} is on {name} (statfs type {kind:#x}), where processes cannot "
-            "share a store's table coherently (its memory mapping, locks and mutexes are per "
-            'node). Use a local drive, or set sharing: "process" (a store per process: '
-            "give each process on each node its own root_dir); for reuse across nodes, "
-            "stack vLLM's shared 'fs' tier below this one"
-        )
-    if kind == OVERLAYFS:
-        logger.warning(
-            "nvmetier: root_dir %s is on overlayfs: each container's upper layer is its own "
-            "copy, so containers do not share this store. Bind-mount a host directory to share "
-            "it between containers",
-            path,
-        )
-    return kind
 
 
 def _set_nocow(fd: int) -> None:
@@ -315,7 +182,7 @@ def _preallocate_mapped(fd: int, size: int, path: str) -> None:
     on btrfs), so a full disk is an error at creation, never a SIGBUS on a
     mapped page inside a set's critical section."""
     os.ftruncate(fd, 0)
-    if fs_type(os.path.dirname(path)) in NO_RESERVE_FILESYSTEMS:
+    if store_dir.fs_type(os.path.dirname(path)) in NO_RESERVE_FILESYSTEMS:
         _set_nocow(fd)
         _write_zeros(fd, size, path)
     else:
@@ -349,303 +216,46 @@ def _zero(mm: mmap.mmap) -> None:
         mm[off : off + n] = zeros[:n]
 
 
-def sharers(store_dir: str) -> list[tuple[int, int]]:
-    """``(pid, attached_ns)`` of every process attached to the store in
-    ``store_dir`` (read-only; empty when none, or when it has no table)."""
+# Every StoreFiles of this process that may hold fds (weakly: a store that is
+# gone needs nothing), for the fork hook below.
+_open_stores: weakref.WeakSet[StoreFiles] = weakref.WeakSet()
+
+
+def _forget_stores_in_child() -> None:
+    """``os.fork`` hook, in the child: drop every store fd inherited.
+
+    First the fds each store holds, then any other fd on a store's lock
+    files: a fork while another thread was opening or closing a store (its
+    fd opened, not yet kept in the object; a ``lock.init`` wait) leaves one
+    that only that thread, absent in the child, knew. Nothing else in the
+    child refers to such an fd. The mapped index and table keep their own
+    fds (the mappings' own, closed with them): they hold no lock."""
+    stores = list(_open_stores)
+    for files in stores:
+        files._forget_after_fork()
+    locks = {
+        os.path.realpath(os.path.join(f.dirs[0], n))
+        for f in stores
+        if f.dirs
+        for n in (LOCK_NAME, INIT_LOCK_NAME)
+    }
+    if not locks:
+        return
     try:
-        import nvmetier._table as _table
-    except ImportError:  # pragma: no cover - the table is a required extension
-        return []
-    try:
-        lock_fd = os.open(os.path.join(store_dir, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
     except OSError:
-        return []
-    try:
-        with open(os.path.join(store_dir, TABLE_NAME), "rb") as f:
-            head = f.read(fmt.TABLE_HEADER_BYTES)
-        return [(pid, at) for _i, pid, at in _table.sharers(head, lock_fd)]
-    except (OSError, ValueError):
-        return []
-    finally:
-        os.close(lock_fd)
-
-
-def sharer_pids(store_dir: str) -> list[int]:
-    """The pids of the processes attached to the store in ``store_dir``."""
-    return [pid for pid, _at in sharers(store_dir)]
-
-
-def store_held(store_dir: str) -> bool:
-    """Whether any process holds the store: attached (the table's registry),
-    or opening, closing, removing or repairing it (``lock.init`` busy).
-
-    A probe that takes no lock (``nvmetier info``, a read-only ``fsck``):
-    it reads OFD locks with ``F_OFD_GETLK`` only, so it can never make an
-    opener fail with ``StoreLockedError`` nor make a closer believe it is
-    not the last. An answer is a snapshot: a process may attach just after.
-    """
-    if _busy(os.path.join(store_dir, INIT_LOCK_NAME)):
-        return True
-    return bool(sharers(store_dir))
-
-
-def holders(store_dir: str) -> str:
-    """Who holds the store, for a message: the attached processes' pids, else
-    the pid an exclusive holder wrote into the lock file (fsck --repair), else
-    ``unknown``."""
-    pids = sharer_pids(store_dir)
-    if pids:
-        return ", ".join(str(p) for p in pids)
-    try:
-        with open(os.path.join(store_dir, LOCK_NAME), "rb") as f:
-            text = f.read(64).decode(errors="replace").strip()
-    except OSError:
-        text = ""
-    return text or "unknown"
-
-
-def probe_o_direct(directory: str) -> tuple[bool, str]:
-    """Whether an aligned O_DIRECT write works in ``directory``, and why not.
-
-    The probe file has no name (``O_TMPFILE``), so a crash in the middle
-    leaves nothing on disk. Where the filesystem has no ``O_TMPFILE``, it is
-    a named ``.odirect-probe-*`` file, unlinked at once; probe files older
-    than a minute (left by a crash) are deleted by every probe.
-    """
-    if not O_DIRECT:
-        return False, "O_DIRECT is not defined on this platform"
-    page = mmap.mmap(-1, fmt.ALIGN_BYTES)
-    try:
-        fd = _probe_file(directory)
+        return
+    for fd in fds:
         try:
-            os.pwrite(fd, page, 0)
-            os.preadv(fd, [page], 0)
-        finally:
-            os.close(fd)
-        return True, "aligned O_DIRECT write and read succeeded"
-    except OSError as exc:
-        return False, f"{os.strerror(exc.errno or 0)} (errno {exc.errno})"
-    finally:
-        page.close()
-
-
-PROBE_PREFIX = ".odirect-probe-"
-_STALE_PROBE_S = 60.0
-
-
-def _probe_file(directory: str) -> int:
-    """An O_DIRECT fd on a file of ``directory`` that no crash can leave."""
-    tmpfile = getattr(os, "O_TMPFILE", 0)
-    if tmpfile:
-        try:
-            fd = os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
-                raise
-        else:  # O_TMPFILE works here: the answer is whether O_DIRECT does
-            os.close(fd)
-            return os.open(directory, tmpfile | os.O_RDWR | os.O_CLOEXEC | O_DIRECT, FILE_MODE)
-    _sweep_probe_files(directory)
-    path = os.path.join(directory, f"{PROBE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-    try:
-        # A filesystem that refuses O_DIRECT may have created the file first.
-        flags = os.O_CREAT | os.O_EXCL | os.O_RDWR | O_DIRECT | os.O_CLOEXEC
-        return os.open(path, flags, FILE_MODE)
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(path)  # an open fd keeps the file until the probe ends
-
-
-def _sweep_probe_files(directory: str) -> None:
-    """Delete named probe files a crash left (older than a minute: a live
-    probe lasts milliseconds)."""
-    now = time.time()
-    with contextlib.suppress(OSError), os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name.startswith(PROBE_PREFIX):
-                with contextlib.suppress(OSError):
-                    if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_PROBE_S:
-                        os.unlink(entry.path)
-
-
-PRIVATE_TAG = "_private_"
-
-
-def private_store_name(base: str) -> str:
-    """The name of a store private to this process: ``<base>_private_<pid>_<random>``.
-
-    The pid is for a person reading the directory; the random part keeps
-    names unique where pids are not (containers in their own pid namespace
-    start at the same pids), so no two processes ever pick one store.
-    """
-    return f"{base}{PRIVATE_TAG}{os.getpid()}_{secrets.token_hex(4)}"
-
-
-def stores_of_other_formats(roots: Sequence[str]) -> list[tuple[str, int, int]]:
-    """Stores under ``roots`` written by another nvmetier format version.
-
-    This version never opens them (its layout identity, hence its store
-    name, includes the format version), so after an upgrade the old store
-    sits beside the new one, outside the new one's ``capacity_bytes``. Blocks
-    for one directory listing and one superblock read per store; never raises.
-
-    Returns:
-        ``(main directory, format version, bytes on disk over all roots)``.
-    """
-    out: list[tuple[str, int, int]] = []
-    if not roots:
-        return out
-    try:
-        names = sorted(os.listdir(roots[0]))
-    except OSError:
-        return out
-    for name in names:
-        main = os.path.join(roots[0], name)
-        try:
-            with open(os.path.join(main, SUPERBLOCK_NAME), "rb") as f:
-                version = fmt.superblock_version(f.read(64))
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if version is None or version == fmt.FORMAT_VERSION:
-            continue
-        size = 0
-        for d in _under(roots, name):
+        if target in locks:
             with contextlib.suppress(OSError):
-                for entry in os.scandir(d):
-                    with contextlib.suppress(OSError):
-                        size += entry.stat(follow_symlinks=False).st_blocks * 512
-        out.append((main, version, size))
-    return out
+                os.close(fd)
 
 
-def reclaim_private_stores(roots: Sequence[str]) -> list[str]:
-    """Delete the private stores under ``roots`` whose process is gone, and
-    the ``.removing-`` directories a crash left in the middle of a removal.
-
-    A private store is judged by its locks, never by a pid (pids are reused,
-    and another container's pids are not ours): its process holds ``lock``
-    exclusively for its whole life, so a store whose ``lock`` we can take
-    (under ``lock.init``, without waiting) has nobody attached. A stopped
-    (SIGSTOP, ``docker pause``) process still holds its lock and keeps its
-    store. Blocks for one directory listing and a few lock probes; never
-    raises: what cannot be examined is left.
-
-    Returns:
-        The main directories deleted.
-    """
-    if not roots:
-        return []
-    try:
-        names = sorted(os.listdir(roots[0]))
-    except OSError:
-        return []
-    reclaimed = []
-    for name in names:
-        if _REMOVING_NAME.search(name):
-            for root in roots:
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        elif _PRIVATE_NAME.search(name) and _reclaim_if_free(_under(roots, name)):
-            reclaimed.append(os.path.join(roots[0], name))
-    return reclaimed
-
-
-def _under(roots: Sequence[str], name: str) -> list[str]:
-    return [os.path.join(r, name) for r in roots]
-
-
-# Exactly the names private_store_name gives (the pid alone before the random
-# part was added) after a store name's 12-hex-digit digest, and _remove_dirs'
-# names: a shared store is never taken for one, whatever its model is called.
-_PRIVATE_NAME = re.compile(r"_[0-9a-f]{12}(_dp\d+)?_private_\d+(_[0-9a-f]{8})?$")
-_REMOVING_NAME = re.compile(r"\.removing-[0-9a-f]{12}$")
-
-
-def _reclaim_if_free(dirs: Sequence[str]) -> bool:
-    """Remove the store in ``dirs`` if nobody holds it (``reclaim_private_stores``)."""
-    main = dirs[0]
-    init_path = os.path.join(main, INIT_LOCK_NAME)
-    try:
-        init_fd = os.open(init_path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False  # not a store, or one being created right now
-    try:
-        try:
-            fcntl.flock(init_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # being opened or closed now
-        mark_init_busy(init_fd)
-        if not _is_linked(init_fd, init_path):
-            return False
-        try:
-            lock_fd = os.open(os.path.join(main, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            lock_fd = -1  # its process died before it took the lock
-        except OSError:
-            return False
-        try:
-            if lock_fd >= 0:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # its process is alive (or stopped): keep it
-        finally:
-            if lock_fd >= 0:
-                os.close(lock_fd)
-        logger.info("nvmetier: removing %s, the private store of a process that is gone", main)
-        _remove_dirs(dirs)
-        return True
-    finally:
-        os.close(init_fd)
-
-
-def _ensure_dir(path: str, key: str) -> None:
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{key} {path!r} is a file, not a directory; point it at a directory")
-    try:
-        os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"{key} {path!r} cannot be created: {exc.strerror}; "
-            "choose a writable directory or fix its permissions"
-        ) from exc
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{key} {path!r} is not writable by this process; "
-            "choose a writable directory or fix its permissions"
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """What the configuration asks a store to be (compared at every open)."""
-
-    capacity_bytes: int
-    chunk_bytes: int
-    ways: int | None  # None: DEFAULT_WAYS, or fewer when fewer slots fit
-    identity: dict[str, Any]
-    capacity_per_path: tuple[int, ...] | None = None
-
-    def geometry(self, n_paths: int) -> tuple[int, int, int]:
-        """``(ways, slot_bytes, n_slots)`` of this layout over ``n_paths`` drives.
-
-        Raises:
-            FormatError: not one set fits (an explicit ``ways``), or not one
-                slot per drive (the default).
-        """
-        ways = self.ways
-        if ways is None:
-            _slot, most = self._geometry(1, n_paths)
-            ways = max(1, min(DEFAULT_WAYS, most // n_paths))
-        return (ways, *self._geometry(ways, n_paths))
-
-    def _geometry(self, ways: int, n_paths: int) -> tuple[int, int]:
-        return fmt.geometry(
-            self.capacity_bytes,
-            self.chunk_bytes,
-            ways,
-            n_paths,
-            self.identity,
-            self.capacity_per_path,
-        )
+os.register_at_fork(after_in_child=_forget_stores_in_child)
 
 
 class StoreFiles:
@@ -729,6 +339,7 @@ class StoreFiles:
                 or layout identity.
         """
         self = cls()
+        _open_stores.add(self)  # before the first fd: a fork may come mid-open
         layout = Layout(capacity_bytes, chunk_bytes, ways, identity, capacity_per_path)
         self.exclusive = sharing == "process"
         self._row_bytes = row_bytes or chunk_bytes
@@ -920,44 +531,15 @@ class StoreFiles:
 
     # --- superblock -----------------------------------------------------------
     def _read_superblock(self, path: str) -> fmt.Superblock:
-        with open(path, "rb") as f:
-            return fmt.unpack_superblock(f.read(), where=path)
+        return read_superblock(path)
 
     def _write_superblock(self, sb: fmt.Superblock) -> None:
-        """Write the superblock atomically (temp file + rename + fsync)."""
-        path = os.path.join(self.dirs[0], SUPERBLOCK_NAME)
-        tmp = path + ".tmp"
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-        try:
-            data = fmt.pack_superblock(sb)
-            if os.write(fd, data) != len(data):
-                raise OSError(errno.EIO, "short write of the superblock")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+        """Write the superblock durably (``superblock.write_superblock``)."""
+        write_superblock(self.dirs[0], sb)
         self.sb = sb
 
     def _check_same_layout(self, layout: Layout) -> None:
-        sb, main, n_paths = self.sb, self.dirs[0], len(self.dirs)
-        if sb.identity != layout.identity:
-            raise FormatError(
-                f"store {main!r} was written for another layout identity; "
-                "its data will not be served. Remove the directory or use another root_dir"
-            )
-        if sb.chunk_bytes != layout.chunk_bytes:
-            raise FormatError(
-                f"store {main!r} holds {sb.chunk_bytes}-byte chunks, not {layout.chunk_bytes}"
-            )
-        ways, _slot_bytes, n_slots = layout.geometry(n_paths)
-        if (sb.ways, sb.n_paths, sb.n_slots) != (ways, n_paths, n_slots):
-            raise ConfigError(
-                f"store {main!r} was created with ways={sb.ways}, {sb.n_paths} path(s) "
-                f"and {sb.n_slots} slots, but the configuration asks for ways={ways}, "
-                f"{n_paths} path(s) and {n_slots} slots "
-                f"(capacity_bytes={layout.capacity_bytes}); restore the original settings, or "
-                "remove the store directory to start a new cache with the new size"
-            )
+        check_same_layout(self.sb, layout, self.dirs[0], len(self.dirs))
 
     def _create(self, layout: Layout) -> None:
         try:
@@ -993,6 +575,12 @@ class StoreFiles:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
         index_path = os.path.join(self.dirs[0], INDEX_NAME)
         self._preallocate(index_path, fmt.align_up(sb.index_bytes), mapped=True)
+        # The superblock claims the files: their directory entries (and each
+        # store directory's own entry in its root) are durable first, so a
+        # power loss never leaves a superblock naming files that are gone.
+        for d in self.dirs:
+            store_dir.fsync_dir(d)
+            store_dir.fsync_dir(os.path.dirname(os.path.normpath(d)))
         self._write_superblock(sb)
 
     @staticmethod
@@ -1057,6 +645,29 @@ class StoreFiles:
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
 
+    def _forget_after_fork(self) -> None:
+        """In a child forked from the process that opened the store: close the
+        child's copies of the store's fds, so the parent's locks go with the
+        parent.
+
+        A forked fd shares its open file description (and so the flock and
+        the OFD registry lock) with the parent's: closing it only drops the
+        child's reference and leaves the parent's locks alone, while any
+        unlock (``LOCK_UN``, ``F_UNLCK``) would release them for the parent
+        too, so nothing here unlocks. The store is then closed for the child:
+        ``close()`` does nothing but unmap (no detach, sweep or clean mark:
+        those are the parent's), and the Table refuses every call. The
+        mappings stay until then (the Table holds them); they hold no lock.
+        """
+        self.table = None
+        fds = [self._lock_fd, self._init_fd, self._index_fd, self._table_fd, *self.data_fds]
+        self._lock_fd = self._init_fd = self._index_fd = self._table_fd = -1
+        self.data_fds = []
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
     def close(self, clean: bool = True, remove: bool = False) -> bool:
         """Detach; the last sharer also sweeps the table and, when ``clean``,
         marks the superblock clean, or, when ``remove``, deletes the store's
@@ -1088,7 +699,7 @@ class StoreFiles:
                     "closed (stopped or hung?); detaching without the end-of-use sweep",
                     self.dirs[0],
                     INIT_LOCK_NAME,
-                    INIT_LOCK_TIMEOUT_S,
+                    locks.INIT_LOCK_TIMEOUT_S,
                 )
             except OSError:
                 pass
@@ -1105,12 +716,21 @@ class StoreFiles:
             removing = last and remove and init_fd >= 0
             if last and self.table is not None and not removing:
                 self.table.sweep()
+            # The clean mark only after the index and the data are synced: a
+            # sync that failed leaves the store unclean (the next first opener
+            # then checks every record it rebuilds).
+            synced = True
             if hasattr(self, "index") and not self.index.closed and not removing:
-                self.flush_index()
+                try:
+                    self.index.flush()
+                except (ValueError, OSError):
+                    synced = False
             for fd in () if removing else self.data_fds:
-                with contextlib.suppress(OSError):
+                try:
                     os.fsync(fd)
-            if last and clean and not removing and self.table is not None:
+                except OSError:
+                    synced = False
+            if last and clean and synced and not removing and self.table is not None:
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None
@@ -1140,25 +760,3 @@ class StoreFiles:
         finally:
             _unlock_file(init_fd)
         return last
-
-
-def _remove_dirs(dirs: Sequence[str]) -> None:
-    """Delete a store's directories; call with its ``lock.init`` held.
-
-    Each directory is first renamed aside (``<name>.removing-<random>``,
-    the main one last, which moves ``lock.init`` with it), then deleted. An
-    opener that waited on the old ``lock.init`` finds it gone from its path
-    and starts again; one that comes after the rename creates a fresh store
-    at once, never waiting for the files to be deleted. A crash between the
-    two steps leaves a ``.removing-`` directory, which the next
-    ``reclaim_private_stores`` deletes.
-    """
-    tag = f"{REMOVING_TAG}{secrets.token_hex(6)}"
-    doomed = []
-    for d in [*dirs[1:], dirs[0]]:
-        aside = os.path.normpath(d) + tag
-        with contextlib.suppress(OSError):
-            os.rename(d, aside)
-            doomed.append(aside)
-    for d in doomed:
-        shutil.rmtree(d, ignore_errors=True)

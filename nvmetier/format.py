@@ -9,7 +9,7 @@ A store directory holds:
   identity (a JSON object), checksummed as a whole;
 - ``index``: ``n_slots`` fixed-size records, one per slot, each with its own
   checksum (``RECORD_BYTES`` each, slot ``s`` at offset ``s * RECORD_BYTES``);
-- ``table``: the process-shared slot table (``native/nvt_table.h``), derived
+- ``table``: the process-shared slot table (``native/nvt_layout.h``), derived
   from the records and rebuilt from them when its consistency is not proven;
 - ``data`` (in each root directory): the slots, ``slot_bytes`` each.
 """
@@ -52,7 +52,7 @@ STATE_EMPTY = 0
 STATE_VALID = 1
 EMPTY_RECORD = bytes(RECORD_BYTES)
 
-# --- shared slot table (native/nvt_table.h holds the same layout) ------------
+# --- shared slot table (native/nvt_layout.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
 TABLE_SET_HEAD_BYTES = 64
 # Slot numbers are 32-bit in the table's ops and watches (NVT_MAX_SLOTS).
@@ -60,7 +60,7 @@ MAX_SLOTS = 2**32 - 1
 
 
 def table_set_bytes(ways: int) -> int:
-    """Bytes of one set of the table (``nvt_layout`` in native/nvt_table.h):
+    """Bytes of one set of the table (``nvt_layout`` in native/nvt_layout.h):
     the 64-byte head, then arrays of tag, state, owner, flags (u8), owner_inc,
     pins (u16), last, gen, epoch (u32), stamp and fp (u64), each 8-byte
     aligned, padded to 64."""

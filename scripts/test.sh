@@ -29,3 +29,6 @@ if .venv/bin/python -c "import sys; from nvmetier.engine import uring_status; sy
 else
   echo "=== io_uring unusable here: the uring pass is skipped ==="
 fi
+# The native code under AddressSanitizer+UBSan and ThreadSanitizer: the C core
+# test and the native and table tests on a sanitized build (scripts/sanitize.sh).
+bash scripts/sanitize.sh

@@ -20,11 +20,21 @@ from nvmetier.bench.engine import run_engine_level
 from nvmetier.bench.fio import fio_engine, run_fio
 from nvmetier.bench.machine import machine_info
 from nvmetier.bench.reopen import run_reopen
-from nvmetier.bench.report import PhaseResult, _bytes, cpu_table, plot, summarize, summary_table
+from nvmetier.bench.report import (
+    PhaseResult,
+    PlotError,
+    _bytes,
+    check_plot,
+    cpu_table,
+    plot,
+    summarize,
+    summary_table,
+)
 from nvmetier.bench.tier import run_tier_level
 from nvmetier.bench.trace import ROUTES, run_trace_level
 from nvmetier.bench.vllm import run_vllm_level
 from nvmetier.config import parse_size
+from nvmetier.fsck import EXIT_OPERATIONAL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,8 +180,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.plot:
+        # A missing matplotlib (or output directory) is said before the run, not after it.
+        try:
+            check_plot(args.plot)
+        except PlotError as exc:
+            print(f"nvmetier bench: {exc}", file=sys.stderr)
+            return EXIT_OPERATIONAL
     if args.summarize:
-        lines, rc = summarize(args.summarize, args.plot)
+        try:
+            lines, rc = summarize(args.summarize, args.plot)
+        except PlotError as exc:
+            print(f"nvmetier bench: {exc}", file=sys.stderr)
+            return EXIT_OPERATIONAL
         print("\n".join(lines), file=sys.stderr if rc else sys.stdout)
         return rc
     try:
@@ -266,6 +287,11 @@ def _main_in(
     }
     try:
         rc = _run(args, bss, report, log)
+    except PlotError as exc:
+        # The run finished, only its plot failed: still print the report.
+        print(f"nvmetier bench: {exc}", file=sys.stderr)
+        args._notes.append(str(exc))
+        rc = EXIT_OPERATIONAL
     finally:
         import gc
 
@@ -378,8 +404,5 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
             f"nvmetier bench --level {args.level}, iodepth {args.iodepth}, "
             f"{_bytes(args.size)} per size, direct={args.direct}"
         )
-        msg = plot(results, args.plot, title)
-        log(msg)
-        if msg.startswith("matplotlib"):
-            args._notes.append(msg)
+        log(plot(results, args.plot, title))
     return 0

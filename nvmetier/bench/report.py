@@ -1,15 +1,16 @@
 """Results and their presentation: phase records, tables, plots, ``--summarize``.
 
 Owns: ``PhaseResult``/``LookupStats`` and their JSON form, the text tables, the
-GB/s plot and the median summary of earlier JSON reports. Pure functions of
-their inputs on the calling thread; ``plot`` and ``summarize`` read or write
-files.
+GB/s plot and the median summary of earlier JSON reports, and what ``--plot``
+needs (``pyplot``, ``check_plot``, ``PlotError``). Pure functions of their
+inputs on the calling thread; ``plot`` and ``summarize`` read or write files.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -222,15 +223,62 @@ def cpu_table(results: list[PhaseResult]) -> list[str]:
     return lines
 
 
-def plot(results: list[PhaseResult], path: str, title: str) -> str:
-    """Throughput vs chunk size, store and load panels. Returns a message."""
+# matplotlib is an optional dependency: the ``bench`` extra.
+BENCH_EXTRA_HINT = "pip install 'nvmetier[bench]'"
+
+
+class PlotError(Exception):
+    """``--plot PATH`` cannot be honoured: matplotlib is missing, or PATH cannot be written."""
+
+
+def pyplot(path: str) -> Any:
+    """matplotlib's pyplot on the non-interactive Agg backend.
+
+    Raises:
+        PlotError: matplotlib is not installed (the message names the extra to install).
+    """
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        return f"matplotlib is not installed; skipped the plot {path} (pip install matplotlib)"
+    except ImportError as exc:
+        raise PlotError(
+            f"--plot {path}: matplotlib is not installed ({exc}); "
+            f"install it with {BENCH_EXTRA_HINT}, or run without --plot"
+        ) from exc
+    return plt
+
+
+def check_plot(path: str) -> None:
+    """Fail before a run whose plot could not be written, not after it.
+
+    Raises:
+        PlotError: matplotlib is missing, or PATH's directory does not exist.
+    """
+    pyplot(path)
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where):
+        raise PlotError(f"--plot {path}: directory {where} does not exist; create it first")
+
+
+def save_figure(fig: Any, path: str) -> None:
+    """``fig.savefig(path)``, an OSError turned into a PlotError naming the file."""
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as exc:
+        raise PlotError(f"--plot {path}: cannot write the plot ({exc.strerror or exc})") from exc
+    finally:
+        pyplot(path).close(fig)
+
+
+def plot(results: list[PhaseResult], path: str, title: str) -> str:
+    """Throughput vs chunk size, store and load panels. Returns a message.
+
+    Raises:
+        PlotError: matplotlib is missing or PATH cannot be written.
+    """
+    plt = pyplot(path)
     targets = []
     for r in results:
         if r.target not in targets:
@@ -254,8 +302,7 @@ def plot(results: list[PhaseResult], path: str, title: str) -> str:
     axes[0].legend()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return f"wrote {path}"
 
 

@@ -1,390 +1,80 @@
-"""The ``trace`` level: capacity planning from request traces (Mooncake format).
+"""The ``trace`` level: capacity planning from request traces (Mooncake format):
+the replay across replica processes (``run_trace_level``, ``_replica_main``),
+its report (``trace_table``) and the capacity plot (``plot_curve``).
 
-Owns: reading a trace (``read_trace``), routing its requests to replicas
-(``route``), pacing them (``due_offsets_s``, ``paced``), the exact-LRU
-reference (``lru_hits``, ``prefix_depths``, ``capacity_curve``), the replay
-across replica processes (``run_trace_level``, ``_replica_main``), its report
-and the capacity plot.
+Reading, routing and pacing a trace are in ``bench/traces.py``; the exact-LRU
+reference and the capacity curve in ``bench/lru.py`` (both pure). Their names
+are re-exported here, where the bench and its tests have imported them.
 
 Threads and processes: ``run_trace_level`` runs on the calling thread and
 blocks for the length of the replay. It starts one process per replica (from a
 ``forkserver`` that imported vLLM once); each plays one data-parallel engine's
 scheduler thread on its own vLLM ``TieringOffloadingManager``, CPU primary and
-nvmetier tier, all on the same root. Parsing, routing, pacing and the LRU
-simulation are pure functions, without I/O or threads.
-
-The trace format is the one released with the Mooncake paper (FAST'25): one
-JSON object per line with ``timestamp`` (ms), ``input_length``,
-``output_length`` and ``hash_ids``, the ids of prefix-chained blocks of
-``--trace-block-tokens`` tokens (512 in the published traces). Equal ids mean
-equal prefixes, so a block id is a vLLM chunk key.
+nvmetier tier, all on the same root.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import dataclasses
-import gzip
-import io
-import itertools
 import json
-import lzma
 import os
 import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from typing import IO, Any
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from nvmetier.bench.lru import (
+    NEVER,
+    DepthProfile,
+    Hits,
+    _sum_hits,
+    capacity_curve,
+    lru_hits,
+    prefix_depths,
+)
 from nvmetier.bench.machine import _settle_heap
-from nvmetier.bench.report import _bytes
+from nvmetier.bench.report import _bytes, pyplot, save_figure
+from nvmetier.bench.traces import (
+    ROUTES,
+    TraceError,
+    TraceRequest,
+    due_offsets_s,
+    paced,
+    parse_line,
+    read_trace,
+    route,
+)
 from nvmetier.bench.vllm import _TierClock
 
-ROUTES = ("round-robin", "random", "affinity")
-# A block that no finite LRU would serve (the first reference to its id).
-NEVER = np.iinfo(np.int64).max
+__all__ = [
+    "NEVER",
+    "ROUTES",
+    "DepthProfile",
+    "Hits",
+    "TraceError",
+    "TraceRequest",
+    "capacity_curve",
+    "chunk_sizes",
+    "due_offsets_s",
+    "lru_hits",
+    "paced",
+    "parse_line",
+    "parse_scale",
+    "parse_tier_options",
+    "plot_curve",
+    "prefix_depths",
+    "read_trace",
+    "route",
+    "run_trace_level",
+    "trace_table",
+]
+
 # Kept small so that a probe costs little disk: the probe only compares names.
 _PROBE_CHUNKS = 64
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be replayed; the message names the file and line."""
-
-
-# ------------------------------------------------------------------ the trace
-@dataclasses.dataclass(frozen=True)
-class TraceRequest:
-    """One request of a trace: when it arrives and which prefix blocks it has."""
-
-    line: int
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-    def block_tokens(self, block_tokens: int) -> list[int]:
-        """Prompt tokens of each block: full blocks, then the remainder (the
-        last block of a prompt is usually partial)."""
-        n = self.input_length
-        return [max(0, min(block_tokens, n - j * block_tokens)) for j in range(len(self.hash_ids))]
-
-
-def _open_text(path: str) -> IO[str]:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    if path.endswith(".xz"):
-        return io.TextIOWrapper(lzma.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
-def _int_field(obj: dict[str, Any], name: str, where: str) -> int:
-    v = obj.get(name)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise TraceError(f"{where}: {name!r} must be an integer >= 0, not {v!r}")
-    return v
-
-
-def parse_line(text: str, where: str) -> TraceRequest | None:
-    """One trace line -> a request; ``None`` for a blank line.
-
-    Raises:
-        TraceError: naming ``where`` (``path:line``) and what is wrong.
-    """
-    if not text.strip():
-        return None
-    try:
-        obj = json.loads(text)
-    except ValueError as exc:
-        raise TraceError(f"{where}: not a JSON object ({exc})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(f"{where}: not a JSON object but {type(obj).__name__}")
-    ts = obj.get("timestamp")
-    if isinstance(ts, bool) or not isinstance(ts, int | float) or not ts >= 0:
-        raise TraceError(f"{where}: 'timestamp' must be a number of ms >= 0, not {ts!r}")
-    input_length = _int_field(obj, "input_length", where)
-    output_length = _int_field(obj, "output_length", where) if "output_length" in obj else 0
-    ids = obj.get("hash_ids")
-    if not isinstance(ids, list) or any(
-        isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids
-    ):
-        raise TraceError(f"{where}: 'hash_ids' must be a list of integers >= 0")
-    line = int(where.rsplit(":", 1)[1]) if ":" in where else 0
-    return TraceRequest(line, float(ts), input_length, output_length, tuple(ids))
-
-
-def read_trace(path: str, limit: int = 0) -> tuple[list[TraceRequest], list[str]]:
-    """Read a Mooncake-format trace (``.gz``/``.xz`` are decompressed).
-
-    Blank lines are skipped. Requests are returned in timestamp order (a stable
-    sort: equal timestamps keep file order), with notes on what was done.
-
-    Args:
-        path: the JSONL file.
-        limit: keep only the first ``limit`` requests of the file (0: all).
-
-    Raises:
-        TraceError: a bad line (with its number), or a trace without requests.
-        OSError: the file cannot be read.
-    """
-    out: list[TraceRequest] = []
-    with _open_text(path) as f:
-        for lineno, text in enumerate(f, 1):
-            req = parse_line(text, f"{path}:{lineno}")
-            if req is None:
-                continue
-            out.append(req)
-            if limit and len(out) >= limit:
-                break
-    if not out:
-        raise TraceError(f"{path}: no requests (empty, or only blank lines)")
-    notes = []
-    unsorted = sum(b.timestamp_ms < a.timestamp_ms for a, b in itertools.pairwise(out))
-    if unsorted:
-        out.sort(key=lambda r: r.timestamp_ms)
-        notes.append(f"{path}: {unsorted} requests were out of timestamp order; replayed sorted")
-    return out, notes
-
-
-# ------------------------------------------------------------------- routing
-def _affinity_hash(ids: Sequence[int], n: int) -> int:
-    import xxhash
-
-    raw = b"".join(int(i).to_bytes(8, "little") for i in ids[:n])
-    return int(xxhash.xxh3_64_intdigest(raw))
-
-
-def route(
-    requests: Sequence[TraceRequest],
-    replicas: int,
-    policy: str,
-    *,
-    seed: int = 0,
-    affinity_blocks: int = 2,
-) -> list[int]:
-    """The replica of each request.
-
-    ``round-robin``: in arrival order. ``random``: uniform, seeded.
-    ``affinity``: a hash of the first ``affinity_blocks`` block ids, as a
-    cache-aware router sends requests with one prefix to one replica (the
-    published traces start nearly every request with the same system-prompt
-    block, so one block would send everything to one replica).
-    """
-    if replicas < 1:
-        raise ValueError("replicas must be >= 1")
-    if policy == "round-robin":
-        return [i % replicas for i in range(len(requests))]
-    if policy == "random":
-        rng = np.random.default_rng(seed)
-        return [int(x) for x in rng.integers(0, replicas, size=len(requests))]
-    if policy == "affinity":
-        if affinity_blocks < 1:
-            raise ValueError("affinity_blocks must be >= 1")
-        return [_affinity_hash(r.hash_ids, affinity_blocks) % replicas for r in requests]
-    raise ValueError(f"unknown route {policy!r}; use one of {', '.join(ROUTES)}")
-
-
-# -------------------------------------------------------------------- pacing
-def due_offsets_s(requests: Sequence[TraceRequest], speedup: float) -> list[float]:
-    """Seconds after the replay's start at which each request is due: its
-    timestamp relative to the first request's, divided by ``speedup``."""
-    if not speedup > 0:
-        raise ValueError("speedup must be > 0")
-    if not requests:
-        return []
-    t0 = requests[0].timestamp_ms
-    return [(r.timestamp_ms - t0) / 1000.0 / speedup for r in requests]
-
-
-def paced(
-    offsets_s: Sequence[float],
-    start_s: float,
-    clock: Callable[[], float],
-    idle: Callable[[float], None],
-) -> Iterator[tuple[int, float]]:
-    """Yield ``(index, lag_s)`` for each offset once it is due.
-
-    Before a request is due, ``idle(seconds_left)`` is called (the replica steps
-    its engine and sleeps at most that long) until ``clock()`` reaches it. A
-    request that is already late (the replica is busy) is yielded at once; its
-    lag says by how much the replay fell behind the trace.
-    """
-    for i, off in enumerate(offsets_s):
-        due = start_s + off
-        now = clock()
-        while now < due:
-            idle(due - now)
-            now = clock()
-        yield i, now - due
-
-
-# --------------------------------------------------------------- exact LRU
-@dataclasses.dataclass
-class Hits:
-    """Prefix hits of a replay or a simulation, in blocks and prompt tokens."""
-
-    blocks: int
-    tokens: int
-    total_blocks: int
-    total_tokens: int
-
-    @property
-    def block_ratio(self) -> float:
-        return self.blocks / self.total_blocks if self.total_blocks else 0.0
-
-    @property
-    def token_ratio(self) -> float:
-        return self.tokens / self.total_tokens if self.total_tokens else 0.0
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "hit_blocks": self.blocks,
-            "hit_tokens": self.tokens,
-            "blocks": self.total_blocks,
-            "tokens": self.total_tokens,
-            "block_hit_ratio": round(self.block_ratio, 4),
-            "token_hit_ratio": round(self.token_ratio, 4),
-        }
-
-
-def lru_hits(requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int) -> Hits:
-    """Prefix hits of an exact LRU cache of ``capacity_blocks`` blocks.
-
-    Per request, as vLLM's scheduler looks a prompt up: its blocks in order
-    until the first one not cached are hits; every block of the request is
-    then referenced (the hits are loaded, the rest computed and stored), so it
-    becomes the most recently used, and the least recently used blocks beyond
-    the capacity are evicted.
-    """
-    cache: collections.OrderedDict[int, None] = collections.OrderedDict()
-    hit_blocks = hit_tokens = total_blocks = total_tokens = 0
-    for r in requests:
-        prefix = True
-        for bid, tok in zip(r.hash_ids, r.block_tokens(block_tokens), strict=True):
-            if prefix and bid in cache:
-                hit_blocks += 1
-                hit_tokens += tok
-            else:
-                prefix = False
-            if bid in cache:
-                cache.move_to_end(bid)
-            else:
-                cache[bid] = None
-                if len(cache) > capacity_blocks:
-                    cache.popitem(last=False)
-        total_blocks += len(r.hash_ids)
-        total_tokens += r.input_length
-    return Hits(hit_blocks, hit_tokens, total_blocks, total_tokens)
-
-
-def prefix_depths(
-    requests: Sequence[TraceRequest], block_tokens: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """For every block reference: the smallest LRU capacity (in blocks) that
-    serves it as a prefix hit, and its tokens; plus the requests' prompt tokens.
-
-    One pass of Mattson's stack algorithm: an LRU of capacity ``c`` holds a
-    block iff its stack distance (distinct blocks referenced since its last
-    reference, itself included) is at most ``c``, for every ``c`` at once. A
-    block is a prefix hit iff it and every block before it in its request are
-    held, so its depth is the running maximum of the distances in its request.
-    ``NEVER`` marks first references. The distances come from a Fenwick tree
-    over reference times that marks each block's latest reference:
-    O(references x log references).
-    """
-    n = sum(len(r.hash_ids) for r in requests)
-    tree = [0] * (n + 1)
-    last: dict[int, int] = {}
-    depths = np.empty(n, dtype=np.int64)
-    tokens = np.empty(n, dtype=np.int64)
-    total_tokens = 0
-    t = 0
-    for r in requests:
-        run = 0
-        for bid, tok in zip(r.hash_ids, r.block_tokens(block_tokens), strict=True):
-            t += 1
-            p = last.get(bid)
-            if p is None:
-                run = NEVER
-            else:
-                # Marks at or before p; those after it (all before t) are the
-                # distinct blocks referenced since.
-                before = 0
-                i = p
-                while i:
-                    before += tree[i]
-                    i &= i - 1
-                d = len(last) - before + 1
-                run = max(run, d)
-                i = p
-                while i <= n:
-                    tree[i] -= 1
-                    i += i & -i
-            i = t
-            while i <= n:
-                tree[i] += 1
-                i += i & -i
-            last[bid] = t
-            depths[t - 1] = run
-            tokens[t - 1] = tok
-        total_tokens += r.input_length
-    return depths, tokens, total_tokens
-
-
-@dataclasses.dataclass
-class DepthProfile:
-    """``prefix_depths`` sorted, for hits at any capacity in O(log n)."""
-
-    depths: np.ndarray
-    cum_tokens: np.ndarray
-    total_blocks: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, requests: Sequence[TraceRequest], block_tokens: int) -> DepthProfile:
-        depths, tokens, total_tokens = prefix_depths(requests, block_tokens)
-        order = np.argsort(depths, kind="stable")
-        cum = np.concatenate([[0], np.cumsum(tokens[order])])
-        return cls(depths[order], cum, len(depths), total_tokens)
-
-    def hits(self, capacity_blocks: int) -> Hits:
-        k = int(np.searchsorted(self.depths, capacity_blocks, side="right"))
-        return Hits(k, int(self.cum_tokens[k]), self.total_blocks, self.total_tokens)
-
-
-def capacity_curve(
-    shared: DepthProfile, per_replica: Sequence[DepthProfile], capacities_blocks: Sequence[int]
-) -> dict[str, list[float]]:
-    """Hit ratios against total capacity: one store shared by all replicas, and
-    one store of ``capacity // replicas`` per replica."""
-    out: dict[str, list[float]] = {
-        "shared_token_ratio": [],
-        "shared_block_ratio": [],
-        "per_replica_token_ratio": [],
-        "per_replica_block_ratio": [],
-    }
-    n = len(per_replica)
-    for c in capacities_blocks:
-        s = shared.hits(c)
-        parts = [p.hits(c // n) for p in per_replica]
-        sum_p = _sum_hits(parts)
-        out["shared_token_ratio"].append(round(s.token_ratio, 5))
-        out["shared_block_ratio"].append(round(s.block_ratio, 5))
-        out["per_replica_token_ratio"].append(round(sum_p.token_ratio, 5))
-        out["per_replica_block_ratio"].append(round(sum_p.block_ratio, 5))
-    return out
-
-
-def _sum_hits(parts: Sequence[Hits]) -> Hits:
-    return Hits(
-        sum(h.blocks for h in parts),
-        sum(h.tokens for h in parts),
-        sum(h.total_blocks for h in parts),
-        sum(h.total_tokens for h in parts),
-    )
 
 
 # -------------------------------------------------------------------- sizes
@@ -1076,14 +766,11 @@ def run_trace_level(
     if args.output_format != "json":
         print()
         print("\n".join(trace_table(out)))
-    if args.plot:
-        msg = plot_curve(out, args.plot)
-        log(msg)
-        if msg.startswith("matplotlib"):
-            args._notes.append(msg)
     bad = total["wrong_chunks"]
     if bad:
         args._notes.append(f"{bad} promoted chunks did not verify byte for byte")
+    if args.plot:
+        log(plot_curve(out, args.plot))
     return 1 if bad else 0
 
 
@@ -1144,14 +831,14 @@ def trace_table(out: dict[str, Any]) -> list[str]:
 
 def plot_curve(out: dict[str, Any], path: str) -> str:
     """The capacity curve (token hit ratio against capacity at the real chunk
-    size, shared vs per-replica) with the measured point. Returns a message."""
-    try:
-        import matplotlib
+    size, shared vs per-replica) with the measured point. Returns a message.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return f"matplotlib is not installed; skipped the plot {path} (pip install matplotlib)"
+    Raises:
+        PlotError: matplotlib is missing or PATH cannot be written.
+    """
+    plt = pyplot(path)
+    import matplotlib.ticker
+
     c, rp, b = out["curve"], out["replay"], out["bound"]
     top = max(c["capacity_bytes_real"])
     unit, div = next(
@@ -1194,6 +881,5 @@ def plot_curve(out: dict[str, Any], path: str) -> str:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return f"wrote {path}"

@@ -23,6 +23,7 @@ import os
 import queue
 import struct
 import threading
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,6 +52,25 @@ class _RawOp(Op):
     """An op that came packed: its completion goes back packed."""
 
 
+# Every ThreadEngine of this process, for the fork hook below.
+_engines: weakref.WeakSet[ThreadEngine] = weakref.WeakSet()
+
+
+def _close_engines_in_child() -> None:
+    """``os.fork`` hook, in the child: an inherited engine has no workers
+    and its fds are the parent's (the store closes them in the child, and
+    their numbers may be reused): it is closed, with nothing to cancel."""
+    for engine in list(_engines):
+        engine._closed = True
+        engine._fds = []
+        engine._close_lock = threading.Lock()  # a copy may be held by a thread gone
+        engine._threads = []
+        engine._ops = queue.SimpleQueue()
+
+
+os.register_at_fork(after_in_child=_close_engines_in_child)
+
+
 class ThreadEngine(IoEngine):
     """An ``IoEngine`` backed by a pool of Python threads.
 
@@ -74,6 +94,7 @@ class ThreadEngine(IoEngine):
         self._closed = False
         self._logged_unexpected = False
         self._close_lock = threading.Lock()
+        _engines.add(self)
         self._threads = [
             threading.Thread(target=self._worker, name=f"nvmetier-io-{i}", daemon=True)
             for i in range(n_threads)

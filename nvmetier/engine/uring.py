@@ -127,8 +127,11 @@ class UringEngine(IoEngine):
         BufferError, TypeError: ``buffer`` is not writable, contiguous memory.
         OSError: the ring cannot be created (see ``probe``).
 
-    Not fork-safe: the I/O thread does not exist in a forked child, so create
-    the engine in the process that uses it.
+    Not usable in a forked child: its I/O threads do not exist there. The
+    child's copy closes its inherited rings at the fork (a ring holds the
+    store's lock, which must go with the parent), refuses ops
+    (``EngineClosedError``) and closes at once; create an engine in the
+    process that uses it.
     """
 
     name = "uring"

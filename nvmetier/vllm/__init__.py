@@ -160,6 +160,10 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Slots of processes that died while writing them, reclaimed.",
     ),
+    "kv_events_lost": (
+        "counter",
+        "KV cache events not recorded for lack of memory (the chunks were stored or removed).",
+    ),
     # The promotion guard's counters (nvmetier.vllm.promotion).
     "hits_not_loaded": (
         "counter",

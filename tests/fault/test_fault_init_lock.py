@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from nvmetier import files
+from nvmetier import locks
 from nvmetier.errors import StoreLockedError
 from tests.fault.faultkit import key, load_keys, new_buffer, open_store, store_dir, store_keys
 
@@ -45,7 +45,7 @@ def _holder(directory: str) -> subprocess.Popen[str]:
 
 @pytest.fixture
 def bound(monkeypatch) -> Iterator[float]:
-    monkeypatch.setattr(files, "INIT_LOCK_TIMEOUT_S", BOUND_S)
+    monkeypatch.setattr(locks, "INIT_LOCK_TIMEOUT_S", BOUND_S)
     yield BOUND_S
 
 

@@ -1,6 +1,6 @@
 """Filesystems a store can live on (issue 15, item 8), and the space error.
 
-The filesystem type is injected (``nvmetier.files.fs_type``, a test hook):
+The filesystem type is injected (``nvmetier.store_dir.fs_type``, a test hook):
 the checks are about what the store does on NFS, overlayfs or btrfs, which
 this machine need not have.
 """
@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from nvmetier import files
+from nvmetier import files, store_dir
 from nvmetier.errors import ConfigError, StoreSpaceError
 from nvmetier.files import INDEX_NAME, TABLE_NAME, StoreFiles
 
@@ -53,7 +53,7 @@ def fs(monkeypatch):
     """Set the filesystem type every directory reports."""
 
     def set_type(kind: int) -> None:
-        monkeypatch.setattr(files, "fs_type", lambda _path: kind)
+        monkeypatch.setattr(store_dir, "fs_type", lambda _path: kind)
 
     return set_type
 

@@ -1,6 +1,7 @@
 """The shared table's rules (``native/nvt_core.c``, no Python) driven from C:
 ``tests/native/c/test_core.c`` is built with the system compiler and run. A
-missing compiler is a skip."""
+missing compiler is a skip. ``NVMETIER_SANITIZE`` (``address,undefined``,
+``thread``) builds it with that sanitizer (scripts/sanitize.sh)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,16 @@ def test_the_core_runs_from_c_alone(tmp_path) -> None:
     if cc is None:
         pytest.skip("no C compiler")
     exe = str(tmp_path / "test_core")
+    sanitize = os.environ.get("NVMETIER_SANITIZE", "")
+    flags = (
+        [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g"]
+        if sanitize
+        else []
+    )
     build = subprocess.run(
         [
             cc,
+            *flags,
             "-O2",
             "-Wall",
             "-Werror",

@@ -296,3 +296,103 @@ def test_an_open_that_runs_out_of_fds_fails_cleanly(tmp_path) -> None:
     assert lines[0] == "error EMFILE", out.stdout + out.stderr
     assert lines[1] == "stdin True"
     assert lines[2].startswith("fds 1 ")  # only the listdir's own fd
+
+
+def _close_within(engine: uring.UringEngine, timeout_s: float) -> bool:
+    """Close ``engine`` on a helper thread; whether it returned in time."""
+    import threading
+
+    t = threading.Thread(target=engine.close, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive()
+
+
+@pytest.mark.parametrize("when", ["before_submit", "with_ops_in_the_ring"])
+def test_a_ring_that_keeps_refusing_enter_fails_its_ops_and_close_returns(
+    engines, region, files, when
+) -> None:
+    """Was a suspected hang: ops whose SQEs were prepared but never taken by
+    the kernel stayed in their slots for good when io_uring_enter kept
+    failing, so the I/O thread never exited and close() joined forever."""
+    engine = _engine(engines, region, files[:1], workers=1, queue_depth=8)
+    ops = _writes(1, 8)
+    if when == "before_submit":
+        engine._native._inject_enter_error(0, errno.EIO)
+        engine.submit(ops)
+    else:
+        engine.submit(ops[:4])
+        _collect(engine, 4)
+        engine._native._inject_enter_error(0, errno.EIO)
+        engine.submit(ops[4:])
+    # The ring is failed after NVT_RING_FAIL_TRIES refusals: every op fails
+    # (none is lost or left in a slot), then close returns.
+    done = _collect(engine, 8 if when == "before_submit" else 4, timeout_s=20)
+    assert {c.result for c in done.values()} == {-errno.EIO}
+    assert engine.worker_stats()[0]["failed_errno"] == errno.EIO
+    assert _close_within(engine, 20.0), "close() did not return"
+    assert engine.wait_completions(0.1) == []
+
+
+def test_close_of_a_ring_refusing_enter_with_ops_taken_returns(engines, region, files) -> None:
+    """The refusals start with close already under way: still bounded."""
+    engine = _engine(engines, region, files[:1], workers=1, queue_depth=4)
+    engine._native._inject_enter_error(0, errno.ENOMEM)
+    ops = _writes(1, 12)  # 4 in slots, 8 queued behind them
+    engine.submit(ops)
+    assert _close_within(engine, 20.0), "close() did not return"
+    done = _collect(engine, len(ops), timeout_s=5)
+    assert {c.result for c in done.values()} <= {-errno.ENOMEM, -errno.ECANCELED}
+
+
+def test_a_forked_child_closes_its_copy_of_the_engine_and_its_rings(
+    engines, region, files, tmp_path
+) -> None:
+    """A child forked without exec must not hold the parent's rings (their
+    registered files keep the store's lock alive after the parent died) nor
+    use engine threads that do not exist there; the parent's engine goes on."""
+    lock_fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        engine = _engine(engines, region, files[:2], workers=2, keepalive_fd=lock_fd)
+        engine.submit(_writes(2, 4))
+        _collect(engine, 8)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: report one line, never return
+            code = 1
+            try:
+                rings = [
+                    fd
+                    for fd in os.listdir("/proc/self/fd")
+                    if "io_uring" in _link(f"/proc/self/fd/{fd}")
+                ]
+                try:
+                    engine.submit(_writes(2, 1))
+                    refused = False
+                except Exception:
+                    refused = True
+                engine.close()  # returns: no thread to join
+                os.write(w, json.dumps({"rings": rings, "refused": refused}).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            answer = json.loads(f.read() or b"{}")
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert answer == {"rings": [], "refused": True}
+        ops = _writes(2, 8, first_id=100)
+        engine.submit(ops)
+        assert all(c.result == ROW for c in _collect(engine, len(ops)).values())
+    finally:
+        for e in engines:
+            e.close()
+        os.close(lock_fd)
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

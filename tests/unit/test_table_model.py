@@ -9,7 +9,7 @@ nothing runs on another thread.
 
 Besides every return value (ops, missing/evicted keys, pending counts, finished
 jobs, KV events, counters, gauges), each step checks the shared slots as
-nvt_table.h lays them out: one copy of a key per set at most, the model's
+nvt_layout.h lays them out: one copy of a key per set at most, the model's
 state, generation and recency order in every way, a lease exactly where the
 model has one, and an index record exactly on the READY and BAD slots.
 
@@ -69,7 +69,7 @@ ECANCELED = 125
 
 EMPTY, WRITING, READY, BAD = 0, 1, 2, 3
 
-# nvt_table.h: header, then sets of a 64-byte mutex head and one array per field
+# nvt_layout.h: header, then sets of a 64-byte mutex head and one array per field
 # (tag, state, owner, flags u8; owner_inc, pins u16; last, gen, epoch u32;
 # stamp, fp u64), each array 8-byte aligned (nvt_layout).
 HEADER_BYTES = 8192

@@ -1,5 +1,8 @@
 /*
- * nvt_table: the process-shared slot table of a store (nvmetier._table).
+ * nvt_layout: the on-disk layout of the process-shared slot table of a store
+ * (nvmetier._table): byte offsets, field sizes, the header and its registry.
+ * The bottom of the native include order: nvt_core (the rules) includes this
+ * file, nvt_jobs the core, nvt_table.c (the CPython type) the jobs; never back.
  *
  * The table lives in the store's `table` file, mapped MAP_SHARED by every
  * process attached to the store, so every sharer reads and writes the same
@@ -71,8 +74,8 @@
  * header are atomics and may drift after a crash; they are recounted when the
  * table is rebuilt or swept.
  */
-#ifndef NVT_TABLE_H
-#define NVT_TABLE_H
+#ifndef NVT_LAYOUT_H
+#define NVT_LAYOUT_H
 
 #include <pthread.h>
 #include <stdint.h>
@@ -154,4 +157,4 @@ _Static_assert(sizeof(nvt_table_header) <= NVT_SHARERS_OFFSET, "header layout");
 _Static_assert(NVT_SHARERS_OFFSET + NVT_MAX_SHARERS * sizeof(nvt_sharer) <= NVT_TABLE_HEADER_BYTES,
                "sharer registry fits the header");
 
-#endif /* NVT_TABLE_H */
+#endif /* NVT_LAYOUT_H */
