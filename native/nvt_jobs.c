@@ -586,7 +586,14 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
     if (nvt_set_lock(&t->core, set) != 0)
         return 1; /* its holder is stopped or slow: the op stays in flight */
     if (o->kind == NVT_OP_WRITE) {
-        if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
+        if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen && (*s.flags & NVT_FLAG_PURGED)) {
+            /* `nvmetier purge --all` ran during the write: never published. */
+            nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
+            set_unlock(&t->core, set);
+            t->core.c.stores_purged++;
+            if (job_fail(j, o->pos, FAIL_DROPPED, 0) < 0)
+                return -1;
+        } else if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
             /* The data is written: only now does the record appear, then the slot. */
             nvt_write_record(&t->core, o->slot, o->key, o->key_len, c->checksum);
             (*s.stamp) = 0;

@@ -105,6 +105,9 @@ typedef struct {
     uint32_t outstanding, max_queued_ops;
     int verify, events_on;
     PyObject *done, *events;
+    /* Keys whose slot this process freed because their retention passed
+     * (the core's on_expired): one removal event at the next take_events. */
+    PyObject *expired;
     /* The module's fork count when this Table was made: a forked child that
      * inherits it shares the parent's registry entry and OFD lock, so it must
      * not use it (the CPython type refuses; the child opens its own). */

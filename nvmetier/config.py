@@ -74,6 +74,46 @@ def parse_size(value: object, key: str = "size") -> int:
     return n
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# The longest duration accepted (~100 years): stored as whole seconds in a
+# u32 of the table header for ``nvmetier info``.
+MAX_DURATION_S = float(100 * 365 * 86400)
+
+
+def parse_duration(value: object, key: str = "duration") -> float:
+    """Parse a duration in seconds: a number, or a string like ``"24h"``,
+    ``"90s"``, ``"15m"``, ``"7d"`` (a bare number string is seconds).
+
+    Raises:
+        ConfigError: naming ``key`` when the value is not a positive duration.
+    """
+    fix = "use seconds or a number with a unit (s, m, h, d), e.g. '24h' or '90s'"
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a duration; {fix}")
+    if isinstance(value, (int, float)):
+        secs = float(value)
+    elif isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or (unit or "s") not in _DURATION_UNITS:
+            raise ConfigError(f"{key}={value!r} is not a duration; {fix}")
+        secs = float(m.group(1)) * _DURATION_UNITS[unit or "s"]
+    else:
+        raise ConfigError(f"{key}={value!r} ({type(value).__name__}) is not a duration; {fix}")
+    if not secs > 0 or secs > MAX_DURATION_S:
+        raise ConfigError(f"{key}={value!r} must be greater than zero and at most 100 years; {fix}")
+    return secs
+
+
+def format_duration(secs: float) -> str:
+    """``86400`` -> ``"1d"``, ``90`` -> ``"90s"``, ``5400`` -> ``"1.5h"``."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if secs >= size:
+            return f"{secs / size:g}{unit}"
+    return f"{secs:g}s"
+
+
 def format_size(n: int) -> str:
     """``1073741824`` -> ``"1.00 GiB"``."""
     size = float(n)
@@ -126,6 +166,10 @@ class TierConfig:
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
             it under pressure). False: no detector unless a section asks.
+        retention: seconds (given as a number or a string such as ``"24h"``):
+            a chunk stored longer ago than this (wall clock) is never served
+            (a miss, counted in ``retention_expired``) and its slot is reused
+            first. None (the default): chunks live until evicted.
     """
 
     root_dir: tuple[str, ...]
@@ -146,6 +190,7 @@ class TierConfig:
     default_backpressure: bool = True
     sharing: str = "node"
     capacity_per_path: tuple[int, ...] | None = None
+    retention: float | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -190,6 +235,8 @@ class TierConfig:
         for key in ("max_inflight_bytes", "max_queued_bytes"):
             if key in raw:
                 values[key] = parse_size(raw[key], key)
+        if raw.get("retention") is not None:
+            values["retention"] = parse_duration(raw["retention"], "retention")
         cfg = cls(**values)
         cfg._validate()
         return cfg
@@ -223,6 +270,8 @@ class TierConfig:
         for key in ("verify_checksums", "enable_kv_events", "persist", "default_backpressure"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
+        if self.retention is not None:
+            parse_duration(self.retention, "retention")
         if self.o_direct not in ("auto", True, False):
             raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")
         if self.sharing not in SHARING_MODES:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.files import StoreFiles
@@ -90,6 +91,12 @@ COUNTERS = (
     # Loads of slots left unverified by a crash or a dead writer, checked
     # whatever verify_checksums says, that verified.
     "loads_verified_unverified",
+    # Chunks found past the configured retention (never served: a miss).
+    "retention_expired",
+    # Writes that `nvmetier purge --all` caught in flight (never published).
+    "stores_purged",
+    # Removal events emitted for chunks `nvmetier purge` removed.
+    "purge_removals_emitted",
 )
 
 
@@ -224,6 +231,7 @@ class BlockStore:
                 config.verify_checksums,
                 config.enable_kv_events,
             )
+            self._table.set_retention(int((config.retention or 0) * 1e9))
         except BaseException:
             engine_built = getattr(self, "engine", None)
             if engine_built is not None:
@@ -366,8 +374,28 @@ class BlockStore:
         return out
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        """``(removed, keys)`` pairs since the last call (if events enabled)."""
-        return [] if self._table is None else self._table.take_events()  # type: ignore[no-any-return]
+        """``(removed, keys)`` pairs since the last call (if events enabled).
+
+        Also the removals of an ``nvmetier purge`` of this store: the first
+        sharer with events on to see a new purge generation takes it (one
+        compare-and-swap in the table header) and emits the purge log's keys;
+        the others emit nothing for it. The log is read here, on the
+        scheduler thread, once per purge (96 bytes per removed chunk, just
+        written: in the page cache)."""
+        table = self._table
+        if table is None:
+            return []
+        events: list[tuple[bool, list[bytes]]] = table.take_events()
+        if self.config.enable_kv_events:
+            gen, taken = table.purge_generation()
+            if gen != taken:
+                prev = table.claim_purge_events()
+                if prev is not None:
+                    keys = purge_log.removed_since(self.files.dirs[0], prev)
+                    if keys:
+                        self._stats["purge_removals_emitted"] += len(keys)
+                        events.append((True, keys))
+        return events
 
     def has_pending_work(self) -> bool:
         return self._table is not None and bool(self._table.inflight()[1])

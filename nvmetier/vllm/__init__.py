@@ -82,6 +82,14 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Chunks whose checksum did not verify on load (served as a miss, invalidated).",
     ),
+    "retention_expired": (
+        "counter",
+        "Chunks found stored longer ago than the tier's retention (served as a miss, freed).",
+    ),
+    "stores_purged": (
+        "counter",
+        "Chunk writes caught in flight by 'nvmetier purge --all' (never published).",
+    ),
     "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
     "stores_dropped_queue_full": (
