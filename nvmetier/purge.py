@@ -38,6 +38,7 @@ the store, to erase them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -208,6 +209,15 @@ def removed_since(store_dir: str, taken_gen: int) -> list[bytes]:
     return keys if last > taken_gen else []
 
 
+def _remove_stale_logs(store_dir: str) -> None:
+    """Temporary logs of purges killed before their rename (the purge lock
+    is held: no purge is writing one now)."""
+    for name in os.listdir(store_dir):
+        if name.startswith(f"{LOG_NAME}.tmp-"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(store_dir, name))
+
+
 # ---------------------------------------------------------------- one store
 def purge_store(
     store_dir: str,
@@ -246,6 +256,7 @@ def purge_store(
                 "wait for it and run this one again"
             )
             return out
+        _remove_stale_logs(store_dir)
         _purge_locked(store_dir, sb, older_than_s, out, busy_retry_s)
     except OSError as exc:
         out.error = f"{exc.filename or store_dir!r}: {exc.strerror}"

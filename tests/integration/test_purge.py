@@ -270,3 +270,12 @@ def test_purge_takes_bounded_time_on_an_idle_store(tmp_path, buffer) -> None:
     purge.purge(str(tmp_path), older_than_s=None)
     assert time.monotonic() - t0 < purge.BUSY_RETRY_S
     store.close()
+
+
+def test_purge_removes_the_temporary_log_of_a_killed_purge(tmp_path, buffer) -> None:
+    store = make_store(str(tmp_path), buffer)
+    stale = tmp_path / "store" / f"{purge.LOG_NAME}.tmp-12345"
+    stale.write_bytes(b"x")
+    purge.purge(str(tmp_path), older_than_s=None)
+    assert not stale.exists()
+    store.close()
