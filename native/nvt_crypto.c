@@ -59,7 +59,7 @@ int nvt_gcm_seal(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_G
 }
 
 int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_GCM_NONCE_BYTES],
-                 const uint8_t *aad, size_t aad_len, uint8_t *buf, size_t len,
+                 const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
                  const uint8_t tag[NVT_GCM_TAG_BYTES]) {
     EVP_CIPHER_CTX *ctx = begin(0, key, nonce, aad, aad_len);
     int out = 0, rc = -1;
@@ -68,9 +68,9 @@ int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_G
         return -1;
     for (int i = 0; i < NVT_GCM_TAG_BYTES; i++)
         want[i] = tag[i]; /* SET_TAG takes a non-const pointer */
-    if (update(ctx, buf, buf, len) == 0 &&
+    if (update(ctx, src, dst, len) == 0 &&
         EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, NVT_GCM_TAG_BYTES, want) == 1)
-        rc = EVP_DecryptFinal_ex(ctx, buf + len, &out) == 1 ? 0 : 1;
+        rc = EVP_DecryptFinal_ex(ctx, dst + len, &out) == 1 ? 0 : 1;
     EVP_CIPHER_CTX_free(ctx);
     return rc;
 }

@@ -25,11 +25,12 @@ int nvt_gcm_seal(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_G
                  const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
                  uint8_t tag[NVT_GCM_TAG_BYTES]);
 
-/* Decrypt `len` bytes of `buf` in place and check the tag over them and
- * `aad`. Returns 0 when the tag verifies, 1 when it does not (the bytes in
- * `buf` are then garbage and must not be used), -1 when libcrypto failed. */
+/* Decrypt `len` bytes of `src` into `dst` (may be `src`: in place) and
+ * check the tag over them and `aad`. Returns 0 when the tag verifies, 1 when
+ * it does not (the bytes in `dst` are then garbage and must not be used), -1
+ * when libcrypto failed. */
 int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_GCM_NONCE_BYTES],
-                 const uint8_t *aad, size_t aad_len, uint8_t *buf, size_t len,
+                 const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
                  const uint8_t tag[NVT_GCM_TAG_BYTES]);
 
 #endif /* NVT_CRYPTO_H */

@@ -71,46 +71,50 @@ fail_k:
     return NULL;
 }
 
-PyDoc_STRVAR(open_doc, "open(key, nonce, aad, buf, tag) -> bool\n\n"
-                       "AES-256-GCM: decrypt buf in place and check tag over it and aad. False when\n"
-                       "the tag does not verify (buf then holds garbage: never use it).");
+PyDoc_STRVAR(open_doc, "open(key, nonce, aad, src, dst, tag) -> bool\n\n"
+                       "AES-256-GCM: decrypt src into dst (len(dst) >= len(src); dst may be src: in\n"
+                       "place) and check tag over it and aad. False when the tag does not verify (dst\n"
+                       "then holds garbage: never use it).");
 
 static PyObject *py_open(PyObject *m, PyObject *args) {
-    PyObject *ko, *no, *ao, *bo, *to;
-    if (!PyArg_ParseTuple(args, "OOOOO", &ko, &no, &ao, &bo, &to))
+    PyObject *ko, *no, *ao, *so, *dobj, *to;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &ko, &no, &ao, &so, &dobj, &to))
         return NULL;
-    Py_buffer k, n, a, b, t;
+    Py_buffer k, n, a, s, d, t;
+    int rc = -2;
     if (get_buf(ko, &k, 0, NVT_GCM_KEY_BYTES, "key") < 0)
         return NULL;
     if (get_buf(no, &n, 0, NVT_GCM_NONCE_BYTES, "nonce") < 0)
         goto fail_k;
     if (get_buf(ao, &a, 0, 0, "aad") < 0)
         goto fail_n;
-    if (get_buf(bo, &b, 1, 0, "buf") < 0)
+    if (get_buf(dobj, &d, 1, 0, "dst") < 0)
         goto fail_a;
+    /* src may be dst itself (a writable buffer): a read-only view of it. */
+    if (get_buf(so, &s, 0, 0, "src") < 0)
+        goto fail_d;
     if (get_buf(to, &t, 0, NVT_GCM_TAG_BYTES, "tag") < 0)
-        goto fail_b;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS rc = nvt_gcm_open(k.buf, n.buf, a.buf, (size_t)a.len, b.buf, (size_t)b.len, t.buf);
-    Py_END_ALLOW_THREADS PyBuffer_Release(&t);
-    PyBuffer_Release(&b);
-    PyBuffer_Release(&a);
-    PyBuffer_Release(&n);
-    PyBuffer_Release(&k);
-    if (rc < 0) {
-        PyErr_SetString(PyExc_OSError, "libcrypto failed to open the chunk (AES-256-GCM)");
-        return NULL;
+        goto fail_s;
+    if (d.len < s.len) {
+        PyErr_SetString(PyExc_ValueError, "dst is shorter than src");
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = nvt_gcm_open(k.buf, n.buf, a.buf, (size_t)a.len, s.buf, d.buf, (size_t)s.len, t.buf);
+        Py_END_ALLOW_THREADS if (rc == -1) PyErr_SetString(PyExc_OSError, "libcrypto failed to open the chunk (AES-256-GCM)");
     }
-    return PyBool_FromLong(rc == 0);
-fail_b:
-    PyBuffer_Release(&b);
+    PyBuffer_Release(&t);
+fail_s:
+    PyBuffer_Release(&s);
+fail_d:
+    PyBuffer_Release(&d);
 fail_a:
     PyBuffer_Release(&a);
 fail_n:
     PyBuffer_Release(&n);
 fail_k:
     PyBuffer_Release(&k);
-    return NULL;
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc == 0);
 }
 
 static PyMethodDef methods[] = {

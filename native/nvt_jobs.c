@@ -632,17 +632,9 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             t->core.c.loads_cancelled++;
             if (job_fail(j, o->pos, FAIL_READ_IO, ECANCELED) < 0)
                 return -1;
-        } else if (!ok) {
-            /* A read error: a miss until rewritten (BAD, not freed: a
-             * transient error is not proven corruption). */
-            (*s.state) = NVT_BAD;
-            t->core.d_ready--;
-            set_unlock(&t->core, set);
-            t->core.c.read_errors++;
-            if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
-                return -1;
-        } else if (o->verify && c->checksum != o->expected) {
-            /* Proven corruption of this very slot: a miss, and the slot is freed. */
+        } else if (c->result == -EBADMSG || (o->verify && ok && c->checksum != o->expected)) {
+            /* Proven corruption of this very slot (a payload checksum, or an
+             * encrypted chunk's tag, that does not verify): a miss, freed. */
             const unsigned char *r = record(&t->core, o->slot);
             int kl = r[5];
             if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0) {
@@ -652,7 +644,18 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             nvt_clear_slot_locked(&t->core, s, o->slot);
             set_unlock(&t->core, set);
             t->core.c.checksum_failures++;
+            if (c->result == -EBADMSG)
+                t->core.c.auth_failures++;
             if (job_fail(j, o->pos, FAIL_CHECKSUM, 0) < 0)
+                return -1;
+        } else if (!ok) {
+            /* A read error: a miss until rewritten (BAD, not freed: a
+             * transient error is not proven corruption). */
+            (*s.state) = NVT_BAD;
+            t->core.d_ready--;
+            set_unlock(&t->core, set);
+            t->core.c.read_errors++;
+            if (job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result) < 0)
                 return -1;
         } else {
             if (o->verify && (*s.flags & NVT_FLAG_UNVERIFIED)) {

@@ -757,7 +757,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
     GUARD(self);
     nvt_counters *c = &self->core.c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -770,7 +770,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
         c->completions_deferred, "completions_abandoned", c->completions_abandoned, "retention_expired",
-        c->retention_expired, "stores_purged", c->stores_purged);
+        c->retention_expired, "stores_purged", c->stores_purged, "auth_failures", c->auth_failures);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"

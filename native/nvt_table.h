@@ -13,7 +13,7 @@
  *     0 magic u64 "NVTTABLE" | 8 version u32 | 12 header_bytes u32 |
  *     16 n_slots u64 | 24 ways u32 | 28 set_bytes u32 | 32 n_sets u64 |
  *     40 purge_gen u32 | 44 purge_events_gen u32 | 48 used i64 | 56 ready i64 |
- *     64 retention_s u32 | 68 max_sharers u32 | ... |
+ *     64 retention_s u32 | 68 max_sharers u32 | 72 key_fingerprint u8[8] | ... |
  *     256 sharers[NVT_MAX_SHARERS] of {pid u32, incarnation u32, attached_ns u64}
  *   then n_sets sets of set_bytes (nvt_set_layout below): a head of 64 bytes
  *   (a robust, process-shared pthread mutex; the set's recency clock u32; the
@@ -125,6 +125,9 @@ typedef struct {
      * store: what `nvmetier info` measures ages against. */
     uint32_t retention_s;
     uint32_t max_sharers;
+    /* The key fingerprint of the latest process to open an encrypted store
+     * (written by nvmetier/store.py; 0: none). */
+    uint8_t key_fingerprint[8];
 } nvt_table_header;
 
 typedef struct {
@@ -161,7 +164,8 @@ static inline nvt_set_layout nvt_layout(uint32_t ways) {
 
 _Static_assert(sizeof(nvt_set_head) == NVT_SET_HEAD_BYTES, "set head layout");
 _Static_assert(offsetof(nvt_table_header, purge_gen) == 40 && offsetof(nvt_table_header, used) == 48 &&
-                   offsetof(nvt_table_header, retention_s) == 64 && offsetof(nvt_table_header, max_sharers) == 68,
+                   offsetof(nvt_table_header, retention_s) == 64 && offsetof(nvt_table_header, max_sharers) == 68 &&
+                   offsetof(nvt_table_header, key_fingerprint) == 72,
                "header layout");
 _Static_assert(sizeof(nvt_table_header) <= NVT_SHARERS_OFFSET, "header layout");
 _Static_assert(NVT_SHARERS_OFFSET + NVT_MAX_SHARERS * sizeof(nvt_sharer) <= NVT_TABLE_HEADER_BYTES,

@@ -166,6 +166,10 @@ class TierConfig:
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
             it under pressure). False: no detector unless a section asks.
+        encryption: ``{"key_file": PATH}``: seal every chunk with AES-256-GCM
+            under a key derived from the 32-byte file at PATH (readable by its
+            owner only; checked when the store opens) and name chunks in the
+            index by a keyed MAC of their offload key. None: plaintext.
         retention: seconds (given as a number or a string such as ``"24h"``):
             a chunk stored longer ago than this (wall clock) is never served
             (a miss, counted in ``retention_expired``) and its slot is reused
@@ -191,6 +195,7 @@ class TierConfig:
     sharing: str = "node"
     capacity_per_path: tuple[int, ...] | None = None
     retention: float | None = None
+    encryption: dict[str, str] | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -235,6 +240,8 @@ class TierConfig:
         for key in ("max_inflight_bytes", "max_queued_bytes"):
             if key in raw:
                 values[key] = parse_size(raw[key], key)
+        if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):
+            values["encryption"] = dict(raw["encryption"])
         if raw.get("retention") is not None:
             values["retention"] = parse_duration(raw["retention"], "retention")
         cfg = cls(**values)
@@ -272,6 +279,18 @@ class TierConfig:
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be true or false")
         if self.retention is not None:
             parse_duration(self.retention, "retention")
+        enc = self.encryption
+        if enc is not None and (
+            not isinstance(enc, Mapping)
+            or set(enc) != {"key_file"}
+            or not isinstance(enc["key_file"], str)
+            or not enc["key_file"].strip()
+        ):
+            raise ConfigError(
+                f"encryption={enc!r} must be {{'key_file': PATH}} naming a file of 32 random "
+                "bytes readable only by its owner (head -c 32 /dev/urandom > PATH && "
+                "chmod 600 PATH); leave encryption out (or null) for plaintext"
+            )
         if self.o_direct not in ("auto", True, False):
             raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")
         if self.sharing not in SHARING_MODES:

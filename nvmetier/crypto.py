@@ -154,10 +154,13 @@ def seal(seal_key: bytes, nonce: bytes, aad: bytes, src: Any, dst: Any) -> bytes
     return _native().seal(seal_key, nonce, aad, src, dst)  # type: ignore[no-any-return]
 
 
-def open_sealed(seal_key: bytes, nonce: bytes, aad: bytes, buf: Any, tag: bytes) -> bool:
-    """Decrypt ``buf`` in place; False when the tag does not verify (then
-    ``buf`` holds garbage and must not be used). The GIL is released."""
-    return bool(_native().open(seal_key, nonce, aad, buf, tag))
+def open_sealed(
+    seal_key: bytes, nonce: bytes, aad: bytes, buf: Any, tag: bytes, dst: Any = None
+) -> bool:
+    """Decrypt ``buf`` into ``dst`` (default: in place); False when the tag
+    does not verify (then ``dst`` holds garbage and must not be used). The
+    GIL is released."""
+    return bool(_native().open(seal_key, nonce, aad, buf, buf if dst is None else dst, tag))
 
 
 def chunk_aad(key_mac: bytes, layout_digest: int) -> bytes:

@@ -141,3 +141,20 @@ def test_retention_rejects_with_key_value_and_fix(bad: object) -> None:
         TierConfig.from_dict({**BASE, "retention": bad})
     text = str(info.value)
     assert "retention" in text and repr(bad) in text and "'24h'" in text
+
+
+def test_encryption_takes_a_key_file() -> None:
+    cfg = TierConfig.from_dict({**BASE, "encryption": {"key_file": "/etc/nvmetier/key"}})
+    assert cfg.encryption == {"key_file": "/etc/nvmetier/key"}
+    assert TierConfig.from_dict(BASE).encryption is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["/etc/key", {"keyfile": "/k"}, {"key_file": ""}, {"key_file": 3}, {"key_file": "/k", "x": 1}],
+)
+def test_encryption_rejects_other_shapes_with_the_fix(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({**BASE, "encryption": bad})
+    text = str(info.value)
+    assert "encryption=" in text and "key_file" in text and "head -c 32 /dev/urandom" in text
