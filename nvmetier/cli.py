@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--deep", action="store_true", help="read every live slot and verify its checksum"
     )
     p.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the encryption key file of an encrypted store: --deep verifies each chunk's "
+        "authentication tag with it",
+    )
+    p.add_argument(
         "--repair",
         action="store_true",
         help="zero the index records that fail (they become misses); good records are "
@@ -140,8 +146,17 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     from nvmetier import fsck
 
     try:
+        keys = None
+        if args.key_file is not None:
+            from nvmetier import crypto
+
+            keys = crypto.KeySet.from_file(args.key_file)
         results = fsck.fsck(
-            args.root, deep=args.deep, repair=args.repair, stream=fsck.progress_stream()
+            args.root,
+            deep=args.deep,
+            repair=args.repair,
+            stream=fsck.progress_stream(),
+            keys=keys,
         )
     except FsckOperationalError as exc:
         if args.json:

@@ -86,6 +86,10 @@ class StoreInfo:
     retention_source: str | None = None
     retention_ages: dict[str, int] = dataclasses.field(default_factory=dict)
     past_retention: int = 0
+    # Encryption at rest: the store's cipher (None: plaintext) and the key
+    # fingerprint of the latest process to open it (None: unknown).
+    encryption: str | None = None
+    key_fingerprint: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -111,6 +115,7 @@ _RETENTION_LABELS = {
 _CLOCK_HORIZON_NS = 3600 * 10**9
 # The table header's magic, version and retention_s (native/nvt_table.h).
 _TABLE_HEAD = struct.Struct("<8sI52xI")
+_KEY_FP_OFFSET = 72  # the latest sealed opener's key fingerprint (nvt_table.h)
 
 
 def table_retention_s(store_dir: str) -> float | None:
@@ -127,6 +132,18 @@ def table_retention_s(store_dir: str) -> float | None:
     if magic != b"NVTTABLE" or version != fmt.TABLE_VERSION or not secs:
         return None
     return float(secs)
+
+
+def table_key_fingerprint(store_dir: str) -> str | None:
+    """The key fingerprint (hex) that the latest process to open an
+    encrypted store wrote into its table header (None: none yet)."""
+    try:
+        with open(os.path.join(store_dir, TABLE_NAME), "rb") as f:
+            head = f.read(_KEY_FP_OFFSET + 8)
+    except OSError:
+        return None
+    fp = head[_KEY_FP_OFFSET : _KEY_FP_OFFSET + 8]
+    return fp.hex() if len(fp) == 8 and any(fp) else None
 
 
 def _past_retention(stored_ns: int, now_ns: int, retention_ns: int) -> bool:
@@ -167,6 +184,9 @@ def store_info(
         return out
     out.format_version = sb.format_version
     out.identity = sb.identity
+    if sb.identity.get("encryption"):
+        out.encryption = str(sb.identity["encryption"])
+        out.key_fingerprint = table_key_fingerprint(store_dir)
     out.created_ns = sb.created_ns
     out.clean_shutdown = sb.clean
     out.chunk_bytes, out.slot_bytes = sb.chunk_bytes, sb.slot_bytes
@@ -286,6 +306,14 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
                 break_on_hyphens=False,
             )
         )
+        if s.get("encryption"):
+            fp = s.get("key_fingerprint") or "unknown"
+            lines.append(
+                f"  encryption:      {s['encryption']} (AES-256-GCM per chunk, keys in the index "
+                f"as HMAC-SHA256), key fingerprint {fp}"
+            )
+        else:
+            lines.append("  encryption:      none (chunks and keys in the clear)")
         lines.append(
             f"  format:          version {s['format_version']}, created "
             f"{_when(s['created_ns'], now_ns)}"
