@@ -90,6 +90,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Chunk writes caught in flight by 'nvmetier purge --all' (never published).",
     ),
+    "auth_failures": (
+        "counter",
+        "Encrypted chunks whose AES-GCM tag did not verify on load (a miss, freed; "
+        "also counted in checksum_failures).",
+    ),
     "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
     "stores_dropped_queue_full": (
