@@ -12,7 +12,15 @@ pytest.importorskip("nvmetier._crypto")
 
 from nvmetier import crypto
 from tests.cli.clikit import assert_one_line_error, run_cli, run_json
-from tests.fault.faultkit import ROW, key, open_store, store_dir, store_keys
+from tests.fault.faultkit import (
+    ROW,
+    key,
+    live_records,
+    open_store,
+    read_superblock,
+    store_dir,
+    store_keys,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,10 +66,13 @@ def test_deep_fsck_with_the_key_verifies_every_tag(sealed_root) -> None:
 
 def test_deep_fsck_finds_a_tampered_chunk(sealed_root) -> None:
     root, key_path = sealed_root
-    with open(os.path.join(store_dir(root), "data"), "r+b") as f:
-        f.seek(100)
+    sdir = store_dir(root)
+    slot = live_records(sdir)[0].slot
+    _file, offset = read_superblock(sdir).slot_location(slot)
+    with open(os.path.join(sdir, "data"), "r+b") as f:
+        f.seek(offset + 100)
         b = f.read(1)
-        f.seek(100)
+        f.seek(offset + 100)
         f.write(bytes([b[0] ^ 4]))
     proc = run_cli("fsck", "--deep", "--key-file", key_path, root)
     assert proc.returncode == 4
