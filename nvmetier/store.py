@@ -22,6 +22,12 @@ then the slot published READY, only after the data write completed (when
 ``poll`` collects it, before the store is reported to vLLM). A load succeeds
 only if its slot's generation did not change while it ran and the payload
 checksum, seeded with the key, verifies.
+
+Encryption at rest (``encryption``): keys go to the table as HMAC-SHA256
+MACs (mapped back for vLLM: ``successful_keys``, KV events) and the engine
+is a ``SealingEngine`` over the configured one (``engine/sealed.py``); the
+layout identity says ``encryption``, so a sealed store is never a plaintext
+one. Retention (``retention``) is applied by the table itself.
 """
 
 from __future__ import annotations
