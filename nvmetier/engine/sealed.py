@@ -263,7 +263,7 @@ class SealingEngine(IoEngine):
                 self._done.put(Completion(entry[0].op_id, -errno.EIO, 0))
 
     def _start(self, op: Op) -> None:
-        op_id, kind, file_idx, file_off, buf_off, length, seed, _want_sum = op
+        op_id, kind, _fi, _fo, buf_off, length, _seed, _want_sum = op
         if kind not in (OP_READ, OP_WRITE):
             self._done.put(Completion(op_id, -errno.EINVAL, 0))
             return
@@ -275,6 +275,15 @@ class SealingEngine(IoEngine):
                 self._waiting.append(op)
                 return
             b = self._free.pop()
+        try:
+            self._start_in(op, b)
+        except BaseException:
+            # The op fails (EIO, in _fail); its bounce slot must not leak.
+            self._release_bounce(b)
+            raise
+
+    def _start_in(self, op: Op, b: int) -> None:
+        op_id, kind, file_idx, file_off, buf_off, length, seed, _want_sum = op
         at = b * self._slot
         tag = b""
         if kind == OP_WRITE:
@@ -300,9 +309,11 @@ class SealingEngine(IoEngine):
             self._inflight[inner_id] = (op, b, tag)
         try:
             self.inner.submit([Op(inner_id, kind, file_idx, file_off, at, self._slot, 0, False)])
-        except EngineClosedError:
+        except BaseException as exc:
             with self._inflight_lock:
                 self._inflight.pop(inner_id, None)
+            if not isinstance(exc, EngineClosedError):
+                raise  # _start frees the bounce slot, _fail fails the op
             self._release_bounce(b)
             self._done.put(Completion(op_id, -errno.ECANCELED, 0))
 
