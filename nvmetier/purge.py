@@ -240,7 +240,8 @@ def purge_store(
     except (OSError, FormatError) as exc:
         out.error = f"{exc.strerror} ({sb_path!r})" if isinstance(exc, OSError) else str(exc)
         return out if model is None else None
-    out.model = str(sb.identity.get("model")) if sb.identity.get("model") is not None else None
+    name = sb.identity.get("model_name", sb.identity.get("model"))  # vLLM's identity: model_name
+    out.model = None if name is None else str(name)
     if model is not None and out.model != model:
         return None
     try:

@@ -40,7 +40,7 @@ def test_purge_all_json(root) -> None:
     code, out = run_json("purge", root, "--all")
     assert code == 0 and out["exit_code"] == 0 and out["all"] is True
     (s,) = out["stores"]
-    assert s["removed"] == 10 and s["error"] is None and s["model"] is None
+    assert s["removed"] == 10 and s["error"] is None and s["model"] == "fault/test"
 
 
 def test_purge_of_a_live_store_exits_0_and_the_process_sees_misses(root, buf) -> None:

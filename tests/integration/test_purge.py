@@ -254,13 +254,21 @@ def test_purge_of_a_private_store_held_exclusively_is_refused(tmp_path, buffer) 
 
 
 def test_purge_by_model_skips_other_models(tmp_path, buffer) -> None:
-    a = make_store(str(tmp_path), buffer, identity={"model": "org/a", "chunk_bytes": ROW})
+    # Two models' stores under one root_dir, named as vLLM's identity names them.
+    a = make_store(str(tmp_path), buffer, identity={"model_name": "org/a", "chunk_bytes": ROW})
     store_keys(a, buffer, [key(1)])
     a.close()
-    with pytest.raises(purge.PurgeOperationalError, match="no store of model 'org/b'"):
-        purge.purge(str(tmp_path), older_than_s=None, model="org/b")
+    b = make_store(
+        str(tmp_path / "other"), buffer, identity={"model_name": "org/b", "chunk_bytes": ROW}
+    )
+    store_keys(b, buffer, [key(2)])
+    b.close()
+    with pytest.raises(purge.PurgeOperationalError, match="no store of model 'org/c'"):
+        purge.purge(str(tmp_path), older_than_s=None, model="org/c")
     (r,) = purge.purge(str(tmp_path), older_than_s=None, model="org/a")
     assert r.model == "org/a" and r.removed == 1
+    (r,) = purge.purge(str(tmp_path / "other"), older_than_s=None, model="org/b")
+    assert r.removed == 1
 
 
 def test_purge_takes_bounded_time_on_an_idle_store(tmp_path, buffer) -> None:
