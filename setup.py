@@ -2,6 +2,8 @@
 
 - ``nvmetier._table`` (the process-shared slot table and the data path) needs
   only a C compiler and is required: a store cannot open without it.
+- ``nvmetier._crypto`` (AES-256-GCM through OpenSSL libcrypto) is optional
+  the same way (libssl-dev).
 - ``nvmetier._uring`` (the io_uring engine) is optional: when liburing is
   missing, the build prints one warning and the package installs without it
   (the thread engine is then used). liburing is linked statically where ``liburing.a`` exists, so an
@@ -40,8 +42,9 @@ class OptionalBuildExt(build_ext):
     @staticmethod
     def _warn(exc: BaseException) -> None:
         sys.stderr.write(
-            f"WARNING: nvmetier's io_uring extension was not built ({exc}); "
-            "the thread engine will be used. Install liburing-dev and a C compiler to build it.\n"
+            f"WARNING: nvmetier's optional extension was not built ({exc}): without "
+            "nvmetier._uring the thread engine is used (install liburing-dev), without "
+            "nvmetier._crypto encryption at rest is unavailable (install libssl-dev).\n"
         )
 
 
@@ -67,9 +70,13 @@ TABLE_SOURCES = [
     "native/nvt_hash_avx2.c",
 ]
 
+# AES-256-GCM through OpenSSL libcrypto (libssl-dev), optional like the
+# io_uring engine: nvmetier._crypto is what encryption at rest needs.
+CRYPTO_SOURCES = ["native/nvt_crypto.c", "native/nvt_crypto_module.c"]
+
 extra_objects, libraries = _uring_link_args()
 native_sources = sorted(
-    set(glob.glob("native/*.c")) - set(TABLE_SOURCES)
+    set(glob.glob("native/*.c")) - set(TABLE_SOURCES) - set(CRYPTO_SOURCES)
     | {"native/nvt_hash.c", "native/nvt_hash_avx2.c"}
 )
 ext_modules = [
@@ -100,5 +107,17 @@ if native_sources:
             optional=True,
         )
     )
+
+ext_modules.append(
+    Extension(
+        "nvmetier._crypto",
+        sources=CRYPTO_SOURCES,
+        depends=["native/nvt_crypto.h"],
+        include_dirs=["native"],
+        extra_compile_args=COMPILE_ARGS,
+        libraries=["crypto"],
+        optional=True,
+    )
+)
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": OptionalBuildExt})

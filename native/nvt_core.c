@@ -24,6 +24,36 @@ uint64_t nvt_now_ms(void) {
     return ((uint64_t)((int64_t)now_mono_ns() + clock_offset_ns)) / 1000000ULL + 1;
 }
 
+/* Wall-clock time (CLOCK_REALTIME ns) of record stamps, plus an offset that
+ * only tests set (_set_wall_clock_offset_ns: a chunk ages without waiting,
+ * or the clock steps back). */
+static int64_t wall_offset_ns;
+
+uint64_t nvt_wall_ns(void) { return (uint64_t)((int64_t)now_wall_ns() + wall_offset_ns); }
+
+void nvt_set_wall_offset_ns(int64_t ns) { wall_offset_ns = ns; }
+
+/* Whether a chunk stored at `stored_ns` (wall clock) is past `retention_ns`
+ * at `now_ns` (0: no retention). The wall clock can step: a stamp ahead of
+ * now by more than the retention (or NVT_CLOCK_HORIZON_MS) was made by a
+ * clock we cannot compare with, so its age is unknown and it counts as
+ * expired (a miss is always safe); a smaller step back lets a chunk live at
+ * most that much longer, a step forward only expires chunks early. */
+int nvt_stamp_expired(uint64_t stored_ns, uint64_t now_ns, uint64_t retention_ns) {
+    if (!retention_ns)
+        return 0;
+    if (stored_ns > now_ns) {
+        uint64_t bound = NVT_CLOCK_HORIZON_MS * 1000000ULL;
+        return stored_ns - now_ns > (retention_ns < bound ? retention_ns : bound);
+    }
+    return now_ns - stored_ns > retention_ns;
+}
+
+/* Whether READY/BAD `slot`'s record is past this process's retention. */
+int nvt_expired_locked(nvt_core *t, uint64_t slot, uint64_t now_ns) {
+    return t->retention_ns && nvt_stamp_expired(record_stored_ns(t, slot), now_ns, t->retention_ns);
+}
+
 int nvt_record_has_key(nvt_core *t, uint64_t slot, const char *key, size_t n) {
     const unsigned char *r = record(t, slot);
     uint32_t magic;
@@ -37,7 +67,7 @@ void nvt_write_record(nvt_core *t, uint64_t slot, const char *key, uint8_t key_l
     unsigned char body[REC_BYTES];
     memset(body, 0, sizeof(body));
     uint32_t magic = REC_MAGIC, slot32 = (uint32_t)slot;
-    uint64_t stored = now_wall_ns();
+    uint64_t stored = nvt_wall_ns();
     memcpy(body, &magic, 4);
     body[4] = REC_STATE_VALID;
     body[5] = key_len;
@@ -105,6 +135,7 @@ void nvt_clear_slot_locked(nvt_core *t, slot_ref s, uint64_t slot) {
     *s.stamp = 0;
     *s.pins = 0;
     *s.owner = 0;
+    *s.flags &= (uint8_t)~NVT_FLAG_PURGED;
 }
 
 /* Free the WRITING slot of a sharer that is gone (the set is held). The slot
@@ -297,6 +328,18 @@ int nvt_find_way(nvt_core *t, uint64_t set, uint64_t fp, const char *key, size_t
             continue;
         if (*s.state == NVT_READY && !nvt_record_has_key(t, set * t->ways + w, key, n))
             continue; /* a fingerprint collision: another key */
+        if (t->retention_ns && *s.state == NVT_READY && nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns())) {
+            /* Past retention: never served. Freed at once unless a lease (a
+             * lookup hit of an earlier step) still covers it; the caller's
+             * claim then finds it evicted first. */
+            t->c.retention_expired++;
+            if (!leased_locked(s, nvt_now_ms())) {
+                if (t->on_expired)
+                    t->on_expired(t->expired_ctx, record(t, set * t->ways + w));
+                nvt_clear_slot_locked(t, s, set * t->ways + w);
+            }
+            continue;
+        }
         return (int)w;
     }
     return -1;
@@ -323,8 +366,13 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
             continue;
         if (st == NVT_WRITING)
             return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-        if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + w, k, n))
-            return -2;
+        if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + w, k, n)) {
+            if (!nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns()))
+                return -2;
+            if (!leased_locked(s, now)) /* past retention: stored again, in place */
+                return (int)w;
+            continue;
+        }
         if (st == NVT_BAD) /* a failed load left it: rewrite in place */
             return (int)w;
     }
@@ -333,6 +381,7 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
     /* A full set: the least recently used way no lease protects, BAD first;
      * WRITING ways of sharers that died are reclaimed on the way. */
     const uint32_t clock = set_head(t->base, t->set_bytes, set)->clock;
+    const uint64_t wall = t->retention_ns ? nvt_wall_ns() : 0;
     int victim = -1, victim_bad = 0;
     uint32_t victim_age = 0;
     for (uint32_t w = 0; w < t->ways; w++) {
@@ -350,7 +399,9 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
             return (int)w;
         if (leased_locked(s, now))
             continue; /* a lookup hit or a load in flight */
-        int bad = st == NVT_BAD;
+        /* BAD ways and ways past retention go first (one record read per
+         * way, only with a retention set), then the least recently used. */
+        int bad = st == NVT_BAD || (wall && nvt_expired_locked(t, set * t->ways + w, wall));
         uint32_t age = clock - *s.last;
         if (victim < 0 || bad > victim_bad || (bad == victim_bad && age > victim_age)) {
             victim = (int)w;
@@ -361,6 +412,42 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
     if (victim >= 0)
         *evict = 1;
     return victim;
+}
+
+/* Purge one set (held): every READY or BAD slot stored `older_than_ns` ago
+ * or longer (wall clock), or every one when `all`, is cleared (record first) whether
+ * or not a lease covers it: a load in flight then fails by its generation,
+ * like a load that raced an eviction, and the bytes it read are never
+ * reported. `removed` gets each cleared record first (may be NULL). With
+ * `all`, a WRITING slot is marked PURGED: its write completes but is never
+ * published (it may hold KV computed before the purge); without, a write in
+ * flight is newer than any cutoff and is left. */
+void nvt_purge_set_locked(nvt_core *t, uint64_t set, uint64_t older_than_ns, int all, nvt_purge_counts *n,
+                          void (*removed)(void *ctx, const unsigned char *rec), void *ctx) {
+    const uint64_t now = nvt_wall_ns();
+    for (uint32_t w = 0; w < t->ways; w++) {
+        slot_ref s = slot_at(t, set, w);
+        uint64_t slot = set * t->ways + w;
+        uint8_t st = *s.state;
+        if (st == NVT_WRITING) {
+            if (all) {
+                *s.flags |= NVT_FLAG_PURGED;
+                n->writing_marked++;
+            } else {
+                n->writing_skipped++;
+            }
+            continue;
+        }
+        if (st != NVT_READY && st != NVT_BAD)
+            continue;
+        uint64_t at = record_stored_ns(t, slot);
+        if (!all && at <= now + NVT_CLOCK_HORIZON_MS * 1000000ULL && (at > now || now - at < older_than_ns))
+            continue; /* newer than the cutoff (a stamp far in the future has no known age: purged) */
+        if (removed)
+            removed(ctx, record(t, slot));
+        nvt_clear_slot_locked(t, s, slot);
+        n->cleared++;
+    }
 }
 
 uint64_t nvt_table_bytes(uint64_t n_slots, uint32_t ways) {

@@ -48,7 +48,7 @@ typedef struct {
         load_keys_missing, ops_written, ops_read, bytes_written, bytes_read, dead_reclaimed,
         lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
         stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified,
-        completions_abandoned;
+        completions_abandoned, retention_expired, stores_purged, auth_failures;
 } nvt_counters;
 
 /* A process's view of one table: the mappings and geometry (checked by
@@ -80,6 +80,14 @@ typedef struct nvt_core {
     /* Changes to the header's used/ready gauges not yet published: added with
      * one atomic each per call (publish_counts), not one per op. */
     int64_t d_used, d_ready;
+    /* Retention (0: off): a READY slot whose record was stored longer ago
+     * than this (wall clock) is never found, and is evicted first. */
+    uint64_t retention_ns;
+    /* Called (the set locked) with the record of a READY slot cleared because
+     * its retention passed, before the record is zeroed (may be NULL): the
+     * caller's KV removal event. */
+    void (*on_expired)(void *ctx, const unsigned char *rec);
+    void *expired_ctx;
     /* Called around a bounded wait for another process (may be NULL). */
     void *(*unblock)(void);
     void (*reblock)(void *);
@@ -229,6 +237,12 @@ static inline unsigned char *record(nvt_core *t, uint64_t slot) {
     return (unsigned char *)t->index + slot * REC_BYTES;
 }
 
+static inline uint64_t record_stored_ns(nvt_core *t, uint64_t slot) {
+    uint64_t v;
+    memcpy(&v, record(t, slot) + 16, 8);
+    return v;
+}
+
 static inline uint64_t record_payload(nvt_core *t, uint64_t slot) {
     uint64_t v;
     memcpy(&v, record(t, slot) + 8, 8);
@@ -253,6 +267,16 @@ static inline void set_unlock(nvt_core *t, uint64_t set) {
 /* ------------------------------------------------------------ nvt_core.c */
 uint64_t nvt_now_ms(void);
 void nvt_set_clock_offset_ns(int64_t ns);
+uint64_t nvt_wall_ns(void);
+void nvt_set_wall_offset_ns(int64_t ns);
+int nvt_stamp_expired(uint64_t stored_ns, uint64_t now_ns, uint64_t retention_ns);
+int nvt_expired_locked(nvt_core *t, uint64_t slot, uint64_t now_ns);
+/* What nvt_purge_set_locked did in one set. */
+typedef struct {
+    uint64_t cleared, writing_marked, writing_skipped;
+} nvt_purge_counts;
+void nvt_purge_set_locked(nvt_core *t, uint64_t set, uint64_t older_than_ns, int all, nvt_purge_counts *n,
+                          void (*removed)(void *ctx, const unsigned char *rec), void *ctx);
 int nvt_record_has_key(nvt_core *t, uint64_t slot, const char *key, size_t n);
 void nvt_write_record(nvt_core *t, uint64_t slot, const char *key, uint8_t key_len, uint64_t payload);
 int nvt_owner_alive(nvt_core *t, uint8_t owner, uint16_t inc);

@@ -641,7 +641,13 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
     if (nvt_set_lock(&t->core, set) != 0)
         return 1; /* its holder is stopped or slow: the op stays in flight */
     if (o->kind == NVT_OP_WRITE) {
-        if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
+        if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen && (*s.flags & NVT_FLAG_PURGED)) {
+            /* `nvmetier purge --all` ran during the write: never published. */
+            nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
+            set_unlock(&t->core, set);
+            t->core.c.stores_purged++;
+            job_fail(j, o->pos, FAIL_DROPPED, 0);
+        } else if (ok && (*s.state) == NVT_WRITING && (*s.gen) == o->gen) {
             /* The data is written: only now does the record appear, then the slot. */
             nvt_write_record(&t->core, o->slot, o->key, o->key_len, c->checksum);
             (*s.stamp) = 0;
@@ -677,6 +683,19 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             set_unlock(&t->core, set);
             t->core.c.loads_cancelled++;
             job_fail(j, o->pos, FAIL_READ_IO, ECANCELED);
+        } else if (c->result == -EBADMSG || (o->verify && ok && c->checksum != o->expected)) {
+            /* Proven corruption of this very slot (a payload checksum, or an
+             * encrypted chunk's tag, that does not verify): a miss, freed. */
+            const unsigned char *r = record(&t->core, o->slot);
+            int kl = r[5];
+            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
+                event_lost(t);
+            nvt_clear_slot_locked(&t->core, s, o->slot);
+            set_unlock(&t->core, set);
+            t->core.c.checksum_failures++;
+            if (c->result == -EBADMSG)
+                t->core.c.auth_failures++;
+            job_fail(j, o->pos, FAIL_CHECKSUM, 0);
         } else if (!ok) {
             /* A read error: a miss until rewritten (BAD, not freed: a
              * transient error is not proven corruption). */
@@ -685,16 +704,6 @@ static int apply_one(TableObject *t, const nvt_completion *c, int events, PyObje
             set_unlock(&t->core, set);
             t->core.c.read_errors++;
             job_fail(j, o->pos, FAIL_READ_IO, (int)-c->result);
-        } else if (o->verify && c->checksum != o->expected) {
-            /* Proven corruption of this very slot: a miss, and the slot is freed. */
-            const unsigned char *r = record(&t->core, o->slot);
-            int kl = r[5];
-            if (events && kl <= REC_KEY_MAX && append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
-                event_lost(t);
-            nvt_clear_slot_locked(&t->core, s, o->slot);
-            set_unlock(&t->core, set);
-            t->core.c.checksum_failures++;
-            job_fail(j, o->pos, FAIL_CHECKSUM, 0);
         } else {
             if (o->verify && (*s.flags & NVT_FLAG_UNVERIFIED)) {
                 *s.flags &= (uint8_t)~NVT_FLAG_UNVERIFIED; /* verified once: trusted now */

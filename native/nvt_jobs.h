@@ -115,6 +115,9 @@ typedef struct {
      * keys lost to out of memory (counted: kv_events_lost). */
     uint32_t n_unreported;
     unsigned long long events_lost;
+    /* Keys whose slot this process freed because their retention passed
+     * (the core's on_expired): one removal event at the next take_events. */
+    PyObject *expired;
     /* The module's fork count when this Table was made: a forked child that
      * inherits it shares the parent's registry entry and OFD lock, so it must
      * not use it (the CPython type refuses; the child opens its own). */

@@ -15,8 +15,8 @@
  *   header, NVT_TABLE_HEADER_BYTES:
  *     0 magic u64 "NVTTABLE" | 8 version u32 | 12 header_bytes u32 |
  *     16 n_slots u64 | 24 ways u32 | 28 set_bytes u32 | 32 n_sets u64 |
- *     40 reserved u64 | 48 used i64 | 56 ready i64 |
- *     64 reserved u32 | 68 max_sharers u32 | ... |
+ *     40 purge_gen u32 | 44 purge_events_gen u32 | 48 used i64 | 56 ready i64 |
+ *     64 retention_s u32 | 68 max_sharers u32 | 72 key_fingerprint u8[8] | ... |
  *     256 sharers[NVT_MAX_SHARERS] of {pid u32, incarnation u32, attached_ns u64}
  *   then n_sets sets of set_bytes (nvt_set_layout below): a head of 64 bytes
  *   (a robust, process-shared pthread mutex; the set's recency clock u32; the
@@ -78,6 +78,7 @@
 #define NVT_LAYOUT_H
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define NVT_TABLE_MAGIC 0x454C42415454564EULL /* "NVTTABLE" little-endian */
@@ -97,7 +98,10 @@ enum { NVT_EMPTY = 0, NVT_WRITING = 1, NVT_READY = 2, NVT_BAD = 3 };
  * rebuilt after an unclean shutdown, or reclaimed from a writer that died):
  * loads check its payload checksum whatever verify_checksums says, until one
  * check passes. Sticky across claims and writes of the slot. */
-enum { NVT_FLAG_UNVERIFIED = 1 };
+/* PURGED: `nvmetier purge --all` ran while the slot was WRITING: its write
+ * is not published (the slot is cleared at completion, the key fails), since
+ * it may hold KV computed before the purge. Cleared with the slot. */
+enum { NVT_FLAG_UNVERIFIED = 1, NVT_FLAG_PURGED = 2 };
 
 typedef struct {
     uint32_t pid;
@@ -113,11 +117,20 @@ typedef struct {
     uint32_t ways;
     uint32_t set_bytes;
     uint64_t n_sets;
-    uint64_t reserved0;
+    /* Purges so far (nvmetier purge bumps it once its removals are logged),
+     * and the purge whose removals a sharer took to emit as KV events
+     * (compare-and-swap: one sharer emits each purge's removals). */
+    uint32_t purge_gen;
+    uint32_t purge_events_gen;
     int64_t used;
     int64_t ready;
-    uint32_t reserved1;
+    /* The retention (seconds, 0: off) of the latest process to open the
+     * store: what `nvmetier info` measures ages against. */
+    uint32_t retention_s;
     uint32_t max_sharers;
+    /* The key fingerprint of the latest process to open an encrypted store
+     * (written by nvmetier/store.py; 0: none). */
+    uint8_t key_fingerprint[8];
 } nvt_table_header;
 
 typedef struct {
@@ -153,6 +166,10 @@ static inline nvt_set_layout nvt_layout(uint32_t ways) {
 }
 
 _Static_assert(sizeof(nvt_set_head) == NVT_SET_HEAD_BYTES, "set head layout");
+_Static_assert(offsetof(nvt_table_header, purge_gen) == 40 && offsetof(nvt_table_header, used) == 48 &&
+                   offsetof(nvt_table_header, retention_s) == 64 && offsetof(nvt_table_header, max_sharers) == 68 &&
+                   offsetof(nvt_table_header, key_fingerprint) == 72,
+               "header layout");
 _Static_assert(sizeof(nvt_table_header) <= NVT_SHARERS_OFFSET, "header layout");
 _Static_assert(NVT_SHARERS_OFFSET + NVT_MAX_SHARERS * sizeof(nvt_sharer) <= NVT_TABLE_HEADER_BYTES,
                "sharer registry fits the header");

@@ -48,6 +48,7 @@ static void Table_dealloc(TableObject *self) {
     Py_XDECREF(self->eng_wait);
     Py_XDECREF(self->done);
     Py_XDECREF(self->events);
+    Py_XDECREF(self->expired);
     PyMem_Free(self->jobs);
     PyMem_Free(self->job_free);
     PyMem_Free(self->ops);
@@ -67,6 +68,26 @@ static void Table_dealloc(TableObject *self) {
 static void *gil_release(void) { return PyEval_SaveThread(); }
 
 static void gil_restore(void *state) { PyEval_RestoreThread(state); }
+
+/* A record's key as bytes, appended to `list` (created when NULL); errors
+ * are left set for the caller to report. -1 on error. */
+static int append_record_key(PyObject **list, const unsigned char *rec) {
+    uint8_t kl = rec[5] <= REC_KEY_MAX ? rec[5] : REC_KEY_MAX;
+    if (!*list && !(*list = PyList_New(0)))
+        return -1;
+    PyObject *k = PyBytes_FromStringAndSize((const char *)rec + REC_KEY_OFFSET, kl);
+    int rc = k ? PyList_Append(*list, k) : -1;
+    Py_XDECREF(k);
+    return rc;
+}
+
+/* The core's on_expired: remember the key for a removal event (events on).
+ * Out of memory loses the event, never the clear. */
+static void expired_event(void *ctx, const unsigned char *rec) {
+    TableObject *self = ctx;
+    if (self->events_on && append_record_key(&self->expired, rec) < 0)
+        PyErr_Clear();
+}
 
 /* Forks of this process so far, counted in the child (pthread_atfork). */
 static unsigned nvt_forks;
@@ -139,6 +160,8 @@ static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     }
     self->core.unblock = gil_release;
     self->core.reblock = gil_restore;
+    self->core.on_expired = expired_event;
+    self->core.expired_ctx = self;
     self->n_paths = n_paths;
     self->slot_bytes = slot_bytes;
     self->row_bytes = row_bytes;
@@ -496,7 +519,142 @@ PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD(self);
+    if (self->expired && PyList_GET_SIZE(self->expired)) {
+        PyObject *keys = self->expired;
+        self->expired = NULL;
+        int rc = nvt_push_event(self, 1, keys);
+        Py_DECREF(keys);
+        if (rc < 0)
+            return NULL;
+    }
     return nvt_take_list(&self->events);
+}
+
+PyDoc_STRVAR(set_retention_doc,
+             "set_retention(retention_ns)\n\n"
+             "This process's retention (0: off): a READY chunk whose record was stored\n"
+             "longer ago than this (wall clock) is a miss (counted in retention_expired), its\n"
+             "slot freed unless leased (a removal event when events are on) and evicted\n"
+             "first. Also written to the table header (seconds) for nvmetier info.");
+
+static PyObject *Table_set_retention(TableObject *self, PyObject *arg) {
+    GUARD(self);
+    unsigned long long ns = PyLong_AsUnsignedLongLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    self->core.retention_ns = ns;
+    unsigned long long secs = (ns + 999999999ULL) / 1000000000ULL;
+    __atomic_store_n(&self->core.hdr->retention_s, secs > UINT32_MAX ? UINT32_MAX : (uint32_t)secs,
+                     __ATOMIC_RELAXED);
+    Py_RETURN_NONE;
+}
+
+/* Purge's removed-record callback: the key joins the list in ctx. */
+static void purge_removed(void *ctx, const unsigned char *rec) {
+    PyObject **list = ctx;
+    if (*list && append_record_key(list, rec) < 0) {
+        PyErr_Clear();
+        Py_CLEAR(*list); /* out of memory: the caller reports the keys as unknown */
+    }
+}
+
+PyDoc_STRVAR(purge_doc,
+             "purge(older_than_ns, all, sets=None) -> (keys, cleared, writing_marked, writing_skipped, busy)\n\n"
+             "Clear every READY or BAD slot stored older_than_ns ago or longer (wall clock),\n"
+             "or every one when all, in the given sets (None: every set), leased or not (a\n"
+             "load in flight fails by its generation). With all, WRITING slots are marked so\n"
+             "their writes are never published. Each set's lock is taken with the bounded\n"
+             "wait; busy lists the sets that could not be locked (a stopped holder). keys:\n"
+             "the removed keys (None if out of memory).");
+
+static PyObject *Table_purge(TableObject *self, PyObject *args) {
+    GUARD(self);
+    unsigned long long older;
+    int all;
+    PyObject *sets_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "Kp|O", &older, &all, &sets_obj))
+        return NULL;
+    PyObject *seq = NULL;
+    Py_ssize_t m = (Py_ssize_t)self->core.n_sets;
+    if (sets_obj != Py_None) {
+        if (!(seq = nvt_seq_snapshot(sets_obj, "sets must be a sequence of set numbers")))
+            return NULL;
+        m = PySequence_Fast_GET_SIZE(seq);
+    }
+    PyObject *keys = PyList_New(0), *busy = PyList_New(0);
+    nvt_purge_counts n = {0, 0, 0};
+    if (!keys || !busy)
+        goto fail;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint64_t set = (uint64_t)i;
+        if (seq) {
+            set = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
+            if (PyErr_Occurred())
+                goto fail;
+            if (set >= self->core.n_sets) {
+                PyErr_SetString(PyExc_ValueError, "no such set");
+                goto fail;
+            }
+        }
+        if (nvt_set_lock(&self->core, set) != 0) {
+            PyObject *v = PyLong_FromUnsignedLongLong(set);
+            int rc = v ? PyList_Append(busy, v) : -1;
+            Py_XDECREF(v);
+            if (rc < 0)
+                goto fail;
+            continue;
+        }
+        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, &keys);
+        set_unlock(&self->core, set);
+    }
+    publish_counts(&self->core);
+    Py_XDECREF(seq);
+    PyObject *out = Py_BuildValue("(OKKKO)", keys ? keys : Py_None, (unsigned long long)n.cleared,
+                                  (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy);
+    Py_XDECREF(keys);
+    Py_DECREF(busy);
+    return out;
+fail:
+    publish_counts(&self->core);
+    Py_XDECREF(seq);
+    Py_XDECREF(keys);
+    Py_XDECREF(busy);
+    return NULL;
+}
+
+PyDoc_STRVAR(purge_generation_doc, "purge_generation() -> (purge_gen, purge_events_gen)\n\n"
+                                   "Purges logged so far, and the latest whose removal events a sharer took.");
+
+static PyObject *Table_purge_generation(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
+    return Py_BuildValue("(II)", __atomic_load_n(&self->core.hdr->purge_gen, __ATOMIC_ACQUIRE),
+                         __atomic_load_n(&self->core.hdr->purge_events_gen, __ATOMIC_ACQUIRE));
+}
+
+PyDoc_STRVAR(bump_purge_doc, "bump_purge() -> int\n\n"
+                             "A purge's removals are logged: advance purge_gen (returns the new value).");
+
+static PyObject *Table_bump_purge(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
+    return PyLong_FromUnsignedLong(__atomic_add_fetch(&self->core.hdr->purge_gen, 1, __ATOMIC_ACQ_REL));
+}
+
+PyDoc_STRVAR(claim_purge_events_doc,
+             "claim_purge_events() -> int or None\n\n"
+             "Take the purges whose removal events no sharer took yet: purge_events_gen moves\n"
+             "to purge_gen (compare-and-swap: one sharer wins each). Returns the previous\n"
+             "purge_events_gen (the purges after it are this caller's to emit), or None.");
+
+static PyObject *Table_claim_purge_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
+    uint32_t gen = __atomic_load_n(&self->core.hdr->purge_gen, __ATOMIC_ACQUIRE);
+    uint32_t seen = __atomic_load_n(&self->core.hdr->purge_events_gen, __ATOMIC_ACQUIRE);
+    while (seen != gen) {
+        if (__atomic_compare_exchange_n(&self->core.hdr->purge_events_gen, &seen, gen, 0, __ATOMIC_ACQ_REL,
+                                        __ATOMIC_ACQUIRE))
+            return PyLong_FromUnsignedLong(seen);
+    }
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"
@@ -602,7 +760,7 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
     GUARD(self);
     nvt_counters *c = &self->core.c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -615,7 +773,8 @@ static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored))
         "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
         c->completions_deferred, "completions_abandoned", c->completions_abandoned, "kv_events_lost",
-        self->events_lost);
+        self->events_lost, "retention_expired", c->retention_expired, "stores_purged", c->stores_purged,
+        "auth_failures", c->auth_failures);
 }
 
 PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
@@ -692,6 +851,11 @@ static PyMethodDef Table_methods[] = {
     {"collect", (PyCFunction)Table_collect, METH_O, collect_doc},
     {"take_events", (PyCFunction)Table_take_events, METH_NOARGS, take_events_doc},
     {"inflight", (PyCFunction)Table_inflight, METH_NOARGS, inflight_doc},
+    {"set_retention", (PyCFunction)Table_set_retention, METH_O, set_retention_doc},
+    {"purge", (PyCFunction)Table_purge, METH_VARARGS, purge_doc},
+    {"purge_generation", (PyCFunction)Table_purge_generation, METH_NOARGS, purge_generation_doc},
+    {"bump_purge", (PyCFunction)Table_bump_purge, METH_NOARGS, bump_purge_doc},
+    {"claim_purge_events", (PyCFunction)Table_claim_purge_events, METH_NOARGS, claim_purge_events_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -757,9 +921,11 @@ static PyObject *py_header(PyObject *m, PyObject *arg) {
     memcpy(&h, v.buf, sizeof(h));
     const char *why = nvt_bad_header(&h, (uint64_t)v.len);
     PyBuffer_Release(&v);
-    return Py_BuildValue("{sKsIsKsIsLsLsOsz}", "magic", (unsigned long long)h.magic, "version", h.version,
+    return Py_BuildValue("{sKsIsKsIsLsLsOszsIsIsI}", "magic", (unsigned long long)h.magic, "version", h.version,
                          "n_slots", (unsigned long long)h.n_slots, "ways", h.ways, "used", (long long)h.used,
-                         "ready", (long long)h.ready, "valid", why ? Py_False : Py_True, "problem", why);
+                         "ready", (long long)h.ready, "valid", why ? Py_False : Py_True, "problem", why,
+                         "retention_s", h.retention_s, "purge_gen", h.purge_gen, "purge_events_gen",
+                         h.purge_events_gen);
 }
 
 PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
@@ -817,9 +983,22 @@ static PyObject *py_fail_allocs(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(nvt_test_fail_allocs(after, count));
 }
 
+PyDoc_STRVAR(set_wall_offset_doc, "_set_wall_clock_offset_ns(ns)\n\n"
+                                   "Tests only: add ns to this process's wall clock for record stamps and\n"
+                                   "retention (a chunk ages without waiting, or the clock steps back).");
+
+static PyObject *py_set_wall_offset(PyObject *m, PyObject *arg) {
+    long long ns = PyLong_AsLongLong(arg);
+    if (ns == -1 && PyErr_Occurred())
+        return NULL;
+    nvt_set_wall_offset_ns(ns);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
+    {"_set_wall_clock_offset_ns", py_set_wall_offset, METH_O, set_wall_offset_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},

@@ -1,4 +1,4 @@
-"""The ``nvmetier`` command: ``fsck``, ``info`` and ``bench``.
+"""The ``nvmetier`` command: ``fsck``, ``info``, ``purge`` and ``bench``.
 
 Owns: argument parsing, output and exit codes. Runs on the main thread and
 blocks. Every user error is printed as one line, ``nvmetier: error: ...``,
@@ -41,6 +41,20 @@ O_DIRECT are usable on this machine (O_DIRECT probed in ROOT).
 """
 
 
+_PURGE_EPILOG = """\
+A purge clears the index records of the chunks it removes (their keys leave
+the index at once); their bytes stay in the data files until their slots are
+reused. Attached processes emit the removals as KV events (removed=True).
+
+exit codes (OR-ed over the stores):
+  0   every store purged
+  4   a store, or some of its sets, left: held by a stopped or hung process,
+      or exclusively (sharing: 'process', fsck --repair); run it again later
+  8   operational error: not a store root, no store of --model, unreadable
+  16  usage error
+"""
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors and the e2fsck usage exit code."""
 
@@ -70,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--deep", action="store_true", help="read every live slot and verify its checksum"
     )
     p.add_argument(
+        "--key-file",
+        metavar="PATH",
+        help="the encryption key file of an encrypted store: --deep verifies each chunk's "
+        "authentication tag with it",
+    )
+    p.add_argument(
         "--repair",
         action="store_true",
         help="zero the index records that fail (they become misses); good records are "
@@ -86,6 +106,30 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("root", metavar="ROOT", help="a root_dir or one store directory")
+    p.add_argument(
+        "--retention",
+        metavar="DUR",
+        help="measure record ages against this retention (e.g. '24h'; default: the "
+        "retention of the latest process to open each store)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+    p = sub.add_parser(
+        "purge",
+        help="remove chunks from the stores under ROOT, live",
+        description="Remove chunks from the stores under ROOT (a root_dir, or one store\n"
+        "directory): those stored DUR ago or longer, or all of them. Safe while vLLM\n"
+        "processes use the stores: they see misses, never purged bytes.",
+        epilog=_PURGE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="a root_dir or one store directory")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument(
+        "--older-than", metavar="DUR", help="remove chunks stored DUR ago or longer ('24h', '90s')"
+    )
+    what.add_argument("--all", action="store_true", help="remove every chunk")
+    p.add_argument("--model", metavar="NAME", help="only the stores of this model")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     # Parsed by hand in main(): every argument goes to nvmetier.bench.main,
@@ -102,8 +146,17 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     from nvmetier import fsck
 
     try:
+        keys = None
+        if args.key_file is not None:
+            from nvmetier import crypto
+
+            keys = crypto.KeySet.from_file(args.key_file)
         results = fsck.fsck(
-            args.root, deep=args.deep, repair=args.repair, stream=fsck.progress_stream()
+            args.root,
+            deep=args.deep,
+            repair=args.repair,
+            stream=fsck.progress_stream(),
+            keys=keys,
         )
     except FsckOperationalError as exc:
         if args.json:
@@ -136,15 +189,55 @@ def _cmd_fsck(args: argparse.Namespace) -> int:
     return code
 
 
+def _duration_arg(value: str | None, flag: str) -> float | None:
+    from nvmetier.config import parse_duration
+    from nvmetier.errors import ConfigError
+
+    if value is None:
+        return None
+    try:
+        return parse_duration(value, flag)
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE) from exc
+
+
 def _cmd_info(args: argparse.Namespace) -> int:
     from nvmetier import info
 
-    report = info.info(args.root)
+    report = info.info(args.root, retention_s=_duration_arg(args.retention, "--retention"))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print(info.format_info(report))
     return 0
+
+
+def _cmd_purge(args: argparse.Namespace) -> int:
+    from nvmetier import purge
+
+    older = _duration_arg(args.older_than, "--older-than")
+    try:
+        results = purge.purge(args.root, older_than_s=older, model=args.model)
+    except purge.PurgeOperationalError as exc:
+        if args.json:
+            print(json.dumps({"root": args.root, "exit_code": EXIT_OPERATIONAL, "error": str(exc)}))
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_OPERATIONAL
+    code = purge.overall_exit(results)
+    if args.json:
+        out = {
+            "root": args.root,
+            "older_than_s": older,
+            "all": bool(args.all),
+            "model": args.model,
+            "exit_code": code,
+            "stores": [r.to_json() for r in results],
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n".join(purge.format_result(r) for r in results))
+    return code
 
 
 def _cmd_bench(argv: list[str]) -> int:
@@ -168,6 +261,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_fsck(args)
         if args.command == "info":
             return _cmd_info(args)
+        if args.command == "purge":
+            return _cmd_purge(args)
         raise AssertionError(f"unhandled command {args.command!r}")
     except BrokenPipeError:
         # stdout closed early (``| head``): nothing more to say, and Python

@@ -74,6 +74,46 @@ def parse_size(value: object, key: str = "size") -> int:
     return n
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+# The longest duration accepted (~100 years): stored as whole seconds in a
+# u32 of the table header for ``nvmetier info``.
+MAX_DURATION_S = float(100 * 365 * 86400)
+
+
+def parse_duration(value: object, key: str = "duration") -> float:
+    """Parse a duration in seconds: a number, or a string like ``"24h"``,
+    ``"90s"``, ``"15m"``, ``"7d"`` (a bare number string is seconds).
+
+    Raises:
+        ConfigError: naming ``key`` when the value is not a positive duration.
+    """
+    fix = "use seconds or a number with a unit (s, m, h, d), e.g. '24h' or '90s'"
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} is not a duration; {fix}")
+    if isinstance(value, (int, float)):
+        secs = float(value)
+    elif isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or (unit or "s") not in _DURATION_UNITS:
+            raise ConfigError(f"{key}={value!r} is not a duration; {fix}")
+        secs = float(m.group(1)) * _DURATION_UNITS[unit or "s"]
+    else:
+        raise ConfigError(f"{key}={value!r} ({type(value).__name__}) is not a duration; {fix}")
+    if not secs > 0 or secs > MAX_DURATION_S:
+        raise ConfigError(f"{key}={value!r} must be greater than zero and at most 100 years; {fix}")
+    return secs
+
+
+def format_duration(secs: float) -> str:
+    """``86400`` -> ``"1d"``, ``90`` -> ``"90s"``, ``5400`` -> ``"1.5h"``."""
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("m", 60.0)):
+        if secs >= size:
+            return f"{secs / size:g}{unit}"
+    return f"{secs:g}s"
+
+
 def format_size(n: int) -> str:
     """``1073741824`` -> ``"1.00 GiB"``."""
     size = float(n)
@@ -133,6 +173,14 @@ class TierConfig:
             tier then re-reads it step after step and loads nothing).
         promotion_fraction: the share of the CPU tier's chunks one request
             may promote, in (0, 1].
+        encryption: ``{"key_file": PATH}``: seal every chunk with AES-256-GCM
+            under a key derived from the 32-byte file at PATH (readable by its
+            owner only; checked when the store opens) and name chunks in the
+            index by a keyed MAC of their offload key. None: plaintext.
+        retention: seconds (given as a number or a string such as ``"24h"``):
+            a chunk stored longer ago than this (wall clock) is never served
+            (a miss, counted in ``retention_expired``) and its slot is reused
+            first. None (the default): chunks live until evicted.
     """
 
     root_dir: tuple[str, ...]
@@ -155,6 +203,8 @@ class TierConfig:
     promotion_guard: bool = True
     promotion_fraction: float = 1.0
     capacity_per_path: tuple[int, ...] | None = None
+    retention: float | None = None
+    encryption: dict[str, str] | None = None
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -199,6 +249,10 @@ class TierConfig:
         for key in ("max_inflight_bytes", "max_queued_bytes"):
             if key in raw:
                 values[key] = parse_size(raw[key], key)
+        if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):
+            values["encryption"] = dict(raw["encryption"])
+        if raw.get("retention") is not None:
+            values["retention"] = parse_duration(raw["retention"], "retention")
         cfg = cls(**values)
         cfg._validate()
         return cfg
@@ -247,6 +301,20 @@ class TierConfig:
             raise ConfigError(
                 f"promotion_fraction={fraction!r} must be a number in (0, 1]: the share of "
                 "vLLM's CPU tier one request may fill with disk hits (1: all of it)"
+            )
+        if self.retention is not None:
+            parse_duration(self.retention, "retention")
+        enc = self.encryption
+        if enc is not None and (
+            not isinstance(enc, Mapping)
+            or set(enc) != {"key_file"}
+            or not isinstance(enc["key_file"], str)
+            or not enc["key_file"].strip()
+        ):
+            raise ConfigError(
+                f"encryption={enc!r} must be {{'key_file': PATH}} naming a file of 32 random "
+                "bytes readable only by its owner (head -c 32 /dev/urandom > PATH && "
+                "chmod 600 PATH); leave encryption out (or null) for plaintext"
             )
         if self.o_direct not in ("auto", True, False):
             raise ConfigError(f"o_direct={self.o_direct!r} must be 'auto', true or false")

@@ -129,6 +129,12 @@ class StoreResult:
     errors: list[FsckError] = dataclasses.field(default_factory=list)
     operational_error: str | None = None
     elapsed_s: float = 0.0
+    # Encrypted stores: whether the store is sealed, whether --deep had no
+    # key to verify tags with (exit 8), and the live slots sealed under
+    # another key (a rotated key's leftovers: misses, not corruption).
+    encrypted: bool = False
+    deep_no_key: bool = False
+    deep_other_key: int = 0
 
     @property
     def repaired(self) -> int:
@@ -139,7 +145,9 @@ class StoreResult:
         if self.operational_error is not None:
             return EXIT_OPERATIONAL
         if any(not e.repaired for e in self.errors):
-            return EXIT_UNCORRECTED
+            return EXIT_UNCORRECTED | (EXIT_OPERATIONAL if self.deep_no_key else 0)
+        if self.deep_no_key:
+            return EXIT_OPERATIONAL
         return EXIT_CORRECTED if self.errors else EXIT_CLEAN
 
     def to_json(self) -> dict[str, Any]:
@@ -164,7 +172,52 @@ class StoreResult:
             "exit_code": self.exit_code,
             "error": self.operational_error,
             "elapsed_s": round(self.elapsed_s, 3),
+            "encrypted": self.encrypted,
+            "deep_no_key": self.deep_no_key,
+            "deep_other_key": self.deep_other_key,
         }
+
+
+class _Payloads:
+    """How a slot's payload is verified: XXH3-64 seeded with the key, or for
+    an encrypted store its AES-GCM tag (with the operator's key) and the
+    record's payload checksum (the tag's head)."""
+
+    def __init__(self, sb: fmt.Superblock, keys: Any) -> None:
+        self.sb = sb
+        self.keys = keys
+        self.sealed = "encryption" in sb.identity
+        self.digest = fmt.identity_digest(sb.identity)
+        self.row = sb.chunk_bytes - (_sealed().TRAILER_BYTES if self.sealed else 0)
+
+    def check(self, data: memoryview | bytes, rec: fmt.Record) -> str | None:
+        """None when the payload verifies, ``"other_key"`` when it was sealed
+        under another key, else what is wrong."""
+        if not self.sealed:
+            digest = xxhash.xxh3_64_intdigest(data[: self.sb.chunk_bytes], fmt.key_seed(rec.key))
+            return None if digest == rec.payload_checksum else "payload checksum mismatch"
+        from nvmetier import crypto
+
+        sealed = _sealed()
+        parsed = sealed.parse_trailer(data[self.row : self.sb.chunk_bytes])
+        if parsed is None:
+            return "no sealed chunk trailer"
+        nonce, tag, fingerprint = parsed
+        if fingerprint != self.keys.fingerprint:
+            return "other_key"
+        if sealed.checksum_of_tag(tag) != rec.payload_checksum:
+            return "the record names another sealing of this slot"
+        work = bytearray(data[: self.row])
+        aad = sealed.chunk_aad(fmt.key_seed(rec.key), self.digest)
+        if not crypto.open_sealed(self.keys.seal_key, nonce, aad, work, tag):
+            return "authentication tag does not verify (tampered or torn)"
+        return None
+
+
+def _sealed() -> Any:
+    from nvmetier.engine import sealed
+
+    return sealed
 
 
 # --------------------------------------------------------------------- stores
@@ -359,9 +412,14 @@ def _open_for_read(path: str, direct: bool) -> int:
 
 
 def _check_payloads(
-    res: StoreResult, sb: fmt.Superblock, live: list[fmt.Record], stream: TextIO | None
+    res: StoreResult,
+    sb: fmt.Superblock,
+    live: list[fmt.Record],
+    stream: TextIO | None,
+    payloads: _Payloads,
 ) -> None:
-    """Read every live slot of the main data file and verify its checksum."""
+    """Read every live slot of the main data file and verify its checksum
+    (or, sealed, its tag)."""
     data_path = os.path.join(res.path, DATA_NAME)
     mine = [r for r in live if sb.slot_location(r.slot)[0] == 0]
     res.deep_unchecked = len(live) - len(mine)
@@ -412,13 +470,13 @@ def _check_payloads(
                 continue
             res.deep_checked += 1
             with memoryview(buf) as view:
-                digest = xxhash.xxh3_64_intdigest(view[: sb.chunk_bytes], fmt.key_seed(rec.key))
-            if digest != rec.payload_checksum:
+                problem = payloads.check(view, rec)
+            if problem == "other_key":
+                res.deep_other_key += 1
+            elif problem is not None:
                 res.errors.append(
                     FsckError(
-                        "payload",
-                        f"slot {rec.slot}: payload checksum mismatch for key {rec.key.hex()}",
-                        rec.slot,
+                        "payload", f"slot {rec.slot}: {problem} for key {rec.key.hex()}", rec.slot
                     )
                 )
         bar.finish()
@@ -433,7 +491,11 @@ _LIVE_PAUSE_S = 0.05
 
 
 def _confirm_live(
-    res: StoreResult, sb: fmt.Superblock, index: mmap.mmap, live: list[fmt.Record]
+    res: StoreResult,
+    sb: fmt.Superblock,
+    index: mmap.mmap,
+    live: list[fmt.Record],
+    payloads: _Payloads | None = None,
 ) -> None:
     """On a live store, keep only findings that survive re-reading.
 
@@ -462,7 +524,8 @@ def _confirm_live(
                     rec is not None
                     and not changed
                     and now[32 : 32 + len(rec.key)] == rec.key
-                    and _payload_fails(res, sb, rec)
+                    and payloads is not None
+                    and _payload_fails(res, sb, rec, payloads)
                 )
             else:
                 still = not changed and _record_fails(now, slot, sb)
@@ -478,13 +541,15 @@ def _record_fails(raw: bytes, slot: int, sb: fmt.Superblock) -> bool:
     return rec is not None and fmt.set_of(rec.key, sb.n_sets) != slot // sb.ways
 
 
-def _payload_fails(res: StoreResult, sb: fmt.Superblock, rec: fmt.Record) -> bool:
+def _payload_fails(
+    res: StoreResult, sb: fmt.Superblock, rec: fmt.Record, payloads: _Payloads
+) -> bool:
     file_idx, offset = sb.slot_location(rec.slot)
     if file_idx != 0:
         return False
     with open(os.path.join(res.path, DATA_NAME), "rb", buffering=0) as f:
         data = os.pread(f.fileno(), sb.chunk_bytes, offset)
-    return xxhash.xxh3_64_intdigest(data, fmt.key_seed(rec.key)) != rec.payload_checksum
+    return payloads.check(data, rec) not in (None, "other_key")
 
 
 def _repair(res: StoreResult) -> None:
@@ -509,7 +574,12 @@ def _repair(res: StoreResult) -> None:
 
 
 def check_store(
-    store_dir: str, *, deep: bool = False, repair: bool = False, stream: TextIO | None = None
+    store_dir: str,
+    *,
+    deep: bool = False,
+    repair: bool = False,
+    stream: TextIO | None = None,
+    keys: Any = None,
 ) -> StoreResult:
     """Check one store directory (and repair it if ``repair``).
 
@@ -518,6 +588,8 @@ def check_store(
         deep: also read every live slot and verify its payload checksum.
         repair: zero the records that fail; never touches good ones.
         stream: where the progress bar goes (None: no progress bar).
+        keys: the operator key's ``crypto.KeySet``, to verify the tags of an
+            encrypted store with ``deep`` (without it, exit 8 says so).
 
     Returns:
         The result; operational failures (in use, unreadable) are recorded in
@@ -528,7 +600,7 @@ def check_store(
     try:
         with store_lock(store_dir, write=repair) as attached:
             res.sharers = attached
-            _check_locked(res, deep, repair, stream)
+            _check_locked(res, deep, repair, stream, keys)
     except FsckOperationalError as exc:
         res.operational_error = str(exc)
     except OSError as exc:
@@ -540,7 +612,9 @@ def check_store(
     return res
 
 
-def _check_locked(res: StoreResult, deep: bool, repair: bool, stream: TextIO | None) -> None:
+def _check_locked(
+    res: StoreResult, deep: bool, repair: bool, stream: TextIO | None, keys: Any = None
+) -> None:
     sb_path = os.path.join(res.path, SUPERBLOCK_NAME)
     with open(sb_path, "rb") as f:
         raw = f.read()
@@ -563,10 +637,16 @@ def _check_locked(res: StoreResult, deep: bool, repair: bool, stream: TextIO | N
         live = _check_records(res, sb, index)
         if res.sharers:
             _confirm_live(res, sb, index, live)
+        res.encrypted = "encryption" in sb.identity
+        if deep and res.encrypted and keys is None:
+            res.deep_no_key = True  # nothing to verify tags with
+            deep = False
+            res.deep_unchecked = len(live)
         if deep and data_ok:
-            _check_payloads(res, sb, live, stream)
+            payloads = _Payloads(sb, keys)
+            _check_payloads(res, sb, live, stream, payloads)
             if res.sharers:
-                _confirm_live(res, sb, index, live)
+                _confirm_live(res, sb, index, live, payloads)
             bad = {e.slot for e in res.errors if e.kind == "payload"}
             live = [r for r in live if r.slot not in bad]
     finally:
@@ -579,14 +659,22 @@ def _check_locked(res: StoreResult, deep: bool, repair: bool, stream: TextIO | N
 
 
 def fsck(
-    root: str, *, deep: bool = False, repair: bool = False, stream: TextIO | None = None
+    root: str,
+    *,
+    deep: bool = False,
+    repair: bool = False,
+    stream: TextIO | None = None,
+    keys: Any = None,
 ) -> list[StoreResult]:
     """Check every store ROOT names (see ``find_stores``).
 
     Raises:
         FsckOperationalError: ROOT names no store.
     """
-    return [check_store(d, deep=deep, repair=repair, stream=stream) for d in find_stores(root)]
+    return [
+        check_store(d, deep=deep, repair=repair, stream=stream, keys=keys)
+        for d in find_stores(root)
+    ]
 
 
 def overall_exit(results: list[StoreResult]) -> int:
@@ -643,7 +731,20 @@ def format_result(res: StoreResult) -> str:
             if res.deep_unchecked
             else ""
         )
-        lines.append(f"  deep:    {res.deep_checked} payloads read ({mode}){extra}")
+        if res.deep_no_key:
+            lines.append(
+                f"  deep:    encrypted store: {res.deep_unchecked} payloads NOT verified, no key "
+                "given; run again with --key-file PATH (the tier's encryption key_file)"
+            )
+        else:
+            other = (
+                f"; {res.deep_other_key} sealed under another key (a rotated key's: misses)"
+                if res.deep_other_key
+                else ""
+            )
+            what = "tags verified" if res.encrypted else "payloads read"
+            n = res.deep_checked - res.deep_other_key
+            lines.append(f"  deep:    {n} {what} ({mode}){extra}{other}")
     elif res.n_paths > 1:
         lines.append(
             f"  note:    data files of the other {res.n_paths - 1} root_dir entries are not "
@@ -659,7 +760,9 @@ def format_result(res: StoreResult) -> str:
         EXIT_CORRECTED: f"{len(res.errors)} error(s), all repaired",
         EXIT_UNCORRECTED: f"{len(res.errors)} error(s), {len(res.errors) - res.repaired} "
         "left uncorrected",
-    }[res.exit_code]
+    }[res.exit_code & ~EXIT_OPERATIONAL if res.deep_no_key else res.exit_code]
+    if res.deep_no_key:
+        verdict += "; payloads not verified (no key)"
     lines.append(f"  result:  {verdict} ({res.elapsed_s:.2f}s)")
     if res.exit_code == EXIT_UNCORRECTED:
         if any(e.kind in RECORD_KINDS for e in res.errors if not e.repaired):

@@ -20,17 +20,19 @@ import dataclasses
 import mmap
 import os
 import re
+import struct
 import textwrap
 import time
 from typing import Any
 
 from nvmetier import format as fmt
 from nvmetier import recovery
-from nvmetier.config import format_size
+from nvmetier.config import format_duration, format_size
 from nvmetier.errors import FormatError
 from nvmetier.files import (
     INDEX_NAME,
     SUPERBLOCK_NAME,
+    TABLE_NAME,
     holders,
     probe_o_direct,
     sharer_pids,
@@ -77,16 +79,92 @@ class StoreInfo:
     ages: dict[str, int] = dataclasses.field(default_factory=dict)
     oldest_ns: int | None = None
     newest_ns: int | None = None
+    # Retention the ages are measured against (None: none known), where it
+    # came from ("--retention", or "table": the latest process to open it),
+    # the records by fraction of it, and those past it (never served).
+    retention_s: float | None = None
+    retention_source: str | None = None
+    retention_ages: dict[str, int] = dataclasses.field(default_factory=dict)
+    past_retention: int = 0
+    # Encryption at rest: the store's cipher (None: plaintext) and the key
+    # fingerprint of the latest process to open it (None: unknown).
+    encryption: str | None = None
+    key_fingerprint: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
+# Record ages as fractions of the retention; the last takes those past it.
+RETENTION_BUCKETS: tuple[tuple[str, float], ...] = (
+    ("lt_25pct", 0.25),
+    ("lt_50pct", 0.5),
+    ("lt_75pct", 0.75),
+    ("lt_100pct", 1.0),
+    ("past", float("inf")),
+)
+_RETENTION_LABELS = {
+    "lt_25pct": "< 25%",
+    "lt_50pct": "< 50%",
+    "lt_75pct": "< 75%",
+    "lt_100pct": "<= 100%",
+    "past": "past (never served)",
+}
+# A record stamped further ahead of now than this (or than the retention)
+# has no known age: the table treats it as past retention (nvt_core.c).
+_CLOCK_HORIZON_NS = 3600 * 10**9
+# The table header's magic, version and retention_s (native/nvt_table.h).
+_TABLE_HEAD = struct.Struct("<8sI52xI")
+_KEY_FP_OFFSET = 72  # the latest sealed opener's key fingerprint (nvt_table.h)
+
+
+def table_retention_s(store_dir: str) -> float | None:
+    """The retention that the latest process to open the store set in its
+    table header (None: none, or not a table of this version)."""
+    try:
+        with open(os.path.join(store_dir, TABLE_NAME), "rb") as f:
+            head = f.read(_TABLE_HEAD.size)
+    except OSError:
+        return None
+    if len(head) < _TABLE_HEAD.size:
+        return None
+    magic, version, secs = _TABLE_HEAD.unpack(head)
+    if magic != b"NVTTABLE" or version != fmt.TABLE_VERSION or not secs:
+        return None
+    return float(secs)
+
+
+def table_key_fingerprint(store_dir: str) -> str | None:
+    """The key fingerprint (hex) that the latest process to open an
+    encrypted store wrote into its table header (None: none yet)."""
+    try:
+        with open(os.path.join(store_dir, TABLE_NAME), "rb") as f:
+            head = f.read(_KEY_FP_OFFSET + 8)
+    except OSError:
+        return None
+    fp = head[_KEY_FP_OFFSET : _KEY_FP_OFFSET + 8]
+    return fp.hex() if len(fp) == 8 and any(fp) else None
+
+
+def _past_retention(stored_ns: int, now_ns: int, retention_ns: int) -> bool:
+    if stored_ns > now_ns:
+        return stored_ns - now_ns > min(retention_ns, _CLOCK_HORIZON_NS)
+    return now_ns - stored_ns > retention_ns
+
+
+def store_info(
+    store_dir: str, now_ns: int | None = None, retention_s: float | None = None
+) -> StoreInfo:
     """Read one store's superblock and index (never raises for a bad store:
-    the problem is reported in ``error``)."""
+    the problem is reported in ``error``). Ages are also measured against
+    ``retention_s``, else against the retention in the store's table."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     out = StoreInfo(path=store_dir)
+    if retention_s is not None:
+        out.retention_s, out.retention_source = retention_s, "--retention"
+    else:
+        out.retention_s = table_retention_s(store_dir)
+        out.retention_source = "table" if out.retention_s else None
     with contextlib.suppress(OSError):  # an unreadable lock: not known to be in use
         if store_held(store_dir):
             out.sharers = sharer_pids(store_dir)
@@ -106,6 +184,9 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
         return out
     out.format_version = sb.format_version
     out.identity = sb.identity
+    if sb.identity.get("encryption"):
+        out.encryption = str(sb.identity["encryption"])
+        out.key_fingerprint = table_key_fingerprint(store_dir)
     out.created_ns = sb.created_ns
     out.clean_shutdown = sb.clean
     out.chunk_bytes, out.slot_bytes = sb.chunk_bytes, sb.slot_bytes
@@ -142,6 +223,19 @@ def store_info(store_dir: str, now_ns: int | None = None) -> StoreInfo:
                 break
     if stamps:
         out.oldest_ns, out.newest_ns = min(stamps), max(stamps)
+    if out.retention_s:
+        ret_ns = int(out.retention_s * 1e9)
+        out.retention_ages = {label: 0 for label, _ in RETENTION_BUCKETS}
+        for ns in stamps:
+            if _past_retention(ns, now_ns, ret_ns):
+                out.retention_ages["past"] += 1
+                continue
+            frac = max(0, now_ns - ns) / ret_ns
+            for label, bound in RETENTION_BUCKETS:
+                if frac <= bound if bound == 1.0 else frac < bound:
+                    out.retention_ages[label] += 1
+                    break
+        out.past_retention = out.retention_ages["past"]
     return out
 
 
@@ -160,13 +254,13 @@ def machine_info(root: str) -> dict[str, Any]:
     }
 
 
-def info(root: str) -> dict[str, Any]:
+def info(root: str, retention_s: float | None = None) -> dict[str, Any]:
     """Everything ``nvmetier info`` reports about ROOT, as one JSON-able dict.
 
     Raises:
         FsckOperationalError: ROOT names no store.
     """
-    stores = [store_info(d) for d in find_stores(root)]
+    stores = [store_info(d, retention_s=retention_s) for d in find_stores(root)]
     return {"root": root, "machine": machine_info(root), "stores": [s.to_json() for s in stores]}
 
 
@@ -212,6 +306,14 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
                 break_on_hyphens=False,
             )
         )
+        if s.get("encryption"):
+            fp = s.get("key_fingerprint") or "unknown"
+            lines.append(
+                f"  encryption:      {s['encryption']} (AES-256-GCM per chunk, keys in the index "
+                f"as HMAC-SHA256), key fingerprint {fp}"
+            )
+        else:
+            lines.append("  encryption:      none (chunks and keys in the clear)")
         lines.append(
             f"  format:          version {s['format_version']}, created "
             f"{_when(s['created_ns'], now_ns)}"
@@ -238,6 +340,20 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
             lines.append(f"  error:           {s['error']}")
         ages = ", ".join(f"{_AGE_LABELS[k]}: {v}" for k, v in s["ages"].items())
         lines.append(f"  record ages:     {ages}")
+        if s["retention_s"]:
+            source = (
+                "given"
+                if s["retention_source"] == "--retention"
+                else "of the latest process to open it"
+            )
+            ages = ", ".join(f"{_RETENTION_LABELS[k]}: {v}" for k, v in s["retention_ages"].items())
+            lines.append(
+                f"  retention:       {format_duration(s['retention_s'])} ({source}); "
+                f"{s['past_retention']} records past it"
+            )
+            lines.append(f"  age / retention: {ages}")
+        else:
+            lines.append("  retention:       none (chunks live until evicted)")
         lines.append(f"  oldest record:   {_when(s['oldest_ns'], now_ns)}")
         lines.append(f"  newest record:   {_when(s['newest_ns'], now_ns)}")
         clean = (

@@ -22,6 +22,12 @@ then the slot published READY, only after the data write completed (when
 ``poll`` collects it, before the store is reported to vLLM). A load succeeds
 only if its slot's generation did not change while it ran and the payload
 checksum, seeded with the key, verifies.
+
+Encryption at rest (``encryption``): keys go to the table as HMAC-SHA256
+MACs (mapped back for vLLM: ``successful_keys``, KV events) and the engine
+is a ``SealingEngine`` over the configured one (``engine/sealed.py``); the
+layout identity says ``encryption``, so a sealed store is never a plaintext
+one. Retention (``retention``) is applied by the table itself.
 """
 
 from __future__ import annotations
@@ -29,19 +35,30 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
+from nvmetier import crypto
+from nvmetier import format as fmt
+from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
+from nvmetier.engine.sealed import SealingEngine, sealed_chunk_bytes
 from nvmetier.files import StoreFiles
 
 logger = logging.getLogger(__name__)
 
 _MAX_LOOKUP_COUNTS = 1 << 20
+# The layout identity's "encryption" of a sealed store (format.md).
+ENCRYPTION_ID = "aes-256-gcm/v1"
+# Where the table header keeps the latest sealed opener's key fingerprint.
+KEY_FINGERPRINT_OFFSET = 72
+# Keys remembered per process to turn KV events' key MACs back into keys.
+_MAX_KNOWN_MACS = 1 << 20
 # How long a lookup hit or a load protects its slot from every sharer's
 # eviction. A lease expires on its own, so a dead process pins nothing for long.
 LEASE_S = 5.0
@@ -93,6 +110,15 @@ COUNTERS = (
     # KV event keys (stored/removed) not recorded for lack of memory; the
     # ops themselves were applied.
     "kv_events_lost",
+    # Chunks found past the configured retention (never served: a miss).
+    "retention_expired",
+    # Writes that `nvmetier purge --all` caught in flight (never published).
+    "stores_purged",
+    # Removal events emitted for chunks `nvmetier purge` removed.
+    "purge_removals_emitted",
+    # Encrypted chunks whose AES-GCM tag did not verify (also counted in
+    # checksum_failures: a miss, the slot freed).
+    "auth_failures",
 )
 
 
@@ -179,6 +205,16 @@ class BlockStore:
     ) -> None:
         self.config = config
         self.row_bytes = row_bytes
+        # Encryption at rest: the key file is checked first (a ConfigError
+        # naming it), the layout identity says the store is sealed (a
+        # plaintext store is never reused), and slots hold the sealed chunk.
+        self._keys: crypto.KeySet | None = None
+        chunk_bytes = row_bytes
+        if config.encryption is not None:
+            self._keys = crypto.KeySet.from_file(config.encryption["key_file"])
+            identity = {**identity, "encryption": ENCRYPTION_ID}
+            chunk_bytes = sealed_chunk_bytes(row_bytes)
+        self.identity = identity
         self._buf = memoryview(buffer).cast("B")
         self._n_rows = len(self._buf) // row_bytes
         engine_name, self.engine_reason = (
@@ -189,7 +225,7 @@ class BlockStore:
             config.root_dir,
             store_name,
             capacity_bytes=config.capacity_bytes,
-            chunk_bytes=row_bytes,
+            chunk_bytes=chunk_bytes,
             ways=config.ways,
             identity=identity,
             o_direct=config.o_direct,
@@ -207,30 +243,58 @@ class BlockStore:
         self._stats["records_dropped_at_open"] += self.files.records_dropped
         try:
             self.open_time_s = time.monotonic() - t0
-            self.engine: IoEngine = make_engine(
-                engine_name,
-                self._buf,
-                self.files.data_fds,
-                io_threads=config.io_threads,
-                queue_depth=config.queue_depth,
-                max_inflight_bytes=config.max_inflight_bytes,
-                io_workers=config.io_workers,
-                chunk_bytes=row_bytes,
-                keepalive_fd=self.files.registry_fd,
-            )
+            slot_bytes = self.sb.slot_bytes
+
+            def inner(buf: memoryview) -> IoEngine:
+                return make_engine(
+                    engine_name,
+                    buf,
+                    self.files.data_fds,
+                    io_threads=config.io_threads,
+                    queue_depth=config.queue_depth,
+                    max_inflight_bytes=config.max_inflight_bytes,
+                    io_workers=config.io_workers,
+                    chunk_bytes=slot_bytes if self._keys else row_bytes,
+                    keepalive_fd=self.files.registry_fd,
+                )
+
+            if self._keys is None:
+                self.engine: IoEngine = inner(self._buf)
+            else:
+                self._nonces = crypto.NonceSource.open(self.files.dirs[0])
+                self.engine = SealingEngine(
+                    self._buf,
+                    row_bytes=row_bytes,
+                    slot_bytes=slot_bytes,
+                    keys=self._keys,
+                    layout_digest=fmt.identity_digest(identity),
+                    nonces=self._nonces,
+                    make_inner=inner,
+                    n_bounce=max(8, min(64, config.max_inflight_bytes // slot_bytes)),
+                    n_threads=max(2, min(8, os.cpu_count() or 2)),
+                )
+                # For nvmetier info: the latest sealed opener's key fingerprint.
+                self.files.table_map[KEY_FINGERPRINT_OFFSET : KEY_FINGERPRINT_OFFSET + 8] = (
+                    self._keys.fingerprint
+                )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
             self._table.bind(
                 self.engine.submit_raw,
                 getattr(self.engine, "native_wait_raw", self.engine.wait_raw),
                 max(0, config.max_queued_bytes // row_bytes),
-                config.verify_checksums,
+                # A sealed load is always authenticated; its "checksum" (the
+                # tag's head) binds the record to the sealing it was written for.
+                config.verify_checksums or self._keys is not None,
                 config.enable_kv_events,
             )
+            self._table.set_retention(int((config.retention or 0) * 1e9))
         except BaseException:
             engine_built = getattr(self, "engine", None)
             if engine_built is not None:
                 engine_built.close()
+            if getattr(self, "_nonces", None) is not None:
+                self._nonces.close()
             self._table = None
             self.files.close(clean=False)
             self._buf.release()
@@ -253,6 +317,10 @@ class BlockStore:
         # Scheduler-thread state (jobs and completions live in the table).
         self._lookup_counts: dict[bytes, int] = {}
         self._closed = False
+        # Sealed stores: the table holds key MACs; what vLLM gets back (a
+        # job's successful_keys, KV events) is turned back into its keys.
+        self._job_keys: dict[int, dict[bytes, bytes]] = {}
+        self._known: dict[bytes, bytes] = {}
 
     # ------------------------------------------------------------- scheduler
     @property
@@ -260,9 +328,40 @@ class BlockStore:
         """Whether ``lookup`` does more than the table's lookup (admission)."""
         return bool(self.config.admit_after_lookups)
 
+    @property
+    def sealed(self) -> bool:
+        """Whether the store is encrypted (keys go to the table as MACs)."""
+        return self._keys is not None
+
+    @property
+    def direct_table(self) -> bool:
+        """Whether callers may use the table's own calls (``table_lookup``,
+        ``table_calls``' submit_store): no admission, no key MACs."""
+        return not self.counts_lookups and not self.sealed
+
+    def _mac(self, key: bytes) -> bytes:
+        assert self._keys is not None
+        return self._keys.key_mac(key)
+
+    def _macs(self, keys: Iterable[bytes], job_id: int | None = None) -> list[bytes]:
+        """The MACs of ``keys`` (~1 µs each); remembered for the job's
+        successful_keys and, with events on, for the events."""
+        assert self._keys is not None
+        mac = self._keys.key_mac
+        key_list = _key_list(keys)
+        macs = [mac(k) for k in key_list]
+        if job_id is not None:
+            self._job_keys[job_id] = dict(zip(macs, key_list, strict=True))
+        if self.config.enable_kv_events:
+            known = self._known
+            known.update(zip(macs, key_list, strict=True))
+            while len(known) > _MAX_KNOWN_MACS:
+                known.pop(next(iter(known)))
+        return macs
+
     def table_lookup(self) -> Callable[[bytes], bool]:
         """The shared table's ``lookup`` itself: ``lookup`` without a Python
-        frame, for callers that checked ``counts_lookups`` is False."""
+        frame, for callers that checked ``direct_table``."""
         return self._table.lookup  # type: ignore[no-any-return]
 
     def table_calls(
@@ -270,16 +369,27 @@ class BlockStore:
     ) -> tuple[Callable[..., str | None], Callable[..., str | None], Callable[[], None]]:
         """The table's ``submit_store``, ``submit_load`` and ``release_leases``
         themselves, for vLLM's adapter to call without a Python frame per job
-        or step. Each submit returns None, or the engine's error when it
-        refused the ops (the job then fails; log it). ``submit_store`` skips
-        admission: only for callers that checked ``counts_lookups`` is False."""
+        or step (a sealed store's submits go through its key MACs). Each
+        submit returns None, or the engine's error when it refused the ops
+        (the job then fails; log it). ``submit_store`` skips admission: only
+        for callers that checked ``counts_lookups`` is False."""
         t = self._table
+        if self.sealed:
+            return self._submit_store_sealed, self._submit_load_sealed, t.release_leases
         return t.submit_store, t.submit_load, t.release_leases
+
+    def _submit_store_sealed(
+        self, job_id: int, keys: Collection[bytes], rows: Any, skip: bytes | None = None
+    ) -> str | None:
+        return self._table.submit_store(job_id, self._macs(keys, job_id), rows, skip)  # type: ignore[no-any-return]
+
+    def _submit_load_sealed(self, job_id: int, keys: Collection[bytes], rows: Any) -> str | None:
+        return self._table.submit_load(job_id, self._macs(keys, job_id), rows)  # type: ignore[no-any-return]
 
     def lookup(self, key: bytes) -> bool:
         """Whether ``key`` is READY in the shared table. A hit is leased: no
         sharer evicts it for ``LEASE_S`` (the HIT -> load window). Never blocks."""
-        if self._table.lookup(key):
+        if self._table.lookup(self._mac(key) if self._keys else key):
             return True
         if self.config.admit_after_lookups:
             counts = self._lookup_counts
@@ -290,12 +400,12 @@ class BlockStore:
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is READY, without leasing it or counting."""
-        return bool(self._table.contains(key))
+        return bool(self._table.contains(self._mac(key) if self._keys else key))
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot holding ``key`` READY, or None (tools and tests: where a
         chunk lives on disk, ``sb.slot_location(slot)``)."""
-        return self._table.slot_of(key)  # type: ignore[no-any-return]
+        return self._table.slot_of(self._mac(key) if self._keys else key)  # type: ignore[no-any-return]
 
     def release_holds(self) -> None:
         """End of a step: lookup hits that no load took stop protecting their
@@ -305,7 +415,7 @@ class BlockStore:
             self._table.release_leases()
 
     def touch(self, keys: Iterable[bytes]) -> None:
-        self._table.touch(_key_list(keys))
+        self._table.touch(self._macs(keys) if self._keys else _key_list(keys))
 
     def submit_store(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
@@ -332,7 +442,10 @@ class BlockStore:
             self._stats["stores_not_admitted"] += sum(skip)
             keys = key_list
         # Rows: vLLM's chunk_ids array is read in place; other sequences copied.
-        error = self._table.submit_store(job_id, keys, rows, skip)
+        if self._keys is not None:
+            error = self._submit_store_sealed(job_id, keys, rows, skip)
+        else:
+            error = self._table.submit_store(job_id, keys, rows, skip)
         if error is not None:
             log_refused_job(job_id, error)
 
@@ -343,25 +456,43 @@ class BlockStore:
         fails at once (reported in ``successful_keys`` of the outcome)."""
         if self._closed:
             raise RuntimeError("submit on a closed BlockStore")
-        error = self._table.submit_load(job_id, keys, rows)
+        if self._keys is not None:
+            error = self._submit_load_sealed(job_id, keys, rows)
+        else:
+            error = self._table.submit_load(job_id, keys, rows)
         if error is not None:
             log_refused_job(job_id, error)
 
     def invalidate(self, key: bytes) -> bool:
         """Remove ``key`` (its record first). False when absent, being
         written, or leased by a lookup or load (of any sharer)."""
-        return bool(self._table.invalidate(key))
+        return bool(self._table.invalidate(self._mac(key) if self._keys else key))
 
     def poll_raw(self) -> Callable[[], Sequence[RawOutcome]]:
         """The table's ``poll`` itself: finished jobs as ``RawOutcome``
-        tuples, without a Python frame (vLLM's ``get_finished_jobs``). The
-        caller logs entries whose error is set (``log_failed_job``)."""
+        tuples, without a Python frame (vLLM's ``get_finished_jobs``); a
+        sealed store's turns the key MACs back into keys. The caller logs
+        entries whose error is set (``log_failed_job``)."""
+        if self._keys is not None:
+            return self._poll_sealed
         return self._table.poll  # type: ignore[no-any-return]
+
+    def _poll_sealed(self) -> Sequence[RawOutcome]:
+        done = self._table.poll()
+        if not done:
+            return done  # type: ignore[no-any-return]
+        out = []
+        for job_id, success, ok_keys, secs, moved, error, is_load in done:
+            keys = self._job_keys.pop(job_id, None)
+            if ok_keys and keys is not None:
+                ok_keys = [keys.get(k, k) for k in ok_keys]
+            out.append((job_id, success, ok_keys, secs, moved, error, is_load))
+        return out
 
     def poll(self) -> list[JobOutcome]:
         """Apply finished ops and return the jobs that finished. Never blocks."""
         out = []
-        for raw in self._table.poll() if self._table is not None else ():
+        for raw in self.poll_raw()() if self._table is not None else ():
             job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
@@ -369,8 +500,49 @@ class BlockStore:
         return out
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        """``(removed, keys)`` pairs since the last call (if events enabled)."""
-        return [] if self._table is None else self._table.take_events()  # type: ignore[no-any-return]
+        """``(removed, keys)`` pairs since the last call (if events enabled).
+
+        Also the removals of an ``nvmetier purge`` of this store: the first
+        sharer with events on to see a new purge generation takes it (one
+        compare-and-swap in the table header) and emits the purge log's keys;
+        the others emit nothing for it. The log is read here, on the
+        scheduler thread, once per purge (96 bytes per removed chunk, just
+        written: in the page cache)."""
+        table = self._table
+        if table is None:
+            return []
+        events: list[tuple[bool, list[bytes]]] = table.take_events()
+        if self._keys is not None and events:
+            events = self._unseal_events(events)
+        if self.config.enable_kv_events:
+            gen, taken = table.purge_generation()
+            if gen != taken:
+                prev = table.claim_purge_events()
+                if prev is not None:
+                    keys = purge_log.removed_since(self.files.dirs[0], prev)
+                    if self._keys is not None and keys:
+                        keys = [k for k in map(self._known.get, keys) if k is not None]
+                    if keys:
+                        self._stats["purge_removals_emitted"] += len(keys)
+                        events.append((True, keys))
+        return events
+
+    def _unseal_events(
+        self, events: list[tuple[bool, list[bytes]]]
+    ) -> list[tuple[bool, list[bytes]]]:
+        """The table's events name key MACs: the keys this process knows
+        (it submitted them) are reported, a removal of one it never saw
+        (another process's chunk) cannot be named and is left out."""
+        known = self._known
+        out = []
+        for removed, macs in events:
+            keys = [k for k in map(known.get, macs) if k is not None]
+            if removed:
+                for m in macs:
+                    known.pop(m, None)
+            if keys:
+                out.append((removed, keys))
+        return out
 
     def has_pending_work(self) -> bool:
         return self._table is not None and bool(self._table.inflight()[1])
@@ -438,6 +610,8 @@ class BlockStore:
             )
         self.poll()
         self.engine.close()
+        if self._keys is not None:
+            self._nonces.close()
         self._table.bind(None, None, 0, False, False)  # drop its references to the engine
         self._table = None  # drop our reference: files.close releases the mappings
         keep = self.config.persist if persist is None else persist
@@ -492,4 +666,6 @@ class BlockStore:
             "engine_reason": self.engine_reason,
             "sharing": self.config.sharing,
             **self.engine.describe(),
+            "encryption": ENCRYPTION_ID if self._keys else None,
+            "key_fingerprint": self._keys.fingerprint_hex if self._keys else None,
         }

@@ -15,6 +15,7 @@ command -v "$PY" >/dev/null 2>&1 || PY=python3
 
 need_apt=()
 [ -e /usr/include/liburing.h ] || need_apt+=(liburing-dev)
+[ -e /usr/include/openssl/evp.h ] || need_apt+=(libssl-dev)
 command -v fio >/dev/null 2>&1 || need_apt+=(fio)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

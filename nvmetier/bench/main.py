@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tier-option",
         action="append",
         metavar="KEY=VALUE",
-        help="another key of the tier's config (repeatable), e.g. ways=8",
+        help="trace and vllm levels: another key of the tier's config (repeatable), e.g. ways=8",
     )
     return p
 

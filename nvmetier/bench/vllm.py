@@ -186,7 +186,9 @@ def _vllm_tier_dict(
 ) -> dict:
     if which == "fs":
         return {"type": "fs", "root_dir": roots[0]}
-    cap = 2 * n * (bs + 128) + (64 << 20)
+    from nvmetier.bench.trace import parse_tier_options
+
+    cap = 2 * n * (bs + 4096 + 128) + (64 << 20)
     return {
         "type": "NvmeTierManager",
         "module_path": "nvmetier.vllm",
@@ -198,6 +200,8 @@ def _vllm_tier_dict(
         "queue_depth": args.iodepth,
         "o_direct": bool(args.direct),
         "persist": False,
+        # --tier-option KEY=VALUE (e.g. encryption={"key_file": ...}).
+        **parse_tier_options(getattr(args, "tier_option", None) or []),
     }
 
 

@@ -58,7 +58,7 @@ from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
-from nvmetier.store import BlockStore, log_failed_job, log_refused_job
+from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
 from nvmetier.vllm.promotion import (
     PromotionGuard,
     check_cpu_tier_size,
@@ -87,6 +87,19 @@ METRICS: dict[str, tuple[str, str]] = {
     "checksum_failures": (
         "counter",
         "Chunks whose checksum did not verify on load (served as a miss, invalidated).",
+    ),
+    "retention_expired": (
+        "counter",
+        "Chunks found stored longer ago than the tier's retention (served as a miss, freed).",
+    ),
+    "stores_purged": (
+        "counter",
+        "Chunk writes caught in flight by 'nvmetier purge --all' (never published).",
+    ),
+    "auth_failures": (
+        "counter",
+        "Encrypted chunks whose AES-GCM tag did not verify on load (a miss, freed; "
+        "also counted in checksum_failures).",
     ),
     "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
@@ -382,6 +395,9 @@ class NvmeTierManager(SecondaryTierManager):
                 f"{fmt.ALIGN_BYTES}; nvmetier needs page-aligned chunks"
             )
         self.identity = layout_identity(offloading_spec, chunk_bytes)
+        if self.config.encryption is not None:
+            # A sealed store is its own store: a plaintext one is never reused.
+            self.identity["encryption"] = ENCRYPTION_ID
         parallel = offloading_spec.config.parallel
         self.store_name = store_name(
             self.identity,
@@ -424,7 +440,8 @@ class NvmeTierManager(SecondaryTierManager):
         self._store = store
         # lookup runs once per chunk on the scheduler thread: call the native
         # table directly unless the store counts lookups (admit_after_lookups).
-        self._lookup = store.lookup if store.counts_lookups else store.table_lookup()
+        # (A sealed store's calls map keys to their MACs first.)
+        self._lookup = store.table_lookup() if store.direct_table else store.lookup
         self._poll = store.poll_raw()
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).

@@ -120,3 +120,41 @@ def test_io_workers_is_auto_by_default_and_takes_a_count() -> None:
 def test_io_workers_error_says_what_is_accepted() -> None:
     with pytest.raises(ConfigError, match="'auto' or an integer from 1 to 64"):
         TierConfig.from_dict({**BASE, "io_workers": 0})
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("24h", 86400.0), ("90s", 90.0), ("15m", 900.0), ("7d", 604800.0), (30, 30.0), ("45", 45.0)],
+)
+def test_retention_accepts_durations(text: object, seconds: float) -> None:
+    assert TierConfig.from_dict({**BASE, "retention": text}).retention == seconds
+
+
+def test_retention_is_off_by_default() -> None:
+    assert TierConfig.from_dict(BASE).retention is None
+    assert TierConfig.from_dict({**BASE, "retention": None}).retention is None
+
+
+@pytest.mark.parametrize("bad", ["", "soon", "3w", "-5m", 0, -1, True, [1], float("nan")])
+def test_retention_rejects_with_key_value_and_fix(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({**BASE, "retention": bad})
+    text = str(info.value)
+    assert "retention" in text and repr(bad) in text and "'24h'" in text
+
+
+def test_encryption_takes_a_key_file() -> None:
+    cfg = TierConfig.from_dict({**BASE, "encryption": {"key_file": "/etc/nvmetier/key"}})
+    assert cfg.encryption == {"key_file": "/etc/nvmetier/key"}
+    assert TierConfig.from_dict(BASE).encryption is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["/etc/key", {"keyfile": "/k"}, {"key_file": ""}, {"key_file": 3}, {"key_file": "/k", "x": 1}],
+)
+def test_encryption_rejects_other_shapes_with_the_fix(bad: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        TierConfig.from_dict({**BASE, "encryption": bad})
+    text = str(info.value)
+    assert "encryption=" in text and "key_file" in text and "head -c 32 /dev/urandom" in text

@@ -1,0 +1,36 @@
+/*
+ * nvt_crypto: sealing and opening chunks with AES-256-GCM (96-bit nonce,
+ * 128-bit tag) through OpenSSL libcrypto's EVP AEAD interface; no
+ * cryptography by hand. No Python here: the I/O engines call it from their
+ * threads, and nvmetier._crypto (nvt_crypto_module.c) exposes it to Python
+ * with the GIL released.
+ *
+ * Threads: every function is reentrant (a cipher context per call); keys and
+ * buffers are the caller's.
+ */
+#ifndef NVT_CRYPTO_H
+#define NVT_CRYPTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define NVT_GCM_KEY_BYTES 32
+#define NVT_GCM_NONCE_BYTES 12
+#define NVT_GCM_TAG_BYTES 16
+
+/* Encrypt `len` bytes of `src` into `dst` (may be `src`: in place) with
+ * `aad` authenticated, and write the tag. `src` is only read. Returns 0, or
+ * -1 when libcrypto failed (nothing in `dst` or `tag` is then meaningful). */
+int nvt_gcm_seal(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_GCM_NONCE_BYTES],
+                 const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
+                 uint8_t tag[NVT_GCM_TAG_BYTES]);
+
+/* Decrypt `len` bytes of `src` into `dst` (may be `src`: in place) and
+ * check the tag over them and `aad`. Returns 0 when the tag verifies, 1 when
+ * it does not (the bytes in `dst` are then garbage and must not be used), -1
+ * when libcrypto failed. */
+int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_GCM_NONCE_BYTES],
+                 const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
+                 const uint8_t tag[NVT_GCM_TAG_BYTES]);
+
+#endif /* NVT_CRYPTO_H */

@@ -1,0 +1,136 @@
+/*
+ * nvmetier._crypto: AES-256-GCM sealing and opening of chunk buffers
+ * (nvt_crypto.c, OpenSSL libcrypto) for Python, with the GIL released while
+ * the bytes are processed, so engine worker threads seal and open chunks in
+ * parallel with each other and with vLLM's threads.
+ *
+ * Threads: any; buffers must not change size while a call runs (the buffer
+ * protocol holds an export for the call's length).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <openssl/crypto.h>
+
+#include "nvt_crypto.h"
+
+/* A buffer argument of exactly `want` bytes (0: any), read-only or writable. */
+static int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t want, const char *name) {
+    if (PyObject_GetBuffer(obj, view, (writable ? PyBUF_WRITABLE : PyBUF_SIMPLE) | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (want && view->len != want) {
+        PyErr_Format(PyExc_ValueError, "%s must be %zd bytes, not %zd", name, want, view->len);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(seal_doc, "seal(key, nonce, aad, src, dst) -> tag\n\n"
+                       "AES-256-GCM: encrypt src into dst (len(dst) >= len(src); src is only read),\n"
+                       "authenticating aad; returns the 16-byte tag. key: 32 bytes, nonce: 12.");
+
+static PyObject *py_seal(PyObject *m, PyObject *args) {
+    PyObject *ko, *no, *ao, *so, *dobj;
+    if (!PyArg_ParseTuple(args, "OOOOO", &ko, &no, &ao, &so, &dobj))
+        return NULL;
+    Py_buffer k, n, a, s, d;
+    if (get_buf(ko, &k, 0, NVT_GCM_KEY_BYTES, "key") < 0)
+        return NULL;
+    if (get_buf(no, &n, 0, NVT_GCM_NONCE_BYTES, "nonce") < 0)
+        goto fail_k;
+    if (get_buf(ao, &a, 0, 0, "aad") < 0)
+        goto fail_n;
+    if (get_buf(so, &s, 0, 0, "src") < 0)
+        goto fail_a;
+    if (get_buf(dobj, &d, 1, 0, "dst") < 0)
+        goto fail_s;
+    PyObject *out = NULL;
+    if (d.len < s.len) {
+        PyErr_SetString(PyExc_ValueError, "dst is shorter than src");
+    } else {
+        uint8_t tag[NVT_GCM_TAG_BYTES];
+        int rc;
+        Py_BEGIN_ALLOW_THREADS rc = nvt_gcm_seal(k.buf, n.buf, a.buf, (size_t)a.len, s.buf, d.buf, (size_t)s.len, tag);
+        Py_END_ALLOW_THREADS if (rc == 0) out = PyBytes_FromStringAndSize((const char *)tag, NVT_GCM_TAG_BYTES);
+        else PyErr_SetString(PyExc_OSError, "libcrypto failed to seal the chunk (AES-256-GCM)");
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&n);
+    PyBuffer_Release(&k);
+    return out;
+fail_s:
+    PyBuffer_Release(&s);
+fail_a:
+    PyBuffer_Release(&a);
+fail_n:
+    PyBuffer_Release(&n);
+fail_k:
+    PyBuffer_Release(&k);
+    return NULL;
+}
+
+PyDoc_STRVAR(open_doc, "open(key, nonce, aad, src, dst, tag) -> bool\n\n"
+                       "AES-256-GCM: decrypt src into dst (len(dst) >= len(src); dst may be src: in\n"
+                       "place) and check tag over it and aad. False when the tag does not verify (dst\n"
+                       "then holds garbage: never use it).");
+
+static PyObject *py_open(PyObject *m, PyObject *args) {
+    PyObject *ko, *no, *ao, *so, *dobj, *to;
+    if (!PyArg_ParseTuple(args, "OOOOOO", &ko, &no, &ao, &so, &dobj, &to))
+        return NULL;
+    Py_buffer k, n, a, s, d, t;
+    int rc = -2;
+    if (get_buf(ko, &k, 0, NVT_GCM_KEY_BYTES, "key") < 0)
+        return NULL;
+    if (get_buf(no, &n, 0, NVT_GCM_NONCE_BYTES, "nonce") < 0)
+        goto fail_k;
+    if (get_buf(ao, &a, 0, 0, "aad") < 0)
+        goto fail_n;
+    if (get_buf(dobj, &d, 1, 0, "dst") < 0)
+        goto fail_a;
+    /* src may be dst itself (a writable buffer): a read-only view of it. */
+    if (get_buf(so, &s, 0, 0, "src") < 0)
+        goto fail_d;
+    if (get_buf(to, &t, 0, NVT_GCM_TAG_BYTES, "tag") < 0)
+        goto fail_s;
+    if (d.len < s.len) {
+        PyErr_SetString(PyExc_ValueError, "dst is shorter than src");
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = nvt_gcm_open(k.buf, n.buf, a.buf, (size_t)a.len, s.buf, d.buf, (size_t)s.len, t.buf);
+        Py_END_ALLOW_THREADS if (rc == -1) PyErr_SetString(PyExc_OSError, "libcrypto failed to open the chunk (AES-256-GCM)");
+    }
+    PyBuffer_Release(&t);
+fail_s:
+    PyBuffer_Release(&s);
+fail_d:
+    PyBuffer_Release(&d);
+fail_a:
+    PyBuffer_Release(&a);
+fail_n:
+    PyBuffer_Release(&n);
+fail_k:
+    PyBuffer_Release(&k);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc == 0);
+}
+
+static PyMethodDef methods[] = {
+    {"seal", py_seal, METH_VARARGS, seal_doc},
+    {"open", py_open, METH_VARARGS, open_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef crypto_module = {
+    PyModuleDef_HEAD_INIT, "nvmetier._crypto",
+    "AES-256-GCM for chunk buffers through OpenSSL libcrypto, the GIL released (nvt_crypto.h).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__crypto(void) {
+    PyObject *m = PyModule_Create(&crypto_module);
+    if (m && PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0)
+        Py_CLEAR(m);
+    return m;
+}

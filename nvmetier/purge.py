@@ -1,0 +1,474 @@
+"""``nvmetier purge``: remove chunks from the stores under a root, live.
+
+Owns: the purge of one store (``purge_store``) and of every store under a
+root (``purge``), and the purge log that lets attached processes emit the
+removals as KV events (``write_log``, ``read_log``). Runs on the CLI's main
+thread and blocks (bounded waits only); ``read_log`` is called by an attached
+store on vLLM's scheduler thread when it takes its KV events.
+
+How a purge stays safe beside attached processes (docs/architecture.md):
+
+- It joins the store like a sharer for the length of the purge: ``lock``
+  flocked shared, taken under ``lock.init`` (waited for at most
+  ``INIT_LOCK_TIMEOUT_S``), so no opener rebuilds the table under it and no
+  closer believes itself the last one while it runs. It takes no registry
+  entry and creates no WRITING slot, so its death leaves nothing to reclaim.
+- Each set is changed under its own robust mutex, taken with the same bound
+  every sharer uses (``SET_LOCK_WAIT_MS``, then try-only): a stopped sharer
+  holding a set costs the purge a retry of that set, for ``BUSY_RETRY_S`` at
+  most, then the set is reported not purged (exit 4), never a hang.
+- READY and BAD slots are cleared record first, whether or not a lease
+  covers them: a load in flight of such a slot fails by its generation (a
+  miss, like a load that raced an eviction), never returns purged bytes.
+  With ``--all`` a slot being written is marked PURGED: its write completes
+  but is never published. With ``--older-than`` a write in flight is newer
+  than the cutoff and is kept.
+- With no process attached (``lock`` flocked exclusively) the records are
+  zeroed directly under ``lock.init``; the next process to attach rebuilds
+  the table from them.
+
+The removed keys of an online purge are written to ``purged`` in the store
+directory (replaced atomically), then the table's purge generation is
+advanced: the first attached process with KV events on that sees the new
+generation takes it (compare-and-swap) and emits the keys as ``removed``
+events. A purge only makes chunks unreachable: their bytes stay in the data
+file until the slot is reused (use encryption and a key rotation, or remove
+the store, to erase them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import fcntl
+import mmap
+import os
+import struct
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from nvmetier import format as fmt
+from nvmetier import recovery
+from nvmetier.errors import FormatError
+from nvmetier.files import (
+    FILE_MODE,
+    INDEX_NAME,
+    INIT_LOCK_NAME,
+    INIT_LOCK_TIMEOUT_S,
+    LOCK_NAME,
+    SUPERBLOCK_NAME,
+    TABLE_NAME,
+    holders,
+    mark_init_busy,
+)
+
+# Exit codes, in the style of fsck (e2fsck): OR-ed over the stores.
+EXIT_OK = 0
+EXIT_LEFT = 4  # a store, or some of its sets, could not be purged now
+EXIT_OPERATIONAL = 8
+EXIT_USAGE = 16
+
+# How long sets held by another process (stopped, or slow) are retried
+# before they are reported not purged.
+BUSY_RETRY_S = 5.0
+# How long a purge waits for another purge of the same store.
+PURGE_LOCK_TIMEOUT_S = 10.0
+
+LOG_NAME = "purged"
+_LOG_MAGIC = b"NVTPURGE"
+# magic, version, first purge generation covered, last covered, keys.
+_LOG_HEAD = struct.Struct("<8sIIIQ4x")
+_LOG_VERSION = 1
+# One key per entry: its length, then the key zero padded.
+_LOG_ENTRY_BYTES = 96
+
+
+@dataclasses.dataclass
+class PurgeResult:
+    """What a purge did to one store.
+
+    Attributes:
+        path: the store directory.
+        model: the model of its layout identity (None when unreadable).
+        removed: chunks removed (slots cleared).
+        removed_bytes: their slots' bytes.
+        writing_marked: writes in flight whose chunks will not be published.
+        writing_kept: writes in flight left (newer than the cutoff).
+        busy_sets: sets not purged (held by another process past the bound).
+        online: processes were attached (the shared table was purged).
+        events_logged: keys written to the purge log for KV events.
+        error: why the store was not purged (None when it was).
+    """
+
+    path: str
+    model: str | None = None
+    removed: int = 0
+    removed_bytes: int = 0
+    writing_marked: int = 0
+    writing_kept: int = 0
+    busy_sets: int = 0
+    online: bool = False
+    events_logged: int = 0
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None:
+            return EXIT_LEFT
+        return EXIT_LEFT if self.busy_sets else EXIT_OK
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "exit_code": self.exit_code}
+
+
+class PurgeOperationalError(Exception):
+    """ROOT is not something a purge can work on (exit 8)."""
+
+
+def _flock_bounded(fd: int, op: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, op | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _try_flock(fd: int, op: int) -> bool:
+    try:
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return False
+        raise
+
+
+# ------------------------------------------------------------------ the log
+def write_log(store_dir: str, first_gen: int, last_gen: int, keys: Sequence[bytes]) -> None:
+    """Replace the purge log with ``keys`` (covering purge generations
+    ``first_gen..last_gen``), durably: a temporary file, fsync, rename."""
+    body = bytearray(_LOG_HEAD.size + _LOG_ENTRY_BYTES * len(keys))
+    _LOG_HEAD.pack_into(body, 0, _LOG_MAGIC, _LOG_VERSION, first_gen, last_gen, len(keys))
+    at = _LOG_HEAD.size
+    for k in keys:
+        n = min(len(k), fmt.KEY_MAX_BYTES)
+        body[at] = n
+        body[at + 8 : at + 8 + n] = k[:n]
+        at += _LOG_ENTRY_BYTES
+    path = os.path.join(store_dir, LOG_NAME)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
+    try:
+        view = memoryview(body)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+
+
+def read_log(store_dir: str) -> tuple[int, int, list[bytes]]:
+    """``(first_gen, last_gen, keys)`` of the purge log; ``(0, 0, [])`` when
+    there is none or it is not readable (events are best effort)."""
+    try:
+        with open(os.path.join(store_dir, LOG_NAME), "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0, 0, []
+    if len(data) < _LOG_HEAD.size:
+        return 0, 0, []
+    magic, version, first, last, n = _LOG_HEAD.unpack_from(data, 0)
+    if magic != _LOG_MAGIC or version != _LOG_VERSION:
+        return 0, 0, []
+    n = min(n, (len(data) - _LOG_HEAD.size) // _LOG_ENTRY_BYTES)
+    keys = []
+    at = _LOG_HEAD.size
+    for _ in range(n):
+        k = min(data[at], fmt.KEY_MAX_BYTES)
+        keys.append(bytes(data[at + 8 : at + 8 + k]))
+        at += _LOG_ENTRY_BYTES
+    return first, last, keys
+
+
+def removed_since(store_dir: str, taken_gen: int) -> list[bytes]:
+    """The keys of the purge log when it covers a purge after
+    ``taken_gen`` (what ``claim_purge_events`` returned), else none."""
+    _first, last, keys = read_log(store_dir)
+    return keys if last > taken_gen else []
+
+
+def _remove_stale_logs(store_dir: str) -> None:
+    """Temporary logs of purges killed before their rename (the purge lock
+    is held: no purge is writing one now)."""
+    for name in os.listdir(store_dir):
+        if name.startswith(f"{LOG_NAME}.tmp-"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(store_dir, name))
+
+
+# ---------------------------------------------------------------- one store
+def purge_store(
+    store_dir: str,
+    *,
+    older_than_s: float | None,
+    model: str | None = None,
+    busy_retry_s: float = BUSY_RETRY_S,
+) -> PurgeResult | None:
+    """Purge one store: chunks stored ``older_than_s`` ago or longer, or
+    every chunk when ``older_than_s`` is None.
+
+    Returns None when ``model`` is given and the store is another model's.
+    Never raises for a store that cannot be purged: ``error`` says why.
+    """
+    out = PurgeResult(path=store_dir)
+    sb_path = os.path.join(store_dir, SUPERBLOCK_NAME)
+    try:
+        with open(sb_path, "rb") as f:
+            sb = fmt.unpack_superblock(f.read(), where=sb_path)
+    except (OSError, FormatError) as exc:
+        out.error = f"{exc.strerror} ({sb_path!r})" if isinstance(exc, OSError) else str(exc)
+        return out if model is None else None
+    name = sb.identity.get("model_name", sb.identity.get("model"))  # vLLM's identity: model_name
+    out.model = None if name is None else str(name)
+    if model is not None and out.model != model:
+        return None
+    try:
+        dir_fd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        out.error = f"{store_dir!r}: {exc.strerror}"
+        return out
+    try:
+        # One purge of a store at a time (the log and its generation).
+        if not _flock_bounded(dir_fd, fcntl.LOCK_EX, PURGE_LOCK_TIMEOUT_S):
+            out.error = (
+                f"another nvmetier purge of this store ran for over {PURGE_LOCK_TIMEOUT_S:g} s; "
+                "wait for it and run this one again"
+            )
+            return out
+        _remove_stale_logs(store_dir)
+        _purge_locked(store_dir, sb, older_than_s, out, busy_retry_s)
+    except OSError as exc:
+        out.error = f"{exc.filename or store_dir!r}: {exc.strerror}"
+    finally:
+        os.close(dir_fd)
+    out.removed_bytes = out.removed * sb.slot_bytes
+    return out
+
+
+def _purge_locked(
+    store_dir: str,
+    sb: fmt.Superblock,
+    older_than_s: float | None,
+    out: PurgeResult,
+    busy_retry_s: float,
+) -> None:
+    init_fd = os.open(
+        os.path.join(store_dir, INIT_LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE
+    )
+    lock_fd = -1
+    try:
+        if not _flock_bounded(init_fd, fcntl.LOCK_EX, INIT_LOCK_TIMEOUT_S):
+            out.error = (
+                f"a process has held {INIT_LOCK_NAME} for over {INIT_LOCK_TIMEOUT_S:g} s "
+                f"(attached: {holders(store_dir)}): one stopped or hung while opening or "
+                "closing the store; resume or kill it, then purge again"
+            )
+            return
+        mark_init_busy(init_fd)
+        if not os.path.exists(os.path.join(store_dir, SUPERBLOCK_NAME)):
+            out.error = "the store was removed meanwhile (its last process closed it)"
+            return
+        lock_fd = os.open(
+            os.path.join(store_dir, LOCK_NAME), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE
+        )
+        if _try_flock(lock_fd, fcntl.LOCK_EX):
+            # Nobody attached (and none can attach: lock.init is ours): the
+            # records are the whole truth; the next opener rebuilds from them.
+            _purge_offline(store_dir, sb, older_than_s, out)
+            return
+        if not _try_flock(lock_fd, fcntl.LOCK_SH):
+            out.error = (
+                f"held exclusively by pid {holders(store_dir)} (sharing: 'process', or "
+                "fsck --repair): not purged; stop that process, or purge once it is gone"
+            )
+            return
+        out.online = True
+        # Attached like a sharer: no opener rebuilds the table from here on.
+        os.close(init_fd)
+        init_fd = -1
+        _purge_online(store_dir, sb, lock_fd, older_than_s, out, busy_retry_s)
+    finally:
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        if init_fd >= 0:
+            os.close(init_fd)
+
+
+def _map(path: str, size: int) -> tuple[int, mmap.mmap]:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(fd).st_size < size:
+            raise FormatError(f"{path!r} is shorter than the store's geometry; run nvmetier fsck")
+        return fd, mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _purge_offline(
+    store_dir: str, sb: fmt.Superblock, older_than_s: float | None, out: PurgeResult
+) -> None:
+    fd, index = _map(os.path.join(store_dir, INDEX_NAME), sb.index_bytes)
+    try:
+        scan = recovery.scan_index(index, sb.n_slots, sb.ways, with_keys=False)
+        slots = scan.slots
+        if older_than_s is not None:
+            now = time.time_ns()
+            age = now - scan.stored_ns.astype(np.int64)
+            horizon = -3600 * 10**9  # a stamp over an hour ahead has no known age
+            slots = slots[(age >= int(older_than_s * 1e9)) | (age < horizon)]
+        empty = bytes(fmt.RECORD_BYTES)
+        for s in slots.tolist():
+            index[s * fmt.RECORD_BYTES : (s + 1) * fmt.RECORD_BYTES] = empty
+        index.flush()
+        out.removed = len(slots)
+        del scan, slots
+    finally:
+        index.close()
+        os.close(fd)
+
+
+def _purge_online(
+    store_dir: str,
+    sb: fmt.Superblock,
+    lock_fd: int,
+    older_than_s: float | None,
+    out: PurgeResult,
+    busy_retry_s: float,
+) -> None:
+    import nvmetier._table as _table
+
+    tfd, table_map = _map(os.path.join(store_dir, TABLE_NAME), sb.table_bytes)
+    ifd, index = _map(os.path.join(store_dir, INDEX_NAME), sb.index_bytes)
+    table: Any = None
+    try:
+        head = _table.header(table_map)
+        if not head["valid"]:
+            out.error = f"the table is not valid ({head['problem']}): not purged"
+            return
+        table = _table.Table(
+            table_map,
+            index,
+            lock_fd,
+            n_paths=sb.n_paths,
+            slot_bytes=sb.slot_bytes,
+            row_bytes=sb.chunk_bytes,
+            n_rows=0,
+            lease_ns=1_000_000,
+            watch_timeout_ns=1_000_000,
+        )
+        older_ns = 0 if older_than_s is None else int(older_than_s * 1e9)
+        every = older_than_s is None
+        keys: list[bytes] | None = []
+        sets: list[int] | None = None
+        deadline = time.monotonic() + busy_retry_s
+        while True:
+            got, cleared, marked, kept, busy = table.purge(older_ns, every, sets)
+            out.removed += cleared
+            out.writing_marked += marked
+            out.writing_kept += kept
+            keys = None if got is None or keys is None else keys + got
+            if not busy or time.monotonic() >= deadline:
+                out.busy_sets = len(busy)
+                break
+            sets = busy
+            time.sleep(0.1)
+        index.flush()  # durable: a power loss does not bring purged records back
+        if keys:
+            gen, taken = table.purge_generation()
+            if taken < gen:  # the previous purge's events are not taken yet: keep them
+                first, _last, old = read_log(store_dir)
+                keys = old + keys
+            else:
+                first = gen + 1
+            write_log(store_dir, first, gen + 1, keys)
+            table.bump_purge()
+            out.events_logged = len(keys)
+    finally:
+        del table
+        index.close()
+        table_map.close()
+        os.close(ifd)
+        os.close(tfd)
+
+
+# ----------------------------------------------------------------- a root
+def purge(root: str, *, older_than_s: float | None, model: str | None = None) -> list[PurgeResult]:
+    """Purge every store under ``root`` (a root_dir, or one store directory),
+    or only those of ``model``.
+
+    Raises:
+        PurgeOperationalError: ROOT is not a root_dir or a store, or no store
+            of ``model`` is under it.
+    """
+    from nvmetier.fsck import FsckOperationalError, find_stores
+
+    try:
+        stores = find_stores(root)
+    except FsckOperationalError as exc:
+        raise PurgeOperationalError(str(exc)) from exc
+    results = []
+    for store_dir in stores:
+        r = purge_store(store_dir, older_than_s=older_than_s, model=model)
+        if r is not None:
+            results.append(r)
+    if model is not None and not results:
+        raise PurgeOperationalError(
+            f"no store of model {model!r} under {root!r}; 'nvmetier info {root}' lists the "
+            "stores and their models"
+        )
+    return results
+
+
+def format_result(r: PurgeResult) -> str:
+    """Human-readable lines for one store."""
+    from nvmetier.config import format_size
+
+    head = f"{r.path} ({r.model or 'unknown model'})"
+    if r.error is not None:
+        return f"{head}: not purged: {r.error}"
+    lines = [
+        f"{head}: removed {r.removed} chunks ({format_size(r.removed_bytes)})"
+        + ("" if r.online else ", no process attached")
+    ]
+    if r.writing_marked:
+        lines.append(f"  {r.writing_marked} writes in flight will not be published")
+    if r.writing_kept:
+        lines.append(f"  {r.writing_kept} writes in flight kept (newer than the cutoff)")
+    if r.busy_sets:
+        lines.append(
+            f"  {r.busy_sets} sets not purged: held by a stopped or hung process "
+            f"(attached: {holders(r.path)}); resume or kill it, then purge again"
+        )
+    if r.events_logged:
+        lines.append(f"  {r.events_logged} removals logged for KV events")
+    return "\n".join(lines)
+
+
+def overall_exit(results: Sequence[PurgeResult]) -> int:
+    code = 0
+    for r in results:
+        code |= r.exit_code
+    return code
