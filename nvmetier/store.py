@@ -38,6 +38,7 @@ import numpy as np
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.files import StoreFiles
+from nvmetier.memory import describe_primary, staging_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +205,8 @@ class BlockStore:
         self._stats["records_dropped_at_open"] += self.files.records_dropped
         try:
             self.open_time_s = time.monotonic() - t0
+            self.primary = describe_primary(self._buf)
+            stage, self.staging_reason = staging_wanted(config.staging, self._buf)
             self.engine: IoEngine = make_engine(
                 engine_name,
                 self._buf,
@@ -214,6 +217,7 @@ class BlockStore:
                 io_workers=config.io_workers,
                 chunk_bytes=row_bytes,
                 keepalive_fd=self.files.registry_fd,
+                staging=stage,
             )
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
@@ -246,6 +250,16 @@ class BlockStore:
             self.engine_reason,
             self.files.o_direct,
             self.open_time_s,
+        )
+        # Which memory the primary is decides how fast O_DIRECT moves it
+        # (nvmetier.memory): say it once, with what was done about it.
+        logger.info(
+            "nvmetier: primary %d MiB, %d MiB of it in huge pages (THP %s, shmem THP %s); %s",
+            self.primary["primary_bytes"] >> 20,
+            self.primary["primary_huge_page_bytes"] >> 20,
+            self.primary["thp_enabled"],
+            self.primary["thp_shmem_enabled"],
+            self.staging_reason,
         )
         # Scheduler-thread state (jobs and completions live in the table).
         self._lookup_counts: dict[bytes, int] = {}
@@ -478,5 +492,7 @@ class BlockStore:
             "o_direct_reason": self.files.o_direct_reason,
             "engine_reason": self.engine_reason,
             "sharing": self.config.sharing,
+            "staging_reason": self.staging_reason,
+            **self.primary,
             **self.engine.describe(),
         }

@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm level: pause before re-scanning keys a tier answered RETRY (a step)",
     )
     p.add_argument("--job-chunks", type=int, default=1, help="tier level: chunks per job")
+    p.add_argument(
+        "--staging",
+        default="auto",
+        help="tier level: the tier's staging (auto, on, off), or a comma-separated list to "
+        "run each (targets other than auto are named nvmetier-ENGINE-staging-MODE)",
+    )
     p.add_argument("--lookups", type=int, default=20000, help="vllm level: lookups timed")
     p.add_argument("--slots", default="1m", help="reopen level: slots in the store (1m = 2^20)")
     p.add_argument("--profile", action="store_true", help="reopen level: cProfile the open")
@@ -204,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         if bs % 4096:
             print(f"nvmetier bench: --bs {bs} is not a multiple of 4096", file=sys.stderr)
             return 2
+    args.staging_modes = [m.strip() for m in args.staging.split(",") if m.strip()]
+    bad = [m for m in args.staging_modes if m not in ("auto", "on", "off")]
+    if bad or not args.staging_modes:
+        print(f"nvmetier bench: --staging {args.staging!r}: use auto, on or off", file=sys.stderr)
+        return 2
     quiet = args.output_format == "json"
 
     def log(msg: str) -> None:
@@ -348,7 +359,9 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
             if args.level == "engine":
                 results += run_engine_level(args, bs, e, log)
             elif args.level == "tier":
-                results += run_tier_level(args, bs, e, log)
+                for mode in args.staging_modes:
+                    args.staging_mode = mode
+                    results += run_tier_level(args, bs, e, log)
             else:
                 res, lk = run_vllm_level(args, bs, f"nvmetier-{e}", log)
                 results += res

@@ -1,8 +1,11 @@
-"""The ``tier`` level: the whole ``BlockStore`` API with an anonymous mmap as primary.
+"""The ``tier`` level: the whole ``BlockStore`` API over a primary like vLLM's.
 
-Owns: ``run_tier_level``, its store configuration and the per-phase driver
-(completions collected by ``BlockStore.poll`` on the calling thread). Blocks
-for the length of the run.
+Owns: ``run_tier_level``, ``vllm_like_primary`` (the primary: a ``/dev/shm``
+file mapped shared and populated at once with ``MADV_POPULATE_WRITE``, as
+vLLM's ``SharedOffloadRegion`` does, so the tier level gets the same kind of
+memory the vLLM adapter gets, never a faster kind), its store configuration
+and the per-phase driver (completions collected by ``BlockStore.poll`` on the
+calling thread). Blocks for the length of the run.
 """
 
 from __future__ import annotations
@@ -40,8 +43,40 @@ def _tier_config(
             "max_queued_bytes": max(1 << 30, 2 * args.iodepth * bs),
             "o_direct": bool(args.direct),
             "persist": False,
+            "staging": getattr(args, "staging_mode", "auto"),
         }
     )
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def vllm_like_primary(length: int, tag: str = "bench") -> mmap.mmap:
+    """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
+
+    vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
+    ``ftruncate``s it, maps it ``MAP_SHARED`` and pre-faults the whole region
+    with one ``MADV_POPULATE_WRITE`` (a per-page write where the kernel lacks
+    it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
+    4 KiB and physically scattered unless the host enables shmem huge pages
+    (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
+    ``NVMETIER_BENCH_SHM_DIR`` picks another tmpfs (e.g. one mounted
+    ``huge=within_size``) to measure that case.
+    """
+    shm_dir = os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
+    path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, length)
+        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE, 0, length)
+    except OSError:
+        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] |= 0
+    return buf
 
 
 def run_tier_level(
@@ -56,7 +91,7 @@ def run_tier_level(
     roots = [os.path.join(d, f"tier-{engine_name}-{bs}") for d in dirs]
     root = roots[0]
     cfg = _tier_config(args, roots if len(roots) > 1 else root, bs, n)
-    buf = mmap.mmap(-1, rows * bs)
+    buf = vllm_like_primary(rows * bs)
     pattern = os.urandom(bs)
     for r in range(rows):
         buf[r * bs : (r + 1) * bs] = pattern
@@ -84,7 +119,20 @@ def run_tier_level(
                 log(_phase_line(res))
                 results.append(res)
         stats = store.stats()
+        desc = store.describe()
         for phase_res in results:
+            phase_res.extra["primary"] = {
+                k: desc.get(k)
+                for k in (
+                    "primary_bytes",
+                    "primary_huge_page_bytes",
+                    "thp_enabled",
+                    "thp_shmem_enabled",
+                    "staging",
+                    "staging_reason",
+                    "staged_bytes",
+                )
+            }
             phase_res.extra["store_stats"] = {
                 k: stats.get(k, 0)
                 for k in (
@@ -167,9 +215,10 @@ def _tier_phase(
             free.extend(rows)
     elapsed = perf() - t0
     usr, sys_ = cpu.stop()
+    mode = getattr(args, "staging_mode", "auto")
     return PhaseResult(
         level="tier",
-        target=f"nvmetier-{store.engine_name}",
+        target=f"nvmetier-{store.engine_name}" + ("" if mode == "auto" else f"-staging-{mode}"),
         phase=phase,
         bs=bs,
         bytes=moved,

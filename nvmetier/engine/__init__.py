@@ -188,6 +188,7 @@ def make_engine(
     io_workers: int | str = 1,
     chunk_bytes: int | None = None,
     keepalive_fd: int = -1,
+    staging: bool = False,
 ) -> IoEngine:
     """Construct the engine ``name`` (already resolved) over ``buffer`` and ``fds``.
 
@@ -198,9 +199,11 @@ def make_engine(
     lock fd) is registered in every ring so a dead process's lock outlives
     its queued writes. The thread engine uses ``io_threads`` and ignores the
     rest (its threads die with the process, and the lock only then).
+    ``staging``: move ops through huge-page staging memory (see
+    ``nvmetier.memory``); each uring worker's arena is its byte cap.
     """
     if name == "threads":
-        return ThreadEngine(buffer, fds, n_threads=io_threads)
+        return ThreadEngine(buffer, fds, n_threads=io_threads, staging=staging)
     if name == "uring":
         from nvmetier.engine import uring
 
@@ -214,5 +217,6 @@ def make_engine(
             max_inflight_bytes=max_inflight_bytes,
             workers=resolve_workers(io_workers, fds),
             keepalive_fd=keepalive_fd,
+            staging_bytes=max_inflight_bytes if staging else 0,
         )
     raise ConfigError(f"unknown I/O engine {name!r}; use one of {ENGINE_NAMES}")
