@@ -38,7 +38,7 @@ import numpy as np
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.files import StoreFiles
-from nvmetier.memory import describe_primary, staging_wanted
+from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +253,13 @@ class BlockStore:
         )
         # Which memory the primary is decides how fast O_DIRECT moves it
         # (nvmetier.memory): say it once, with what was done about it.
+        arenas = self.engine.describe().get("worker_staging", [])
+        if isinstance(arenas, list) and arenas:
+            total = sum(int(n) for _a, n in arenas)
+            huge = sum(huge_page_bytes(int(a), int(n)) for a, n in arenas)
+            self.primary["staging_arena_bytes"] = total
+            self.primary["staging_arena_huge_page_bytes"] = huge
+            self.staging_reason += f" (arena {total >> 20} MiB, {huge >> 20} MiB in huge pages)"
         logger.info(
             "nvmetier: primary %d MiB, %d MiB of it in huge pages (THP %s, shmem THP %s); %s",
             self.primary["primary_bytes"] >> 20,

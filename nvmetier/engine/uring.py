@@ -275,5 +275,10 @@ class UringEngine(IoEngine):
             "worker_max_inflight_bytes": [w["max_inflight_bytes"] for w in self._workers_info],
             "staging": any(w["staging_bytes"] for w in self._workers_info),
             "worker_staging_bytes": [w["staging_bytes"] for w in self._workers_info],
+            "worker_staging": [
+                (w["staging_addr"], w["staging_bytes"])
+                for w in self._workers_info
+                if w["staging_bytes"]
+            ],
             "staged_bytes": sum(w.get("staged_bytes", 0) for w in self._native.worker_stats()),
         }
