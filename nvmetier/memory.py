@@ -135,3 +135,65 @@ def describe_primary(buffer: Any) -> dict[str, Any]:
         "thp_enabled": _selected(os.path.join(_THP, "enabled")),
         "thp_shmem_enabled": shmem_thp_mode(),
     }
+
+
+def probe_shm_pages(shm_dir: str = "/dev/shm", length: int = 4 << 20) -> dict[str, Any]:
+    """What pages a CPU tier made as vLLM makes its own would get here.
+
+    Creates a ``length``-byte file in ``shm_dir``, unlinks it, maps it shared,
+    populates it with ``MADV_POPULATE_WRITE`` (as ``SharedOffloadRegion``
+    does) and reads its huge-page share from smaps; the mapping is gone when
+    this returns. Never raises: a failure is reported in ``error``.
+    """
+    import mmap
+
+    out: dict[str, Any] = {
+        "shm_dir": shm_dir,
+        "thp_enabled": _selected(os.path.join(_THP, "enabled")),
+        "thp_shmem_enabled": shmem_thp_mode(),
+        "mount_huge": _mount_option(shm_dir, "huge"),
+    }
+    path = os.path.join(shm_dir, f"nvmetier_probe_{os.getpid()}.mmap")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.unlink(path)
+            os.ftruncate(fd, length)
+            m = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        try:
+            try:
+                m.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23), 0, length)
+            except OSError:
+                m.write(b"\0" * length)
+            address, n = buffer_address(m)
+            out["huge_page_share"] = round(huge_page_bytes(address, n) / n, 3)
+        finally:
+            m.close()
+    except OSError as exc:
+        out["error"] = f"{path}: {exc.strerror or exc}"
+    return out
+
+
+def _mount_option(path: str, key: str) -> str | None:
+    """``key=value``'s value among the mount options of the mount holding ``path``."""
+    best, value = "", None
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 4:
+                    continue
+                mnt = parts[1]
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best
+                ):
+                    best = mnt
+                    value = None
+                    for opt in parts[3].split(","):
+                        if opt.startswith(key + "="):
+                            value = opt.split("=", 1)[1]
+    except OSError:
+        return None
+    return value

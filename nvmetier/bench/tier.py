@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _note_drop, _phases
-from nvmetier.bench.machine import _Cpu, _settle_heap
+from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests
 from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
 
@@ -116,7 +116,8 @@ def run_tier_level(
             _settle_heap()
             res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed)
             if timed:
-                log(_phase_line(res))
+                rq = res.extra.get("disk_requests_per_chunk")
+                log(_phase_line(res) + (f" disk_reqs/chunk={rq}" if rq is not None else ""))
                 results.append(res)
         stats = store.stats()
         desc = store.describe()
@@ -174,6 +175,7 @@ def _tier_phase(
     job_id = 0
     perf = time.perf_counter
     deadline = perf() + (args.runtime if timed and args.runtime > 0 else 1e12)
+    disk0 = disk_requests(args.dir)
     cpu = _Cpu()
     t0 = perf()
     while True:
@@ -215,6 +217,13 @@ def _tier_phase(
             free.extend(rows)
     elapsed = perf() - t0
     usr, sys_ = cpu.stop()
+    disk1 = disk_requests(args.dir)
+    per_chunk = None
+    if disk0 is not None and disk1 is not None and ops:
+        i = 0 if is_load else 1
+        # Block requests the drive completed per chunk moved: above 1 (2 MiB)
+        # when the kernel split chunks (scattered pages, max_sectors_kb).
+        per_chunk = round((disk1[i] - disk0[i]) / ops, 2)
     mode = getattr(args, "staging_mode", "auto")
     return PhaseResult(
         level="tier",
@@ -233,5 +242,6 @@ def _tier_phase(
             "job_chunks": jc,
             "latency_unit": "job",
             "wrong_bytes_loaded": bad_bytes,
+            "disk_requests_per_chunk": per_chunk,
         },
     )
