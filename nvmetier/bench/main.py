@@ -40,7 +40,7 @@ from nvmetier.bench.report import (
     summarize,
     summary_table,
 )
-from nvmetier.bench.tier import run_tier_level
+from nvmetier.bench.tier import run_tier_level, tier_target
 from nvmetier.bench.trace import ROUTES, run_trace_level
 from nvmetier.bench.vllm import run_vllm_level
 from nvmetier.config import parse_size
@@ -130,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm level: pause before re-scanning keys a tier answered RETRY (a step)",
     )
     p.add_argument("--job-chunks", type=int, default=1, help="tier level: chunks per job")
+    p.add_argument(
+        "--primary-shm",
+        default="/dev/shm",
+        help="tier level: the tmpfs folder(s) the primary's file is made in, comma-separated "
+        "(each is a target; e.g. a tmpfs mounted huge=within_size beside /dev/shm)",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -520,13 +526,17 @@ def _targets(
 
             out.append((f"engine-{e}", engine))
         elif args.level == "tier":
-            for mode in args.staging_modes:
+            for shm in [d.strip() for d in args.primary_shm.split(",") if d.strip()]:
+                for mode in args.staging_modes:
 
-                def tier(bs: int, e: str = e, mode: str = mode) -> list[PhaseResult]:
-                    args.staging_mode = mode
-                    return run_tier_level(args, bs, e, log)
+                    def tier(
+                        bs: int, e: str = e, mode: str = mode, shm: str = shm
+                    ) -> list[PhaseResult]:
+                        args.staging_mode = mode
+                        args.primary_shm_dir = shm
+                        return run_tier_level(args, bs, e, log)
 
-                out.append((f"nvmetier-{e}" + ("" if mode == "auto" else f"-staging-{mode}"), tier))
+                    out.append((tier_target(e, mode, shm), tier))
         else:
 
             def vllm(bs: int, e: str = e) -> list[PhaseResult]:

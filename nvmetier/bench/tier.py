@@ -51,7 +51,16 @@ def _tier_config(
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
-def vllm_like_primary(length: int, tag: str = "bench") -> mmap.mmap:
+def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
+    """The tier level's target name: ``nvmetier-ENGINE``, then ``-staging-MODE``
+    unless auto, then ``@DIR`` for a primary outside ``/dev/shm``."""
+    name = f"nvmetier-{engine}" + ("" if staging == "auto" else f"-staging-{staging}")
+    if shm_dir and shm_dir.rstrip("/") != "/dev/shm":
+        name += "@" + shm_dir.rstrip("/")
+    return name
+
+
+def vllm_like_primary(length: int, tag: str = "bench", shm_dir: str | None = None) -> mmap.mmap:
     """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
 
     vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
@@ -60,10 +69,10 @@ def vllm_like_primary(length: int, tag: str = "bench") -> mmap.mmap:
     it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
     4 KiB and physically scattered unless the host enables shmem huge pages
     (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
-    ``NVMETIER_BENCH_SHM_DIR`` picks another tmpfs (e.g. one mounted
-    ``huge=within_size``) to measure that case.
+    ``shm_dir`` (else ``NVMETIER_BENCH_SHM_DIR``, else ``/dev/shm``) picks
+    another tmpfs, e.g. one mounted ``huge=within_size``, to measure that case.
     """
-    shm_dir = os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
+    shm_dir = shm_dir or os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
     path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
@@ -91,7 +100,8 @@ def run_tier_level(
     roots = [os.path.join(d, f"tier-{engine_name}-{bs}") for d in dirs]
     root = roots[0]
     cfg = _tier_config(args, roots if len(roots) > 1 else root, bs, n)
-    buf = vllm_like_primary(rows * bs)
+    shm_dir = getattr(args, "primary_shm_dir", None)
+    buf = vllm_like_primary(rows * bs, shm_dir=shm_dir)
     pattern = os.urandom(bs)
     for r in range(rows):
         buf[r * bs : (r + 1) * bs] = pattern
@@ -227,7 +237,7 @@ def _tier_phase(
     mode = getattr(args, "staging_mode", "auto")
     return PhaseResult(
         level="tier",
-        target=f"nvmetier-{store.engine_name}" + ("" if mode == "auto" else f"-staging-{mode}"),
+        target=tier_target(store.engine_name, mode, getattr(args, "primary_shm_dir", None)),
         phase=phase,
         bs=bs,
         bytes=moved,
