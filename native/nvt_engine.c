@@ -450,8 +450,12 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             r->stage_units = s->stage_units;
             r->length = length;
             r->seed = s->op.seed;
-            s->stage = NULL; /* the span is given back once copied out */
-            w->inflight_bytes -= length;
+            /* A staged read keeps its span, and its bytes count as in
+             * flight, until it is copied out: the arena (sized to the byte
+             * cap) then always has room for the ops the cap lets in. */
+            if (!s->stage)
+                w->inflight_bytes -= length;
+            s->stage = NULL;
             w->free_slots[w->n_free++] = idx;
             return;
         }
@@ -646,14 +650,16 @@ static void io_run(nvt_worker *w) {
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &w->slots[w->taken[i]];
             stage_take(w, s);
-            if (s->stage && s->op.kind == NVT_OP_WRITE) {
-                /* Hash the copy: the bytes written are the bytes hashed even
-                 * if the caller touches its row meanwhile. */
+            if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum)
                 memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
-            }
             if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
-                const uint8_t *src = s->stage ? s->stage : e->buf + s->op.buf_offset;
-                s->checksum = nvt_xxh3(src, (size_t)s->op.length, s->op.seed);
+                /* Staged: hash the copy, in the same pass as the copy, so the
+                 * bytes written are the bytes hashed even if the caller
+                 * touches its row meanwhile. */
+                s->checksum = s->stage ? nvt_xxh3_copy(s->stage, e->buf + s->op.buf_offset,
+                                                       (size_t)s->op.length, s->op.seed)
+                                       : nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length,
+                                                  s->op.seed);
                 hashed += (uint64_t)s->op.length;
                 __atomic_fetch_add(&w->n_hashed, (uint64_t)s->op.length, __ATOMIC_RELAXED);
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
@@ -664,21 +670,26 @@ static void io_run(nvt_worker *w) {
             io_prep(w, w->taken[i]);
         }
 
+        int freed = 0; /* staged reads gave bytes back: more ops may fit now */
         if (w->n_reads) {
             if (io_uring_sq_ready(&w->ring))
                 io_uring_submit(&w->ring);
             batch_reserve_hard(&w->out, w->n_reads);
             for (unsigned i = 0; i < w->n_reads; i++) {
                 nvt_read_done *r = &w->reads[i];
-                const uint8_t *data = r->data;
+                uint64_t sum;
                 if (r->dst) {
-                    /* Copy out first and hash the copy: the checksum covers
-                     * the bytes the caller gets (and finds them in cache). */
-                    memcpy(r->dst, r->data, (size_t)r->length);
+                    /* Copy out and hash the copy in one pass: the checksum
+                     * covers the bytes the caller gets. The span and its
+                     * bytes in flight are given back only now. */
+                    sum = nvt_xxh3_copy(r->dst, r->data, (size_t)r->length, r->seed);
                     stage_give(w, r->stage_first, r->stage_units);
-                    data = r->dst;
+                    w->inflight_bytes -= r->length;
+                    freed = 1;
+                } else {
+                    sum = nvt_xxh3(r->data, r->length, r->seed);
                 }
-                batch_push(&w->out, r->op_id, (int64_t)r->length, nvt_xxh3(data, r->length, r->seed));
+                batch_push(&w->out, r->op_id, (int64_t)r->length, sum);
                 io_count(w, (int64_t)r->length);
                 __atomic_fetch_add(&w->n_hashed, r->length, __ATOMIC_RELAXED);
             }
@@ -689,7 +700,12 @@ static void io_run(nvt_worker *w) {
         if (stop && w->n_free == qd)
             break; /* closing, and nothing left in the ring */
 
-        int ret = io_uring_submit_and_wait(&w->ring, 1);
+        /* Bytes given back by staged reads let queued ops in: take them
+         * before sleeping on the ring (pend_len read racily, as a hint; a
+         * miss only waits for the next completion). */
+        int ret = freed && __atomic_load_n(&w->pend_len, __ATOMIC_RELAXED)
+                      ? io_uring_submit(&w->ring)
+                      : io_uring_submit_and_wait(&w->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
             /* Not expected with a ring this thread sized itself; back off
              * rather than spin, and keep reaping what completes. A ring that

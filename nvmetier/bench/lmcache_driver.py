@@ -86,7 +86,6 @@ def _make_adapter(args: argparse.Namespace, root: str):  # type: ignore[no-untyp
             "use_odirect": True,
             "io_engine": args.raw_block_engine,
             "iouring_queue_depth": max(32, args.iodepth),
-            "meta_enable_periodic": False,
             "load_checkpoint_on_init": False,
             "num_load_workers": args.workers,
             "num_store_workers": max(2, args.workers // 2),
