@@ -450,11 +450,10 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             r->stage_units = s->stage_units;
             r->length = length;
             r->seed = s->op.seed;
-            /* A staged read keeps its span, and its bytes count as in
-             * flight, until it is copied out: the arena (sized to the byte
-             * cap) then always has room for the ops the cap lets in. */
-            if (!s->stage)
-                w->inflight_bytes -= length;
+            /* A staged read keeps its span until it is copied out, but its
+             * bytes leave the cap now, so the ring is refilled before the
+             * copy; the arena holds twice the cap for that. */
+            w->inflight_bytes -= length;
             s->stage = NULL;
             w->free_slots[w->n_free++] = idx;
             return;
@@ -545,8 +544,10 @@ static int io_setup(nvt_worker *w) {
 
     if (e->cfg.staging_bytes) {
         /* Without an arena every op moves directly, as before. */
-        /* As large as the worker's byte cap: all it has in flight fits. */
-        uint64_t want = e->cfg.staging_bytes < w->max_inflight_bytes ? e->cfg.staging_bytes : w->max_inflight_bytes;
+        /* Twice the worker's byte cap: what it has in flight, plus reads
+         * reaped and still waiting for their copy out. */
+        uint64_t cap2 = 2 * w->max_inflight_bytes;
+        uint64_t want = e->cfg.staging_bytes < cap2 ? e->cfg.staging_bytes : cap2;
         int sret = stage_open(w, want);
         if (sret < 0)
             w->info.staging_errno = -sret;
@@ -670,7 +671,6 @@ static void io_run(nvt_worker *w) {
             io_prep(w, w->taken[i]);
         }
 
-        int freed = 0; /* staged reads gave bytes back: more ops may fit now */
         if (w->n_reads) {
             if (io_uring_sq_ready(&w->ring))
                 io_uring_submit(&w->ring);
@@ -684,8 +684,6 @@ static void io_run(nvt_worker *w) {
                      * bytes in flight are given back only now. */
                     sum = nvt_xxh3_copy(r->dst, r->data, (size_t)r->length, r->seed);
                     stage_give(w, r->stage_first, r->stage_units);
-                    w->inflight_bytes -= r->length;
-                    freed = 1;
                 } else {
                     sum = nvt_xxh3(r->data, r->length, r->seed);
                 }
@@ -700,12 +698,7 @@ static void io_run(nvt_worker *w) {
         if (stop && w->n_free == qd)
             break; /* closing, and nothing left in the ring */
 
-        /* Bytes given back by staged reads let queued ops in: take them
-         * before sleeping on the ring (pend_len read racily, as a hint; a
-         * miss only waits for the next completion). */
-        int ret = freed && __atomic_load_n(&w->pend_len, __ATOMIC_RELAXED)
-                      ? io_uring_submit(&w->ring)
-                      : io_uring_submit_and_wait(&w->ring, 1);
+        int ret = io_uring_submit_and_wait(&w->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY && ret != -ETIME) {
             /* Not expected with a ring this thread sized itself; back off
              * rather than spin, and keep reaping what completes. A ring that

@@ -91,8 +91,8 @@ typedef struct {
      * writes, and no other process reclaims a slot those writes may still
      * land on. */
     int keepalive_fd;
-    /* Staging memory per worker, at most this many bytes and at most the
-     * worker's max_inflight_bytes (0: none). An op that gets a span
+    /* Staging memory per worker, at most this many bytes and at most twice
+     * the worker's max_inflight_bytes (0: none). An op that gets a span
      * of it moves through it: a read lands there, is hashed there and is
      * copied into the buffer; a write is copied there, hashed and written
      * from there. The arena is private memory advised for transparent huge

@@ -151,8 +151,9 @@ def test_uring_staging_arena_is_mapped_per_worker_within_its_byte_cap(
         assert d["staging"] is True
         sizes = d["worker_staging_bytes"]
         assert isinstance(sizes, list) and sizes and all(s > 0 for s in sizes)
-        # The cap (3 rows) rounded up to whole 2 MiB pages.
-        assert all(s == 4 << 20 for s in sizes)
+        # Twice the cap (3 rows: in flight, and reaped awaiting their copy),
+        # in whole 2 MiB pages.
+        assert all(s == 6 << 20 for s in sizes)
     finally:
         engine.close()
         os.close(fd)
