@@ -394,6 +394,15 @@ class BlockStore:
         return self._table is not None and bool(self._table.inflight()[1])
 
     # ----------------------------------------------------------- blocking
+    def wait_completions(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for the engine's next completion and apply
+        what came (the GIL is released while waiting); the jobs it finished
+        wait for ``poll``. For callers that have nothing else to do, e.g. a
+        benchmark, instead of polling in a loop. Scheduler thread only."""
+        table = self._table
+        if table is not None and timeout_s > 0:
+            table.collect(float(timeout_s))
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted op completed and was collected.
 

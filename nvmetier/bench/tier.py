@@ -207,7 +207,9 @@ def _tier_phase(
             break
         outs = store.poll()
         if not outs:
-            time.sleep(50e-6)
+            # Block in the engine (GIL released) rather than spin: on a small
+            # machine a polling loop takes CPU from the tier's own I/O threads.
+            store.wait_completions(0.002)
             continue
         now = perf()
         for o in outs:

@@ -246,3 +246,35 @@ def test_store_logs_the_primary_backing_and_the_staging_choice(
         assert line and "primary 8 MiB" in line[0] and "staging on" in line[0]
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_wait_completions_blocks_until_a_job_can_be_polled(
+    name: str, shm_region: mmap.mmap, tmp_path
+) -> None:
+    cfg = TierConfig.from_dict(
+        {"root_dir": str(tmp_path), "capacity_bytes": 64 << 20, "persist": False}
+    )
+    store = BlockStore(
+        cfg,
+        store_name="t",
+        identity={"t": 1},
+        buffer=memoryview(shm_region),
+        row_bytes=ROW,
+        engine=name,
+    )
+    try:
+        shm_region[0:ROW] = os.urandom(ROW)
+        store.submit_store(1, [b"k"], [0])
+        done = []
+        deadline = time.monotonic() + 30
+        while not done:
+            assert time.monotonic() < deadline
+            store.wait_completions(1.0)
+            done = store.poll()
+        assert done[0].job_id == 1 and done[0].success
+        t0 = time.monotonic()
+        store.wait_completions(0.05)  # nothing in flight: returns by the timeout
+        assert time.monotonic() - t0 < 5
+    finally:
+        store.close()
