@@ -28,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -52,6 +53,13 @@
  * kernel took to come back; then they fail and the thread exits anyway (its
  * ring's teardown cancels them in the kernel), so close() always returns. */
 #define NVT_STOP_GRACE_MS 5000
+/* The staging arena is handed out in spans of this many bytes; it is mapped
+ * 2 MiB-aligned so that each transparent huge page is one whole piece. */
+#define NVT_STAGE_UNIT_BYTES (64ULL << 10)
+#define NVT_HUGE_PAGE_BYTES (2ULL << 20)
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14 */
+#endif
 
 /* liburing 2.3 predates buffer cloning: the opcode and argument of
  * IORING_REGISTER_CLONE_BUFFERS (kernel 6.12+), called by raw syscall. */
@@ -69,6 +77,8 @@ typedef struct {
     nvt_op op;
     uint64_t moved;     /* bytes transferred so far */
     uint64_t checksum;  /* writes: hash of the payload, taken before the first SQE */
+    uint8_t *stage;     /* the op's span of the staging arena, or NULL: moves directly */
+    uint32_t stage_first, stage_units;
 } nvt_slot;
 
 /* A read that has left the ring and waits to be hashed. */
@@ -77,6 +87,8 @@ typedef struct {
     const uint8_t *data;
     uint64_t length;
     uint64_t seed;
+    uint8_t *dst;       /* staged: where the bytes go in the buffer (NULL: data is there) */
+    uint32_t stage_first, stage_units;
 } nvt_read_done;
 
 typedef struct nvt_worker {
@@ -123,6 +135,15 @@ typedef struct nvt_worker {
     nvt_completion_batch out; /* completions reaped but not yet published */
     uint64_t n_ops, n_bytes, n_hashed; /* atomics: stats */
     int failed_hint; /* atomic copy of `failed` for routing without the lock */
+    /* The staging arena (see nvt_config.staging_bytes), owned by the I/O
+     * thread: mapped in io_setup, unmapped by worker_destroy. */
+    void *stage_map;
+    size_t stage_map_len;
+    uint8_t *stage;        /* 2 MiB-aligned start */
+    uint32_t stage_units;  /* spans of NVT_STAGE_UNIT_BYTES */
+    uint8_t *stage_used;   /* per unit: 1 while an op holds it */
+    uint32_t stage_hint;   /* where the next first-fit search starts */
+    uint64_t n_staged;     /* atomic: bytes of ops that moved through the arena */
 } nvt_worker;
 
 struct nvt_engine {
@@ -378,6 +399,76 @@ static void io_arm_wake(nvt_worker *w) {
     w->wake_armed = 1;
 }
 
+/* Map the staging arena: private memory advised for huge pages (refused
+ * where THP is off: the arena still works, in whatever pieces it gets), and
+ * faulted in now so the first ops do not pay for it. */
+static int stage_open(nvt_worker *w, uint64_t bytes) {
+    uint64_t len = (bytes + NVT_HUGE_PAGE_BYTES - 1) / NVT_HUGE_PAGE_BYTES * NVT_HUGE_PAGE_BYTES;
+    if (len / NVT_STAGE_UNIT_BYTES > UINT32_MAX)
+        return -EINVAL;
+    size_t map_len = (size_t)(len + NVT_HUGE_PAGE_BYTES);
+    void *m = mmap(NULL, map_len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED)
+        return -errno;
+    uint8_t *base = (uint8_t *)(((uintptr_t)m + NVT_HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(NVT_HUGE_PAGE_BYTES - 1));
+    uint32_t units = (uint32_t)(len / NVT_STAGE_UNIT_BYTES);
+    uint8_t *used = calloc(units, 1);
+    if (!used) {
+        munmap(m, map_len);
+        return -ENOMEM;
+    }
+    (void)madvise(base, (size_t)len, MADV_HUGEPAGE);
+    if (madvise(base, (size_t)len, MADV_POPULATE_WRITE) != 0)
+        memset(base, 0, (size_t)len);
+    w->stage_map = m;
+    w->stage_map_len = map_len;
+    w->stage = base;
+    w->stage_units = units;
+    w->stage_used = used;
+    w->info.staging_bytes = len;
+    w->info.staging_addr = (uint64_t)(uintptr_t)base;
+    return 0;
+}
+
+/* Give slot `s` a span of the arena for its op (first fit from a rotating
+ * start), or leave it direct when none is free. I/O thread only. */
+static void stage_take(nvt_worker *w, nvt_slot *s) {
+    s->stage = NULL;
+    if (!w->stage_units || s->op.length <= 0)
+        return;
+    uint64_t need64 = ((uint64_t)s->op.length + NVT_STAGE_UNIT_BYTES - 1) / NVT_STAGE_UNIT_BYTES;
+    if (need64 > w->stage_units)
+        return;
+    uint32_t need = (uint32_t)need64, n = w->stage_units;
+    uint32_t start = w->stage_hint + need <= n ? w->stage_hint : 0;
+    for (int pass = 0; pass < 2; pass++) {
+        uint32_t run = 0;
+        uint32_t lo = pass ? 0 : start, hi = pass ? start + need - 1 : n;
+        if (hi > n)
+            hi = n;
+        for (uint32_t i = lo; i < hi; i++) {
+            if (w->stage_used[i]) {
+                run = 0;
+                continue;
+            }
+            if (++run == need) {
+                uint32_t first = i + 1 - need;
+                memset(w->stage_used + first, 1, need);
+                w->stage_hint = i + 1 < n ? i + 1 : 0;
+                s->stage = w->stage + (uint64_t)first * NVT_STAGE_UNIT_BYTES;
+                s->stage_first = first;
+                s->stage_units = need;
+                __atomic_fetch_add(&w->n_staged, (uint64_t)s->op.length, __ATOMIC_RELAXED);
+                return;
+            }
+        }
+    }
+}
+
+static void stage_give(nvt_worker *w, uint32_t first, uint32_t units) {
+    memset(w->stage_used + first, 0, units);
+}
+
 /* Prep the SQE moving the next part of slot `idx` (all of it, unless it
  * crosses a registered-buffer boundary or exceeds one SQE). */
 static void io_prep(nvt_worker *w, unsigned idx) {
@@ -390,7 +481,17 @@ static void io_prep(nvt_worker *w, unsigned idx) {
     int fd = w->info.fixed_files ? (int)s->op.file_idx : e->fds[s->op.file_idx];
     struct io_uring_sqe *sqe = io_get_sqe(w);
 
-    if (w->info.registered_buffers) {
+    if (s->stage) {
+        /* The arena is not registered: a plain transfer (its huge pages
+         * pin in a few steps each). */
+        addr = s->stage + s->moved;
+        if (n > NVT_MAX_SQE_BYTES)
+            n = NVT_MAX_SQE_BYTES;
+        if (s->op.kind == NVT_OP_WRITE)
+            io_uring_prep_write(sqe, fd, addr, (unsigned)n, file_off);
+        else
+            io_uring_prep_read(sqe, fd, addr, (unsigned)n, file_off);
+    } else if (w->info.registered_buffers) {
         uint64_t chunk = e->cfg.register_chunk_bytes;
         uint64_t chunk_end = (off / chunk + 1) * chunk;
         int buf_index = (int)(off / chunk);
@@ -421,6 +522,14 @@ static void io_count(nvt_worker *w, int64_t result) {
 
 static void io_finish(nvt_worker *w, unsigned idx, int64_t result, uint64_t checksum) {
     nvt_slot *s = &w->slots[idx];
+    if (s->stage) {
+        /* A staged read that asked for no hash lands in the buffer now; a
+         * failed op leaves the buffer untouched (as a direct op's might not). */
+        if (s->op.kind == NVT_OP_READ && result > 0)
+            memcpy(w->e->buf + s->op.buf_offset, s->stage, (size_t)s->op.length);
+        stage_give(w, s->stage_first, s->stage_units);
+        s->stage = NULL;
+    }
     batch_reserve_hard(&w->out, 1);
     batch_push(&w->out, s->op.op_id, result, checksum);
     io_count(w, result);
@@ -450,10 +559,17 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
              * now (the caller owns the buffer range until the completion). */
             nvt_read_done *r = &w->reads[w->n_reads++];
             r->op_id = s->op.op_id;
-            r->data = w->e->buf + s->op.buf_offset;
+            r->data = s->stage ? s->stage : w->e->buf + s->op.buf_offset;
+            r->dst = s->stage ? w->e->buf + s->op.buf_offset : NULL;
+            r->stage_first = s->stage_first;
+            r->stage_units = s->stage_units;
             r->length = length;
             r->seed = s->op.seed;
+            /* A staged read keeps its span until it is copied out, but its
+             * bytes leave the cap now, so the ring is refilled before the
+             * copy; the arena holds twice the cap for that. */
             w->inflight_bytes -= length;
+            s->stage = NULL;
             w->free_slots[w->n_free++] = idx;
             return;
         }
@@ -581,6 +697,16 @@ static int io_setup(nvt_worker *w) {
     if (ret < 0)
         return ret;
 
+    if (e->cfg.staging_bytes) {
+        /* Without an arena every op moves directly, as before. */
+        /* Twice the worker's byte cap: what it has in flight, plus reads
+         * reaped and still waiting for their copy out. */
+        uint64_t cap2 = 2 * w->max_inflight_bytes;
+        uint64_t want = e->cfg.staging_bytes < cap2 ? e->cfg.staging_bytes : cap2;
+        int sret = stage_open(w, want);
+        if (sret < 0)
+            w->info.staging_errno = -sret;
+    }
     if (e->cfg.register_buffers && e->buf_len > 0) {
         if (e->n_workers == 1) {
             ret = ring_register_buffers(e, &w->ring);
@@ -679,8 +805,17 @@ static void io_run(nvt_worker *w) {
         uint64_t hashed = 0;
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &w->slots[w->taken[i]];
+            stage_take(w, s);
+            if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum)
+                memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
             if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
-                s->checksum = nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length, s->op.seed);
+                /* Staged: hash the copy, in the same pass as the copy, so the
+                 * bytes written are the bytes hashed even if the caller
+                 * touches its row meanwhile. */
+                s->checksum = s->stage ? nvt_xxh3_copy(s->stage, e->buf + s->op.buf_offset,
+                                                       (size_t)s->op.length, s->op.seed)
+                                       : nvt_xxh3(e->buf + s->op.buf_offset, (size_t)s->op.length,
+                                                  s->op.seed);
                 hashed += (uint64_t)s->op.length;
                 __atomic_fetch_add(&w->n_hashed, (uint64_t)s->op.length, __ATOMIC_RELAXED);
                 if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
@@ -697,7 +832,17 @@ static void io_run(nvt_worker *w) {
             batch_reserve_hard(&w->out, w->n_reads);
             for (unsigned i = 0; i < w->n_reads; i++) {
                 nvt_read_done *r = &w->reads[i];
-                batch_push(&w->out, r->op_id, (int64_t)r->length, nvt_xxh3(r->data, r->length, r->seed));
+                uint64_t sum;
+                if (r->dst) {
+                    /* Copy out and hash the copy in one pass: the checksum
+                     * covers the bytes the caller gets. The span and its
+                     * bytes in flight are given back only now. */
+                    sum = nvt_xxh3_copy(r->dst, r->data, (size_t)r->length, r->seed);
+                    stage_give(w, r->stage_first, r->stage_units);
+                } else {
+                    sum = nvt_xxh3(r->data, r->length, r->seed);
+                }
+                batch_push(&w->out, r->op_id, (int64_t)r->length, sum);
                 io_count(w, (int64_t)r->length);
                 __atomic_fetch_add(&w->n_hashed, r->length, __ATOMIC_RELAXED);
             }
@@ -799,6 +944,9 @@ static void worker_destroy(nvt_worker *w) {
     free(w->reads);
     free(w->pend);
     free(w->out.items);
+    free(w->stage_used);
+    if (w->stage_map)
+        munmap(w->stage_map, w->stage_map_len);
 }
 
 static void engine_destroy(nvt_engine *e) {
@@ -999,6 +1147,7 @@ void nvt_engine_worker_stats(nvt_engine *e, unsigned w, nvt_worker_stats *out) {
     out->ops = __atomic_load_n(&wk->n_ops, __ATOMIC_RELAXED);
     out->bytes = __atomic_load_n(&wk->n_bytes, __ATOMIC_RELAXED);
     out->hashed = __atomic_load_n(&wk->n_hashed, __ATOMIC_RELAXED);
+    out->staged = __atomic_load_n(&wk->n_staged, __ATOMIC_RELAXED);
     out->failed_errno = __atomic_load_n(&wk->failed_hint, __ATOMIC_RELAXED);
     out->cpu_s = 0;
     if (e->forked)

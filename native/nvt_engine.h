@@ -91,6 +91,18 @@ typedef struct {
      * writes, and no other process reclaims a slot those writes may still
      * land on. */
     int keepalive_fd;
+    /* Staging memory per worker, at most this many bytes and at most twice
+     * the worker's max_inflight_bytes (0: none). An op that gets a span
+     * of it moves through it: a read lands there, is hashed there and is
+     * copied into the buffer; a write is copied there, hashed and written
+     * from there. The arena is private memory advised for transparent huge
+     * pages, so each 2 MiB of it is one physically contiguous piece: a
+     * buffer of scattered 4 KiB pages (vLLM's /dev/shm primary) costs one
+     * block-device segment per page, and a virtio disk without indirect
+     * descriptors (or an NVMe drive's PRP/SGL limits) then splits a 2 MiB op
+     * into several requests and fills its ring with one op. An op that finds
+     * no free span (or is larger than the arena) moves directly. */
+    uint64_t staging_bytes;
 } nvt_config;
 
 /* How a worker's ring got the buffer registered. */
@@ -110,6 +122,9 @@ typedef struct {
     unsigned setup_flags;    /* IORING_SETUP_* the ring was created with */
     unsigned queue_depth;    /* ops in this ring at once */
     uint64_t max_inflight_bytes; /* bytes in this ring at once */
+    uint64_t staging_bytes;  /* the worker's staging arena (0: none) */
+    uint64_t staging_addr;   /* its address, for /proc/self/smaps look-ups */
+    int staging_errno;       /* why the arena could not be mapped (0: ok or not asked) */
 } nvt_engine_info;
 
 /* Running counters of one worker (read racily: for rates, not accounting). */
@@ -117,6 +132,7 @@ typedef struct {
     uint64_t ops;        /* ops completed */
     uint64_t bytes;      /* bytes moved by successful ops */
     uint64_t hashed;     /* bytes hashed */
+    uint64_t staged;     /* bytes of ops that moved through the staging arena */
     double cpu_s;        /* CPU time of the worker's thread */
     int failed_errno;    /* != 0: the ring failed; its ops fail with -failed_errno */
 } nvt_worker_stats;

@@ -12,6 +12,12 @@
 
 uint64_t nvt_xxh3(const void *data, size_t len, uint64_t seed);
 
+/* Copy `len` bytes from `src` to `dst` (not overlapping) and return
+ * XXH3-64(seed) of them, in one pass: each 64 KiB block is hashed from `dst`
+ * right after it was copied, while it is still in cache. Equal to
+ * memcpy + nvt_xxh3(dst, len, seed). */
+uint64_t nvt_xxh3_copy(void *dst, const void *src, size_t len, uint64_t seed);
+
 /* Which implementation nvt_xxh3 uses: "avx2" or "baseline". */
 const char *nvt_xxh3_impl(void);
 
@@ -19,6 +25,7 @@ const char *nvt_xxh3_impl(void);
 #define NVT_HAVE_AVX2_HASH 1
 /* In nvt_hash_avx2.c; call only where the CPU supports AVX2. */
 uint64_t nvt_xxh3_avx2(const void *data, size_t len, uint64_t seed);
+uint64_t nvt_xxh3_copy_avx2(void *dst, const void *src, size_t len, uint64_t seed);
 #endif
 
 #endif /* NVT_HASH_H */

@@ -5,6 +5,8 @@
  */
 #include "nvt_hash.h"
 
+#include <string.h>
+
 #ifdef NVT_HAVE_AVX2_HASH
 #pragma GCC target("avx2")
 #define XXH_INLINE_ALL
@@ -13,6 +15,18 @@
 
 uint64_t nvt_xxh3_avx2(const void *data, size_t len, uint64_t seed) {
     return XXH3_64bits_withSeed(data, len, seed);
+}
+
+uint64_t nvt_xxh3_copy_avx2(void *dst, const void *src, size_t len, uint64_t seed) {
+    XXH3_state_t st;
+    memset(&st, 0, sizeof(st)); /* reset leaves fields GCC cannot see set */
+    XXH3_64bits_reset_withSeed(&st, seed);
+    for (size_t off = 0; off < len; off += (64u << 10)) {
+        size_t n = len - off < (64u << 10) ? len - off : (64u << 10);
+        memcpy((uint8_t *)dst + off, (const uint8_t *)src + off, n);
+        XXH3_64bits_update(&st, (const uint8_t *)dst + off, n);
+    }
+    return XXH3_64bits_digest(&st);
 }
 #else
 /* ISO C wants at least one declaration in a translation unit. */

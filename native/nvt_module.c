@@ -125,15 +125,21 @@ static void nvt_drop_completions(nvt_completion_batch *b) {
 
 static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", "fds", "queue_depth", "max_inflight_bytes", "register_buffers",
-                             "fixed_files", "register_chunk_bytes", "workers", "keepalive_fd", NULL};
+                             "fixed_files", "register_chunk_bytes", "workers", "keepalive_fd", "staging_bytes",
+                             NULL};
     PyObject *buffer, *fds_obj;
     int queue_depth = 64, register_buffers = 1, fixed_files = 1, workers = 1, keepalive_fd = -1;
     long long max_inflight_bytes = 64LL << 20, chunk_bytes = (long long)NVT_MAX_REGISTER_CHUNK_BYTES;
+    long long staging_bytes = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLii", kwlist, &buffer, &fds_obj, &queue_depth,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLiiL", kwlist, &buffer, &fds_obj, &queue_depth,
                                      &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes,
-                                     &workers, &keepalive_fd))
+                                     &workers, &keepalive_fd, &staging_bytes))
         return NULL;
+    if (staging_bytes < 0 || staging_bytes > (1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "staging_bytes must be in 0..1 TiB, got %lld", staging_bytes);
+        return NULL;
+    }
     if (workers < 1 || workers > NVT_MAX_WORKERS) {
         PyErr_Format(PyExc_ValueError, "workers must be in 1..%d, got %d", NVT_MAX_WORKERS, workers);
         return NULL;
@@ -190,6 +196,7 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     self->cfg.register_chunk_bytes = (uint64_t)chunk_bytes;
     self->cfg.workers = (unsigned)workers;
     self->cfg.keepalive_fd = keepalive_fd < 0 ? -1 : keepalive_fd;
+    self->cfg.staging_bytes = (uint64_t)staging_bytes;
 
     int ret;
     nvt_engine *eng = NULL;
@@ -458,13 +465,16 @@ static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignor
             buf_err = in.buffers_errno;
         if (!file_err)
             file_err = in.files_errno;
-        PyObject *d = Py_BuildValue("{s:s,s:i,s:i,s:O,s:i,s:I,s:I,s:I,s:K}", "buffers",
+        PyObject *d = Py_BuildValue("{s:s,s:i,s:i,s:O,s:i,s:I,s:I,s:I,s:K,s:K,s:K,s:i}", "buffers",
                                     modes[in.registered_buffers], "buffers_errno", in.buffers_errno,
                                     "clone_errno", in.clone_errno, "fixed_files",
                                     in.fixed_files ? Py_True : Py_False, "files_errno", in.files_errno,
                                     "ring_entries", in.ring_entries, "setup_flags", in.setup_flags,
                                     "queue_depth", in.queue_depth, "max_inflight_bytes",
-                                    (unsigned long long)in.max_inflight_bytes);
+                                    (unsigned long long)in.max_inflight_bytes, "staging_bytes",
+                                    (unsigned long long)in.staging_bytes, "staging_addr",
+                                    (unsigned long long)in.staging_addr, "staging_errno",
+                                    in.staging_errno);
         if (!d) {
             Py_DECREF(list);
             return NULL;
@@ -485,7 +495,8 @@ static PyObject *NvtEngine_info(NvtEngineObject *self, PyObject *Py_UNUSED(ignor
 }
 
 PyDoc_STRVAR(worker_stats_doc, "worker_stats() -> list[dict]\n\n"
-                               "Per worker: ops completed, bytes moved, bytes hashed, CPU seconds of\n"
+                               "Per worker: ops completed, bytes moved, bytes hashed, bytes staged\n"
+                               "(moved through the staging arena), CPU seconds of\n"
                                "its thread, and failed_errno (0 unless its ring failed). Read without\n"
                                "locks: for rates, not for accounting.");
 
@@ -497,9 +508,10 @@ static PyObject *NvtEngine_worker_stats(NvtEngineObject *self, PyObject *Py_UNUS
     for (unsigned i = 0; i < n; i++) {
         nvt_worker_stats st;
         nvt_engine_worker_stats(self->eng, i, &st);
-        PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:d,s:i}", "ops", (unsigned long long)st.ops, "bytes",
+        PyObject *d = Py_BuildValue("{s:K,s:K,s:K,s:K,s:d,s:i}", "ops", (unsigned long long)st.ops, "bytes",
                                     (unsigned long long)st.bytes, "hashed_bytes",
-                                    (unsigned long long)st.hashed, "cpu_s", st.cpu_s, "failed_errno",
+                                    (unsigned long long)st.hashed, "staged_bytes",
+                                    (unsigned long long)st.staged, "cpu_s", st.cpu_s, "failed_errno",
                                     st.failed_errno);
         if (!d) {
             Py_DECREF(list);
@@ -571,9 +583,11 @@ static PyMethodDef NvtEngine_methods[] = {
 PyDoc_STRVAR(engine_doc,
              "Engine(buffer, fds, *, queue_depth=64, max_inflight_bytes=64 MiB,\n"
              "       register_buffers=True, fixed_files=True, register_chunk_bytes=1 GiB,\n"
-             "       workers=1)\n\n"
+             "       workers=1, keepalive_fd=-1, staging_bytes=0)\n\n"
              "`workers` io_urings, each driven by its own native thread, over a writable\n"
              "buffer and open fds (queue_depth is per drive, i.e. per fd).\n"
+             "staging_bytes > 0 gives each worker a huge-page staging arena that ops move\n"
+             "through (read there, copied into the buffer; see nvt_engine.h).\n"
              "Registration failures fall back to unregistered I/O (see info()). Raises OSError\n"
              "if the ring cannot be created.");
 

@@ -242,6 +242,7 @@ def store_info(
 def machine_info(root: str) -> dict[str, Any]:
     """Engine facts of this machine: io_uring and O_DIRECT at ``root``."""
     from nvmetier.engine import uring_status
+    from nvmetier.memory import probe_shm_pages
 
     uring_ok, uring_why = uring_status()
     o_direct_ok, o_direct_why = probe_o_direct(root)
@@ -251,6 +252,7 @@ def machine_info(root: str) -> dict[str, Any]:
         "o_direct_usable": o_direct_ok,
         "o_direct_reason": o_direct_why,
         "o_direct_dir": root,
+        "cpu_tier_pages": probe_shm_pages(),
     }
 
 
@@ -374,4 +376,25 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
     lines.append("this machine:")
     lines.append(f"  io_uring engine: {uring}")
     lines.append(f"  O_DIRECT:        {odirect} (probed in {m['o_direct_dir']})")
+    shm = m.get("cpu_tier_pages")
+    if shm:
+        lines.append(f"  CPU tier pages:  {_pages_line(shm)}")
     return "\n".join(lines)
+
+
+def _pages_line(shm: dict[str, Any]) -> str:
+    """What vLLM's CPU tier (a /dev/shm file) gets here, and what the tier does."""
+    modes = (
+        f"THP {shm.get('thp_enabled')}, shmem THP {shm.get('thp_shmem_enabled')}, "
+        f"{shm['shm_dir']} huge={shm.get('mount_huge') or 'never'}"
+    )
+    if "error" in shm:
+        return f"unknown ({shm['error']}; {modes})"
+    if shm.get("huge_page_share", 0) >= 0.9:
+        return f"2 MiB huge pages ({modes}): loads move straight into it"
+    staged = shm.get("thp_enabled") in ("always", "madvise")
+    return f"4 KiB pages ({modes}): " + (
+        "loads and stores are staged through huge pages (staging: auto)"
+        if staged
+        else "THP is off, so staging cannot help; see docs/vllm.md"
+    )

@@ -49,6 +49,7 @@ from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import SealingEngine, sealed_chunk_bytes
 from nvmetier.files import StoreFiles
+from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,11 @@ class BlockStore:
         self._stats["records_dropped_at_open"] += self.files.records_dropped
         try:
             self.open_time_s = time.monotonic() - t0
+            self.primary = describe_primary(self._buf)
+            stage, self.staging_reason = staging_wanted(config.staging, self._buf)
+            if stage and self._keys is not None:
+                # Sealing already goes through private bounce buffers: no second copy.
+                stage, self.staging_reason = False, "encryption seals through its own buffers"
             slot_bytes = self.sb.slot_bytes
 
             def inner(buf: memoryview) -> IoEngine:
@@ -256,6 +262,7 @@ class BlockStore:
                     io_workers=config.io_workers,
                     chunk_bytes=slot_bytes if self._keys else row_bytes,
                     keepalive_fd=self.files.registry_fd,
+                    staging=stage,
                 )
 
             if self._keys is None:
@@ -313,6 +320,23 @@ class BlockStore:
             self.engine_reason,
             self.files.o_direct,
             self.open_time_s,
+        )
+        # Which memory the primary is decides how fast O_DIRECT moves it
+        # (nvmetier.memory): say it once, with what was done about it.
+        arenas = self.engine.describe().get("worker_staging", [])
+        if isinstance(arenas, list) and arenas:
+            total = sum(int(n) for _a, n in arenas)
+            huge = sum(huge_page_bytes(int(a), int(n)) for a, n in arenas)
+            self.primary["staging_arena_bytes"] = total
+            self.primary["staging_arena_huge_page_bytes"] = huge
+            self.staging_reason += f" (arena {total >> 20} MiB, {huge >> 20} MiB in huge pages)"
+        logger.info(
+            "nvmetier: primary %d MiB, %d MiB of it in huge pages (THP %s, shmem THP %s); %s",
+            self.primary["primary_bytes"] >> 20,
+            self.primary["primary_huge_page_bytes"] >> 20,
+            self.primary["thp_enabled"],
+            self.primary["thp_shmem_enabled"],
+            self.staging_reason,
         )
         # Scheduler-thread state (jobs and completions live in the table).
         self._lookup_counts: dict[bytes, int] = {}
@@ -548,6 +572,15 @@ class BlockStore:
         return self._table is not None and bool(self._table.inflight()[1])
 
     # ----------------------------------------------------------- blocking
+    def wait_completions(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for the engine's next completion and apply
+        what came (the GIL is released while waiting); the jobs it finished
+        wait for ``poll``. For callers that have nothing else to do, e.g. a
+        benchmark, instead of polling in a loop. Scheduler thread only."""
+        table = self._table
+        if table is not None and timeout_s > 0:
+            table.collect(float(timeout_s))
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Block until every submitted op completed and was collected.
 
@@ -665,6 +698,8 @@ class BlockStore:
             "o_direct_reason": self.files.o_direct_reason,
             "engine_reason": self.engine_reason,
             "sharing": self.config.sharing,
+            "staging_reason": self.staging_reason,
+            **self.primary,
             **self.engine.describe(),
             "encryption": ENCRYPTION_ID if self._keys else None,
             "key_fingerprint": self._keys.fingerprint_hex if self._keys else None,

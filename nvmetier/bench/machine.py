@@ -140,3 +140,20 @@ def machine_info(directory: str) -> dict[str, Any]:
         "filesystem": _fs_of(directory),
         "free_bytes": shutil.disk_usage(directory).free,
     }
+
+
+def disk_requests(path: str) -> tuple[int, int] | None:
+    """(reads, writes) completed so far by the block device holding ``path``,
+    from /proc/diskstats (whole-device counts: other processes' I/O on the same
+    device is included). None where it cannot be told (tmpfs, no /proc)."""
+    try:
+        st = os.stat(path)
+        major, minor = os.major(st.st_dev), os.minor(st.st_dev)
+        with open("/proc/diskstats") as f:
+            for line in f:
+                p = line.split()
+                if int(p[0]) == major and int(p[1]) == minor:
+                    return int(p[3]), int(p[7])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

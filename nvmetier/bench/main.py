@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,18 +20,29 @@ from nvmetier.bench.common import LEVELS, RW_MODES, _bs, _parse_bs_list
 from nvmetier.bench.engine import run_engine_level
 from nvmetier.bench.fio import fio_engine, run_fio
 from nvmetier.bench.machine import machine_info
+from nvmetier.bench.peers import (
+    DEFAULT_BACKENDS,
+    LMCACHE_BACKENDS,
+    PeerError,
+    lmcache_env_path,
+    rotation,
+    run_peer,
+    setup_lmcache,
+)
 from nvmetier.bench.reopen import run_reopen
 from nvmetier.bench.report import (
     PhaseResult,
     PlotError,
     _bytes,
+    _phase_line,
     check_plot,
     cpu_table,
+    median_summary,
     plot,
     summarize,
     summary_table,
 )
-from nvmetier.bench.tier import run_tier_level
+from nvmetier.bench.tier import run_tier_level, tier_target
 from nvmetier.bench.trace import ROUTES, run_trace_level
 from nvmetier.bench.vllm import run_vllm_level
 from nvmetier.config import parse_size
@@ -121,6 +133,38 @@ def build_parser() -> argparse.ArgumentParser:
         help="vllm level: pause before re-scanning keys a tier answered RETRY (a step)",
     )
     p.add_argument("--job-chunks", type=int, default=1, help="tier level: chunks per job")
+    p.add_argument(
+        "--primary-shm",
+        default="/dev/shm",
+        help="tier level: the tmpfs folder(s) the primary's file is made in, comma-separated "
+        "(each is a target; e.g. a tmpfs mounted huge=within_size beside /dev/shm)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="engine/tier/vllm levels: run every target this many times per size, "
+        "alternated, the order rotated each round; tables give medians (min-max) and "
+        "the median of per-round ratios",
+    )
+    p.add_argument(
+        "--peers",
+        choices=("none", "lmcache"),
+        default="none",
+        help="tier level: also run LMCache 0.5.6's disk backends (in their own environment, "
+        "built on first use: see docs/bench.md) beside the tier and fio",
+    )
+    p.add_argument(
+        "--peer-backends",
+        default=",".join(DEFAULT_BACKENDS),
+        help=f"with --peers lmcache: which of {', '.join(LMCACHE_BACKENDS)}",
+    )
+    p.add_argument(
+        "--staging",
+        default="auto",
+        help="tier level: the tier's staging (auto, on, off), or a comma-separated list to "
+        "run each (targets other than auto are named nvmetier-ENGINE-staging-MODE)",
+    )
     p.add_argument("--lookups", type=int, default=20000, help="vllm level: lookups timed")
     p.add_argument("--slots", default="1m", help="reopen level: slots in the store (1m = 2^20)")
     p.add_argument("--profile", action="store_true", help="reopen level: cProfile the open")
@@ -225,6 +269,27 @@ def main(argv: list[str] | None = None) -> int:
         if bs % 4096:
             print(f"nvmetier bench: --bs {bs} is not a multiple of 4096", file=sys.stderr)
             return 2
+    if args.rounds < 1:
+        print("nvmetier bench: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    args.peer_list = [b.strip() for b in args.peer_backends.split(",") if b.strip()]
+    if args.peers != "none":
+        if args.level != "tier":
+            print("nvmetier bench: --peers runs at --level tier only", file=sys.stderr)
+            return 2
+        bad_peers = [b for b in args.peer_list if b not in LMCACHE_BACKENDS]
+        if bad_peers or not args.peer_list:
+            print(
+                f"nvmetier bench: --peer-backends {args.peer_backends!r}: use "
+                + ", ".join(LMCACHE_BACKENDS),
+                file=sys.stderr,
+            )
+            return 2
+    args.staging_modes = [m.strip() for m in args.staging.split(",") if m.strip()]
+    bad = [m for m in args.staging_modes if m not in ("auto", "on", "off")]
+    if bad or not args.staging_modes:
+        print(f"nvmetier bench: --staging {args.staging!r}: use auto, on or off", file=sys.stderr)
+        return 2
     quiet = args.output_format == "json"
 
     def log(msg: str) -> None:
@@ -367,29 +432,50 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
             fio = (engine, extra)
             report["fio_engine"] = desc
             log(f"fio: {desc}")
+    peer_py = None
+    if args.peers == "lmcache":
+        env = lmcache_env_path()
+        try:
+            peer_py = setup_lmcache(env, log)
+        except PeerError as exc:
+            print(
+                f"nvmetier bench: --peers lmcache: LMCache cannot be installed in {env}: {exc}",
+                file=sys.stderr,
+            )
+            return 3
+        report["peers"] = {"lmcache_env": str(env), "backends": args.peer_list}
+        log(f"peers: LMCache 0.5.6 from {env}: {', '.join(args.peer_list)}")
     results: list[PhaseResult] = []
     lookups: dict[str, Any] = {}
+    runs = _targets(args, engines, fio, peer_py, lookups, log)
+    report["rounds"] = []
     for bs in bss:
-        for e in engines:
-            if args.level == "engine":
-                results += run_engine_level(args, bs, e, log)
-            elif args.level == "tier":
-                results += run_tier_level(args, bs, e, log)
-            else:
-                res, lk = run_vllm_level(args, bs, f"nvmetier-{e}", log)
-                results += res
-                if lk is not None:
-                    lookups[f"nvmetier-{e}/{_bs(bs)}"] = lk.to_json()
-        if args.level == "vllm" and not args.no_fs_tier:
-            res, _ = run_vllm_level(args, bs, "fs", log)
-            results += res
-        if fio is not None:
-            # Our tiers place chunks by key hash: compare with fio's random pattern.
-            rand = args.rw.startswith("rand") or args.level in ("tier", "vllm")
-            results += run_fio(args, bs, args.rw, rand, fio[0], fio[1], log, args.level)
+        for rnd in range(args.rounds):
+            order = rotation(runs, rnd)
+            report["rounds"].append(
+                {
+                    "bs": bs,
+                    "round": rnd,
+                    "order": [name for name, _ in order],
+                    "loadavg": _loadavg(),
+                    "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                }
+            )
+            if args.rounds > 1:
+                log(
+                    f"round {rnd + 1}/{args.rounds} bs={_bs(bs)}: {' > '.join(n for n, _ in order)}"
+                )
+            for _name, fn in order:
+                for r in fn(bs):
+                    r.extra["round"] = rnd
+                    results.append(r)
     report["results"] = [r.to_json() for r in results]
     table, rows = summary_table(results, bss)
     report["summary"] = rows
+    med_lines: list[str] = []
+    if args.rounds > 1:
+        med_lines, med_rows = median_summary(results, bss)
+        report["medians"] = med_rows
     if lookups:
         report["lookup_latency"] = lookups
     if args.output_format != "json":
@@ -397,6 +483,9 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
         print("\n".join(table))
         print()
         print("\n".join(cpu_table(results)))
+        if med_lines:
+            print()
+            print("\n".join(med_lines))
         for name, lk in lookups.items():
             print(f"lookup {name}: hit {lk['hit_ns']} miss {lk['miss_ns']} results {lk['results']}")
     if args.plot:
@@ -404,5 +493,97 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
             f"nvmetier bench --level {args.level}, iodepth {args.iodepth}, "
             f"{_bytes(args.size)} per size, direct={args.direct}"
         )
-        log(plot(results, args.plot, title))
+        log(plot(_medians(results) if args.rounds > 1 else results, args.plot, title))
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def _medians(results: list[PhaseResult]) -> list[PhaseResult]:
+    """One result per (target, phase, bs) at the median GB/s, for the plot."""
+    import dataclasses
+    import statistics
+
+    groups: dict[tuple[str, str, int], list[PhaseResult]] = {}
+    for r in results:
+        groups.setdefault((r.target, r.phase, r.bs), []).append(r)
+    return [
+        dataclasses.replace(
+            v[0], bytes=round(statistics.median(x.bw_gbps for x in v) * 1e9), runtime_s=1.0
+        )
+        for v in groups.values()
+    ]
+
+
+Target = tuple[str, Callable[[int], list[PhaseResult]]]
+
+
+def _targets(
+    args: argparse.Namespace,
+    engines: list[str],
+    fio: tuple[str, list[str]] | None,
+    peer_py: Any,
+    lookups: dict[str, Any],
+    log: Callable[[str], None],
+) -> list[Target]:
+    """What one round runs, in the first round's order: (name, run(bs))."""
+    out: list[Target] = []
+    for e in engines:
+        if args.level == "engine":
+
+            def engine(bs: int, e: str = e) -> list[PhaseResult]:
+                return run_engine_level(args, bs, e, log)
+
+            out.append((f"engine-{e}", engine))
+        elif args.level == "tier":
+            for shm in [d.strip() for d in args.primary_shm.split(",") if d.strip()]:
+                for mode in args.staging_modes:
+
+                    def tier(
+                        bs: int, e: str = e, mode: str = mode, shm: str = shm
+                    ) -> list[PhaseResult]:
+                        args.staging_mode = mode
+                        args.primary_shm_dir = shm
+                        return run_tier_level(args, bs, e, log)
+
+                    out.append((tier_target(e, mode, shm), tier))
+        else:
+
+            def vllm(bs: int, e: str = e) -> list[PhaseResult]:
+                res, lk = run_vllm_level(args, bs, f"nvmetier-{e}", log)
+                if lk is not None:
+                    lookups[f"nvmetier-{e}/{_bs(bs)}"] = lk.to_json()
+                return res
+
+            out.append((f"nvmetier-{e}", vllm))
+    if args.level == "vllm" and not args.no_fs_tier:
+        out.append(("fs", lambda bs: run_vllm_level(args, bs, "fs", log)[0]))
+    if peer_py is not None:
+        for b in args.peer_list:
+
+            def peer(bs: int, b: str = b) -> list[PhaseResult]:
+                try:
+                    res = run_peer(peer_py, b, args, bs, log)
+                except PeerError as exc:
+                    args._notes.append(str(exc))
+                    log("note: " + str(exc))
+                    return []
+                for r in res:
+                    log(_phase_line(r))
+                return res
+
+            out.append((f"lmcache-{b}", peer))
+    if fio is not None:
+        # Our tiers place chunks by key hash: compare with fio's random pattern.
+        rand = args.rw.startswith("rand") or args.level in ("tier", "vllm")
+        eng, extra = fio
+        out.append(
+            ("fio", lambda bs: run_fio(args, bs, args.rw, rand, eng, extra, log, args.level))
+        )
+    return out

@@ -434,3 +434,83 @@ def summarize(paths: Sequence[str], plot_path: str | None = None) -> tuple[list[
         ]
         lines += ["", plot(medians, plot_path, f"median of {len(paths)} runs")]
     return lines, 0
+
+
+def median_summary(results: list[PhaseResult], bss: list[int]) -> tuple[list[str], list[dict]]:
+    """Medians over the rounds of one alternated run (``extra["round"]``).
+
+    One row per (phase, bs, target): GB/s median (min-max), CPU s/GB median,
+    the median of the per-round ratios to fio (each round's target over that
+    round's fio: the two ran minutes apart, so the disk's drift cancels), and
+    for our targets the median per-round ratio to the fastest LMCache backend
+    of that round.
+    """
+    import statistics
+
+    by: dict[tuple[str, str, int], dict[int, PhaseResult]] = {}
+    order: list[str] = []
+    for r in results:
+        if r.target not in order:
+            order.append(r.target)
+        by.setdefault((r.target, r.phase, r.bs), {})[int(r.extra.get("round", 0))] = r
+    peers = [t for t in order if t.startswith("lmcache-")]
+    level = results[0].level if results else ""
+    lines = [
+        "Medians over the rounds: GB/s median (min-max); ratios are medians of per-round ratios",
+        "",
+        "| phase | bs | target | GB/s | CPU s/GB | x fio | x best LMCache |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    rows: list[dict] = []
+    for phase in ("write", "read"):
+        for bs in bss:
+            for t in order:
+                runs = by.get((t, phase, bs))
+                if not runs:
+                    continue
+                bws = [r.bw_gbps for r in runs.values()]
+                cpu = statistics.median(sum(r.cpu_per_gb()) for r in runs.values())
+                fio = by.get(("fio", phase, bs), {})
+                q_fio = [
+                    r.bw_gbps / fio[k].bw_gbps
+                    for k, r in runs.items()
+                    if k in fio and fio[k].bw_gbps > 0
+                ]
+                q_peer: list[float] = []
+                if t.startswith("nvmetier") and peers:
+                    for k, r in runs.items():
+                        best = max(
+                            (
+                                by[(p, phase, bs)][k].bw_gbps
+                                for p in peers
+                                if k in by.get((p, phase, bs), {})
+                            ),
+                            default=0.0,
+                        )
+                        if best > 0:
+                            q_peer.append(r.bw_gbps / best)
+                row: dict[str, Any] = {
+                    "phase": phase,
+                    "bs": bs,
+                    "target": t,
+                    "rounds": len(bws),
+                    "gbps_median": round(statistics.median(bws), 4),
+                    "gbps_min": round(min(bws), 4),
+                    "gbps_max": round(max(bws), 4),
+                    "cpu_s_per_gb": round(cpu, 4),
+                }
+                if q_fio and t != "fio":
+                    row["x_fio"] = round(statistics.median(q_fio), 3)
+                if q_peer:
+                    row["x_best_lmcache"] = round(statistics.median(q_peer), 3)
+                rows.append(row)
+                lines.append(
+                    f"| {_phase_name(level, phase)} | {_bs(bs)} | {t} | "
+                    f"{row['gbps_median']:.3f} ({row['gbps_min']:.2f}-{row['gbps_max']:.2f}) | "
+                    f"{cpu:.3f} | "
+                    + (f"{row['x_fio']:.2f}" if "x_fio" in row else "-")
+                    + " | "
+                    + (f"{row['x_best_lmcache']:.2f}" if "x_best_lmcache" in row else "-")
+                    + " |"
+                )
+    return lines, rows

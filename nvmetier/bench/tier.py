@@ -1,8 +1,11 @@
-"""The ``tier`` level: the whole ``BlockStore`` API with an anonymous mmap as primary.
+"""The ``tier`` level: the whole ``BlockStore`` API over a primary like vLLM's.
 
-Owns: ``run_tier_level``, its store configuration and the per-phase driver
-(completions collected by ``BlockStore.poll`` on the calling thread). Blocks
-for the length of the run.
+Owns: ``run_tier_level``, ``vllm_like_primary`` (the primary: a ``/dev/shm``
+file mapped shared and populated at once with ``MADV_POPULATE_WRITE``, as
+vLLM's ``SharedOffloadRegion`` does, so the tier level gets the same kind of
+memory the vLLM adapter gets, never a faster kind), its store configuration
+and the per-phase driver (completions collected by ``BlockStore.poll`` on the
+calling thread). Blocks for the length of the run.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _note_drop, _phases
-from nvmetier.bench.machine import _Cpu, _settle_heap
+from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests
 from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
 
@@ -40,8 +43,49 @@ def _tier_config(
             "max_queued_bytes": max(1 << 30, 2 * args.iodepth * bs),
             "o_direct": bool(args.direct),
             "persist": False,
+            "staging": getattr(args, "staging_mode", "auto"),
         }
     )
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
+    """The tier level's target name: ``nvmetier-ENGINE``, then ``-staging-MODE``
+    unless auto, then ``@DIR`` for a primary outside ``/dev/shm``."""
+    name = f"nvmetier-{engine}" + ("" if staging == "auto" else f"-staging-{staging}")
+    if shm_dir and shm_dir.rstrip("/") != "/dev/shm":
+        name += "@" + shm_dir.rstrip("/")
+    return name
+
+
+def vllm_like_primary(length: int, tag: str = "bench", shm_dir: str | None = None) -> mmap.mmap:
+    """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
+
+    vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
+    ``ftruncate``s it, maps it ``MAP_SHARED`` and pre-faults the whole region
+    with one ``MADV_POPULATE_WRITE`` (a per-page write where the kernel lacks
+    it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
+    4 KiB and physically scattered unless the host enables shmem huge pages
+    (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
+    ``shm_dir`` (else ``NVMETIER_BENCH_SHM_DIR``, else ``/dev/shm``) picks
+    another tmpfs, e.g. one mounted ``huge=within_size``, to measure that case.
+    """
+    shm_dir = shm_dir or os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
+    path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, length)
+        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE, 0, length)
+    except OSError:
+        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] |= 0
+    return buf
 
 
 def run_tier_level(
@@ -56,7 +100,8 @@ def run_tier_level(
     roots = [os.path.join(d, f"tier-{engine_name}-{bs}") for d in dirs]
     root = roots[0]
     cfg = _tier_config(args, roots if len(roots) > 1 else root, bs, n)
-    buf = mmap.mmap(-1, rows * bs)
+    shm_dir = getattr(args, "primary_shm_dir", None)
+    buf = vllm_like_primary(rows * bs, shm_dir=shm_dir)
     pattern = os.urandom(bs)
     for r in range(rows):
         buf[r * bs : (r + 1) * bs] = pattern
@@ -81,10 +126,24 @@ def run_tier_level(
             _settle_heap()
             res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed)
             if timed:
-                log(_phase_line(res))
+                rq = res.extra.get("disk_requests_per_chunk")
+                log(_phase_line(res) + (f" disk_reqs/chunk={rq}" if rq is not None else ""))
                 results.append(res)
         stats = store.stats()
+        desc = store.describe()
         for phase_res in results:
+            phase_res.extra["primary"] = {
+                k: desc.get(k)
+                for k in (
+                    "primary_bytes",
+                    "primary_huge_page_bytes",
+                    "thp_enabled",
+                    "thp_shmem_enabled",
+                    "staging",
+                    "staging_reason",
+                    "staged_bytes",
+                )
+            }
             phase_res.extra["store_stats"] = {
                 k: stats.get(k, 0)
                 for k in (
@@ -126,6 +185,7 @@ def _tier_phase(
     job_id = 0
     perf = time.perf_counter
     deadline = perf() + (args.runtime if timed and args.runtime > 0 else 1e12)
+    disk0 = disk_requests(args.dir)
     cpu = _Cpu()
     t0 = perf()
     while True:
@@ -147,7 +207,9 @@ def _tier_phase(
             break
         outs = store.poll()
         if not outs:
-            time.sleep(50e-6)
+            # Block in the engine (GIL released) rather than spin: on a small
+            # machine a polling loop takes CPU from the tier's own I/O threads.
+            store.wait_completions(0.002)
             continue
         now = perf()
         for o in outs:
@@ -167,9 +229,17 @@ def _tier_phase(
             free.extend(rows)
     elapsed = perf() - t0
     usr, sys_ = cpu.stop()
+    disk1 = disk_requests(args.dir)
+    per_chunk = None
+    if disk0 is not None and disk1 is not None and ops:
+        i = 0 if is_load else 1
+        # Block requests the drive completed per chunk moved: above 1 (2 MiB)
+        # when the kernel split chunks (scattered pages, max_sectors_kb).
+        per_chunk = round((disk1[i] - disk0[i]) / ops, 2)
+    mode = getattr(args, "staging_mode", "auto")
     return PhaseResult(
         level="tier",
-        target=f"nvmetier-{store.engine_name}",
+        target=tier_target(store.engine_name, mode, getattr(args, "primary_shm_dir", None)),
         phase=phase,
         bs=bs,
         bytes=moved,
@@ -184,5 +254,6 @@ def _tier_phase(
             "job_chunks": jc,
             "latency_unit": "job",
             "wrong_bytes_loaded": bad_bytes,
+            "disk_requests_per_chunk": per_chunk,
         },
     )

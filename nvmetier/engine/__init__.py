@@ -104,14 +104,16 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_workers(io_workers: int | str, fds: Sequence[int]) -> int:
+def resolve_workers(io_workers: int | str, fds: Sequence[int], per_drive: int = 1) -> int:
     """The io_uring worker count for ``io_workers`` (an int or ``"auto"``).
 
     ``"auto"``: one worker per drive (``count_drives``), at most
     ``usable_cpus()`` and at most 64. One worker moves ~8 GB/s of checked
     I/O on one core of the development machine (docs/bench.md), about one
     PCIe Gen4 NVMe drive, so one per drive keeps each drive's queue fed; a
-    faster drive gets more only when set explicitly.
+    faster drive gets more only when set explicitly. ``per_drive`` (2 with
+    staging, whose copy out of the arena doubles the I/O thread's work per
+    byte) multiplies the drive count, still at most the usable CPUs.
 
     ``NVMETIER_IO_WORKERS`` (an integer 1..64 or ``auto``) overrides it.
 
@@ -127,7 +129,7 @@ def resolve_workers(io_workers: int | str, fds: Sequence[int]) -> int:
             )
         io_workers = forced if forced == "auto" else int(forced)
     if io_workers == "auto":
-        return max(1, min(64, count_drives(fds), usable_cpus()))
+        return max(1, min(64, per_drive * count_drives(fds), usable_cpus()))
     return int(io_workers)
 
 
@@ -188,6 +190,7 @@ def make_engine(
     io_workers: int | str = 1,
     chunk_bytes: int | None = None,
     keepalive_fd: int = -1,
+    staging: bool = False,
 ) -> IoEngine:
     """Construct the engine ``name`` (already resolved) over ``buffer`` and ``fds``.
 
@@ -198,9 +201,12 @@ def make_engine(
     lock fd) is registered in every ring so a dead process's lock outlives
     its queued writes. The thread engine uses ``io_threads`` and ignores the
     rest (its threads die with the process, and the lock only then).
+    ``staging``: move ops through huge-page staging memory (see
+    ``nvmetier.memory``); each uring worker's arena is twice its byte cap
+    (ops in flight, and reads reaped but not yet copied out).
     """
     if name == "threads":
-        return ThreadEngine(buffer, fds, n_threads=io_threads)
+        return ThreadEngine(buffer, fds, n_threads=io_threads, staging=staging)
     if name == "uring":
         from nvmetier.engine import uring
 
@@ -212,7 +218,8 @@ def make_engine(
             queue_depth=queue_depth,
             register_buffers=register_buffers,
             max_inflight_bytes=max_inflight_bytes,
-            workers=resolve_workers(io_workers, fds),
+            workers=resolve_workers(io_workers, fds, per_drive=2 if staging else 1),
             keepalive_fd=keepalive_fd,
+            staging_bytes=2 * max_inflight_bytes if staging else 0,
         )
     raise ConfigError(f"unknown I/O engine {name!r}; use one of {ENGINE_NAMES}")

@@ -148,6 +148,7 @@ class UringEngine(IoEngine):
         register_chunk_bytes: int = MAX_REGISTER_CHUNK_BYTES,
         workers: int = 1,
         keepalive_fd: int = -1,
+        staging_bytes: int = 0,
     ) -> None:
         # keepalive_fd (the store's lock fd, -1: none) is registered in every
         # ring and never used for I/O: a ring holds its files until its queued
@@ -164,6 +165,7 @@ class UringEngine(IoEngine):
             register_chunk_bytes=register_chunk_bytes,
             workers=workers,
             keepalive_fd=keepalive_fd,
+            staging_bytes=staging_bytes,
         )
         info = self._native.info()
         self._lock_registered = bool(info.get("lock_registered", False))
@@ -178,6 +180,15 @@ class UringEngine(IoEngine):
         if fixed_files and not self._fixed_files and info["files_errno"]:
             failed.append(f"file registration: {os.strerror(info['files_errno'])}")
         plain = sum(w["buffers"] == "plain" for w in self._workers_info)
+        unstaged = [w["staging_errno"] for w in self._workers_info if w["staging_errno"]]
+        if staging_bytes and unstaged:
+            logger.warning(
+                "io_uring: %d of %d worker(s) could not map their staging memory (%s); "
+                "their ops move directly",
+                len(unstaged),
+                len(self._workers_info),
+                os.strerror(unstaged[0]),
+            )
         if failed:
             logger.warning(
                 "io_uring %s; %d of %d worker ring(s) use unregistered I/O (more CPU per byte). "
@@ -265,4 +276,12 @@ class UringEngine(IoEngine):
             "worker_buffers": [w["buffers"] for w in self._workers_info],
             "worker_queue_depth": [w["queue_depth"] for w in self._workers_info],
             "worker_max_inflight_bytes": [w["max_inflight_bytes"] for w in self._workers_info],
+            "staging": any(w["staging_bytes"] for w in self._workers_info),
+            "worker_staging_bytes": [w["staging_bytes"] for w in self._workers_info],
+            "worker_staging": [
+                (w["staging_addr"], w["staging_bytes"])
+                for w in self._workers_info
+                if w["staging_bytes"]
+            ],
+            "staged_bytes": sum(w.get("staged_bytes", 0) for w in self._native.worker_stats()),
         }

@@ -225,6 +225,17 @@ def test_info_json_reports_geometry_usage_and_engines(root) -> None:
     m = out["machine"]
     assert isinstance(m["uring_usable"], bool) and m["uring_reason"]
     assert isinstance(m["o_direct_usable"], bool) and m["o_direct_reason"]
+    pages = m["cpu_tier_pages"]
+    assert pages["shm_dir"] == "/dev/shm"
+    assert "error" in pages or 0.0 <= pages["huge_page_share"] <= 1.0
+
+
+def test_info_says_which_pages_vllms_cpu_tier_gets_here(root) -> None:
+    proc = run_cli("info", root)
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if "CPU tier pages:" in ln)
+    assert "/dev/shm huge=" in line
+    assert ("4 KiB pages" in line) or ("2 MiB huge pages" in line) or ("unknown" in line)
 
 
 def test_info_reports_a_store_in_use(root, buf) -> None:

@@ -571,3 +571,64 @@ def test_the_lock_fd_outlives_its_close_until_the_rings_are_gone(tmp_path, worke
     while _ofd_locked(lock_path) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _ofd_locked(lock_path), "the lock must go with the rings"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checksum", [True, False], ids=["hashed", "unhashed"])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_staged_round_trip_lands_in_the_buffer_with_xxh3(
+    tmp_path, region, make_engine, checksum, workers
+):
+    # Two drives so that two workers both get ops; an arena of 2 MiB per
+    # worker holds 32 rows, fewer than the 32 + 32 ops of a worker's queue.
+    fds = [os.open(tmp_path / f"d{i}", os.O_RDWR | os.O_CREAT, 0o644) for i in range(2)]
+    try:
+        for fd in fds:
+            os.ftruncate(fd, 32 * ROW)
+        engine = make_engine(
+            region,
+            fds,
+            queue_depth=32,
+            workers=workers,
+            staging_bytes=2 * MIB,
+            max_inflight_bytes=64 * MIB,
+        )
+        assert all(w["staging_bytes"] == 2 * MIB for w in engine._workers_info)
+        fill_rows(region, range(32))
+        writes = [
+            Op(r, OP_WRITE, r % 2, (r // 2) * ROW, r * ROW, ROW, r, checksum) for r in range(32)
+        ]
+        done = run_ops(engine, writes)
+        for r in range(32):
+            want = xxh3(region[r * ROW : (r + 1) * ROW], r) if checksum else 0
+            assert done[r] == Completion(r, ROW, want)
+        region[32 * ROW :] = b"\0" * (32 * ROW)
+        reads = [
+            Op(("r", r), OP_READ, r % 2, (r // 2) * ROW, (32 + r) * ROW, ROW, r, checksum)
+            for r in range(32)
+        ]
+        done = run_ops(engine, reads)
+        for r in range(32):
+            data = region[(32 + r) * ROW : (33 + r) * ROW]
+            assert data == region[r * ROW : (r + 1) * ROW]
+            assert done[("r", r)] == Completion(("r", r), ROW, xxh3(data, r) if checksum else 0)
+        assert sum(s["staged_bytes"] for s in engine._native.worker_stats()) > 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_an_op_larger_than_the_staging_arena_moves_directly(tmp_path, region, data_fd, make_engine):
+    engine = make_engine(region, [data_fd], staging_bytes=2 * MIB, max_inflight_bytes=2 * MIB)
+    fill_rows(region, range(48))
+    done = run_ops(engine, [Op(1, OP_WRITE, 0, 0, 0, 48 * ROW, 3)])  # 3 MiB > 2 MiB arena
+    assert done[1] == Completion(1, 48 * ROW, xxh3(region[0 : 48 * ROW], 3))
+    assert engine._native.worker_stats()[0]["staged_bytes"] == 0
+    assert os.pread(data_fd, 48 * ROW, 0) == region[0 : 48 * ROW]
+
+
+def test_negative_staging_bytes_is_refused(region, data_fd):
+    from nvmetier import _uring
+
+    with pytest.raises(ValueError, match="staging_bytes"):
+        _uring.Engine(region, [data_fd], staging_bytes=-1)

@@ -38,6 +38,19 @@ def test_files_on_one_filesystem_are_one_drive(tmp_path, monkeypatch) -> None:
             os.close(fd)
 
 
+def test_staging_gives_each_drive_two_auto_workers_within_the_cpus(monkeypatch) -> None:
+    import nvmetier.engine as engine
+
+    monkeypatch.delenv("NVMETIER_IO_WORKERS", raising=False)
+    monkeypatch.setattr(engine, "count_drives", lambda fds: 1)
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 8)
+    assert resolve_workers("auto", [], per_drive=2) == 2
+    assert resolve_workers("auto", []) == 1
+    assert resolve_workers(3, [], per_drive=2) == 3  # an explicit count is kept
+    monkeypatch.setattr(engine, "usable_cpus", lambda: 1)
+    assert resolve_workers("auto", [], per_drive=2) == 1
+
+
 def test_auto_workers_never_exceed_the_usable_cpus(tmp_path, monkeypatch) -> None:
     import nvmetier.engine as engine
 
