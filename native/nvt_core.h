@@ -253,6 +253,8 @@ static inline void set_unlock(nvt_core *t, uint64_t set) {
 /* ------------------------------------------------------------ nvt_core.c */
 uint64_t nvt_now_ms(void);
 void nvt_set_clock_offset_ns(int64_t ns);
+/* Tests only: the dying wait (DYING_WAIT_MS by default); returns the previous one. */
+uint32_t nvt_set_dying_wait_ms(uint32_t ms);
 int nvt_record_has_key(nvt_core *t, uint64_t slot, const char *key, size_t n);
 void nvt_write_record(nvt_core *t, uint64_t slot, const char *key, uint8_t key_len, uint64_t payload);
 int nvt_owner_alive(nvt_core *t, uint8_t owner, uint16_t inc);

@@ -824,6 +824,21 @@ static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_dying_wait_doc, "_set_dying_wait_ms(ms) -> int\n\n"
+                                 "Tests only: how long a locker that saw a sharer die waits for its lock\n"
+                                 "file to close (DYING_WAIT_MS by default). Returns the previous value.");
+
+static PyObject *py_set_dying_wait(PyObject *m, PyObject *arg) {
+    unsigned long ms = PyLong_AsUnsignedLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (ms > 600000UL) {
+        PyErr_SetString(PyExc_ValueError, "the dying wait is at most 600000 ms (a wait must stay bounded)");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(nvt_set_dying_wait_ms((uint32_t)ms));
+}
+
 PyDoc_STRVAR(fail_allocs_doc,
              "_fail_allocs(after, count) -> int\n\n"
              "Tests only: after `after` more allocation points of the job path (slabs, lists,\n"
@@ -840,6 +855,7 @@ static PyObject *py_fail_allocs(PyObject *m, PyObject *args) {
 static PyMethodDef module_methods[] = {
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
+    {"_set_dying_wait_ms", py_set_dying_wait, METH_O, set_dying_wait_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},
