@@ -853,8 +853,11 @@ static int worker_init(nvt_engine *e, unsigned idx) {
     w->n_free = n;
     /* Blocking eventfd on purpose: io_uring completes a read of an O_NONBLOCK
      * file with -EAGAIN instead of waiting for it to become readable. */
+    pthread_mutex_lock(&engines_lock); /* a fork sees it recorded or not made */
     w->wake_fd = eventfd(0, EFD_CLOEXEC);
-    return w->wake_fd < 0 ? -errno : 0;
+    int err = w->wake_fd < 0 ? -errno : 0;
+    pthread_mutex_unlock(&engines_lock);
+    return err;
 }
 
 /* Register the buffer once on a plain ring that the workers clone from. */
@@ -932,8 +935,12 @@ static void engine_stop(nvt_engine *e) {
             continue;
         pthread_join(w->thread, NULL);
         w->started = 0;
+        /* Under engines_lock: a fork between the close and the -1 would have
+         * the child close this number again, by then maybe another file. */
+        pthread_mutex_lock(&engines_lock);
         close(w->wake_fd);
         w->wake_fd = -1;
+        pthread_mutex_unlock(&engines_lock);
     }
 }
 
