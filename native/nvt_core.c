@@ -209,6 +209,13 @@ static int set_has_writing_of(nvt_core *t, uint64_t set, uint16_t idx, uint16_t 
     return 0;
 }
 
+/* DYING_WAIT_MS, or what a test set (nvt_set_dying_wait_ms): a loaded test
+ * machine can take longer than 50 ms to run the process that closes a dying
+ * sharer's lock file, so a test that proves the wait lengthens it. */
+static uint32_t dying_wait_ms = DYING_WAIT_MS;
+
+uint32_t nvt_set_dying_wait_ms(uint32_t ms) { return __atomic_exchange_n(&dying_wait_ms, ms, __ATOMIC_RELAXED); }
+
 /* Recover a set whose holder died (EOWNERDEAD: held, inconsistent). Every
  * state the dead sharer can have left is a WRITING slot of its own (claims
  * mark the slot before touching the record): those are reclaimed once its
@@ -219,13 +226,6 @@ static int set_has_writing_of(nvt_core *t, uint64_t set, uint16_t idx, uint16_t 
  * dying, and the set's mutex released while its lock is awaited for
  * DYING_WAIT_MS at most, then the set is repaired again. Returns 0 with the
  * set held, or -1 (nothing held). */
-/* DYING_WAIT_MS, or what a test set (nvt_set_dying_wait_ms): a loaded test
- * machine can take longer than 50 ms to run the process that closes a dying
- * sharer's lock file, so a test that proves the wait lengthens it. */
-static uint32_t dying_wait_ms = DYING_WAIT_MS;
-
-uint32_t nvt_set_dying_wait_ms(uint32_t ms) { return __atomic_exchange_n(&dying_wait_ms, ms, __ATOMIC_RELAXED); }
-
 static int recover_set(nvt_core *t, uint64_t set) {
     nvt_set_head *h = set_head(t->base, t->set_bytes, set);
     uint16_t holder = h->holder, holder_inc = h->holder_inc;
