@@ -240,6 +240,13 @@ static int set_has_writing_of(nvt_core *t, uint64_t set, uint16_t idx, uint16_t 
     return 0;
 }
 
+/* DYING_WAIT_MS, or what a test set (nvt_set_dying_wait_ms): a loaded test
+ * machine can take longer than 50 ms to run the process that closes a dying
+ * sharer's lock file, so a test that proves the wait lengthens it. */
+static uint32_t dying_wait_ms = DYING_WAIT_MS;
+
+uint32_t nvt_set_dying_wait_ms(uint32_t ms) { return __atomic_exchange_n(&dying_wait_ms, ms, __ATOMIC_RELAXED); }
+
 /* Recover a set whose holder died (EOWNERDEAD: held, inconsistent). Every
  * state the dead sharer can have left is a WRITING slot of its own (claims
  * mark the slot before touching the record): those are reclaimed once its
@@ -267,7 +274,7 @@ static int recover_set(nvt_core *t, uint64_t set) {
         return 0;
     h->holder = 0;
     pthread_mutex_unlock(&h->mu);
-    uint64_t until = now_mono_ns() + DYING_WAIT_MS * 1000000ULL;
+    uint64_t until = now_mono_ns() + (uint64_t)__atomic_load_n(&dying_wait_ms, __ATOMIC_RELAXED) * 1000000ULL;
     t->waiting = 1;
         void *gil = t->unblock ? t->unblock() : NULL;
     while (nvt_owner_alive(t, (uint8_t)(holder - 1), holder_inc) && now_mono_ns() < until) {

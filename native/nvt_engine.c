@@ -49,6 +49,12 @@
 /* A ring whose io_uring_enter fails this many times in a row (1 ms apart)
  * with an error that is not transient is declared failed. */
 #define NVT_RING_FAIL_TRIES 100
+/* An error that is normally transient (EAGAIN: no memory for requests,
+ * EBUSY, EINTR, ETIME) that keeps coming with nothing completing is no
+ * progress either: the thread backs off 1 ms from the second in a row (no
+ * busy spin), and after this many in a row with no completion reaped the
+ * ring is declared failed, so its ops fail and close() returns. */
+#define NVT_RING_TRANSIENT_TRIES 1000
 /* Once close began, a failed ring waits this long at most for the ops the
  * kernel took to come back; then they fail and the thread exits anyway (its
  * ring's teardown cancels them in the kernel), so close() always returns. */
@@ -124,6 +130,7 @@ typedef struct nvt_worker {
     uint64_t wake_value; /* target of the eventfd read */
     int wake_armed;
     int enter_errors; /* consecutive non-transient io_uring_enter failures */
+    int enter_stalls; /* consecutive transient failures with nothing reaped */
     int sq_abandoned; /* failed: the SQEs the kernel never took were failed */
     uint64_t stop_ms; /* failed and closing: when the thread first saw both */
     /* Tests only (nvt_engine_inject_enter_error): every io_uring_enter of the
@@ -885,8 +892,16 @@ static void io_run(nvt_worker *w) {
             if (++w->enter_errors >= NVT_RING_FAIL_TRIES && !w->failed)
                 nvt_engine_fail_worker(e, w->idx, -ret);
             usleep(1000);
+        } else if (ret < 0) {
+            /* Transient, unless it keeps coming with nothing completing
+             * (counted down below when a completion is reaped). */
+            if (++w->enter_stalls >= NVT_RING_TRANSIENT_TRIES && !w->failed)
+                nvt_engine_fail_worker(e, w->idx, -ret);
+            else if (w->enter_stalls > 1)
+                usleep(1000);
         } else {
             w->enter_errors = 0;
+            w->enter_stalls = 0;
         }
 
         struct io_uring_cqe *cqe;
@@ -900,6 +915,8 @@ static void io_run(nvt_worker *w) {
                 io_on_cqe(w, (unsigned)tag, cqe->res);
         }
         io_uring_cq_advance(&w->ring, seen);
+        if (seen)
+            w->enter_stalls = 0; /* progress: the errors were transient */
         if (!w->wake_armed && !stop && !failed)
             io_arm_wake(w);
     }
@@ -984,8 +1001,11 @@ static int worker_init(nvt_engine *e, unsigned idx) {
     w->n_free = n;
     /* Blocking eventfd on purpose: io_uring completes a read of an O_NONBLOCK
      * file with -EAGAIN instead of waiting for it to become readable. */
+    pthread_mutex_lock(&engines_lock); /* a fork sees it recorded or not made */
     w->wake_fd = eventfd(0, EFD_CLOEXEC);
-    return w->wake_fd < 0 ? -errno : 0;
+    int err = w->wake_fd < 0 ? -errno : 0;
+    pthread_mutex_unlock(&engines_lock);
+    return err;
 }
 
 /* Register the buffer once on a plain ring that the workers clone from. */
@@ -1063,8 +1083,12 @@ static void engine_stop(nvt_engine *e) {
             continue;
         pthread_join(w->thread, NULL);
         w->started = 0;
+        /* Under engines_lock: a fork between the close and the -1 would have
+         * the child close this number again, by then maybe another file. */
+        pthread_mutex_lock(&engines_lock);
         close(w->wake_fd);
         w->wake_fd = -1;
+        pthread_mutex_unlock(&engines_lock);
     }
 }
 

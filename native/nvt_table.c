@@ -112,12 +112,32 @@ static PyObject *table_busy(void) {
     return NULL;
 }
 
+/* The data path acts as this process's sharer (its registry entry owns the
+ * slots it claims, its leases and writes): on a Table not attached (before
+ * attach(), or after detach()) a claimed slot would name no live sharer, or
+ * another process's registry entry, and be reclaimed under a write still in
+ * flight. Those calls are refused; the rebuild (load), the last closer's
+ * sweep and the read-only counters stay allowed. */
+static PyObject *table_detached(void) {
+    PyErr_SetString(PyExc_RuntimeError,
+                    "nvmetier Table is not attached to the store's sharer registry (call attach() "
+                    "first; after detach() the store is closed: open it again)");
+    return NULL;
+}
+
 #define GUARD(self)                                                                                            \
     do {                                                                                                       \
         if ((self)->core.waiting)                                                                              \
             return table_busy();                                                                               \
         if ((self)->fork_gen != nvt_forks)                                                                     \
             return table_forked();                                                                             \
+    } while (0)
+
+#define GUARD_ATTACHED(self)                                                                                   \
+    do {                                                                                                       \
+        GUARD(self);                                                                                           \
+        if ((self)->core.me < 0)                                                                               \
+            return table_detached();                                                                           \
     } while (0)
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -207,7 +227,7 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
                          "no sharer evicts it for lease_ns, and counts as an access.");
 
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     uint64_t set;
     int w, hit = 0;
     int r = nvt_locate(self, key, 1u << NVT_READY, &set, &w);
@@ -261,7 +281,7 @@ static int64_t ready_slot(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(contains_doc, "contains(key) -> bool\n\nWhether key is READY; no lease, no count.");
 
 static PyObject *Table_contains(TableObject *self, PyObject *key) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     int64_t slot = ready_slot(self, key);
     return slot == -2 ? NULL : PyBool_FromLong(slot >= 0);
 }
@@ -269,7 +289,7 @@ static PyObject *Table_contains(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(slot_of_doc, "slot_of(key) -> int | None\n\nThe slot holding key READY, or None.");
 
 static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     int64_t slot = ready_slot(self, key);
     if (slot == -2)
         return NULL;
@@ -281,7 +301,7 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
 PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
 
 static PyObject *Table_touch(TableObject *self, PyObject *keys) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
@@ -314,7 +334,7 @@ PyDoc_STRVAR(store_ops_doc,
              "plus keys waiting for another write of the same key (0: the job is done).");
 
 static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     long long job_id, max_ops;
     PyObject *keys, *rows_obj;
     int events;
@@ -361,7 +381,7 @@ PyDoc_STRVAR(load_ops_doc,
              "(or a bad row), or None.");
 
 static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     long long job_id;
     PyObject *keys, *rows_obj;
     int verify;
@@ -404,7 +424,7 @@ PyDoc_STRVAR(complete_doc,
              "stored/removed: keys for KV events (events), or None.");
 
 static PyObject *Table_complete(TableObject *self, PyObject *args) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     Py_buffer comps;
     int events;
     if (!PyArg_ParseTuple(args, "y*p", &comps, &events))
@@ -469,7 +489,7 @@ PyDoc_STRVAR(submit_store_doc,
              "when it refused the ops (they then fail).");
 
 static PyObject *Table_submit_store(TableObject *self, PyObject *args) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     return nvt_submit_job(self, args, 0);
 }
 
@@ -479,7 +499,7 @@ PyDoc_STRVAR(submit_load_doc,
              "A key not READY fails at once (as missing: the job's error stays None).");
 
 static PyObject *Table_submit_load(TableObject *self, PyObject *args) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     return nvt_submit_job(self, args, 1);
 }
 
@@ -489,7 +509,7 @@ PyDoc_STRVAR(poll_doc, "poll() -> list of finished jobs, or ()\n\n"
                        "transfer_time_s, moved_bytes, error or None, is_load).");
 
 static PyObject *Table_poll(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     if ((self->outstanding || self->n_watches || self->n_deferred || self->n_unreported) &&
         nvt_collect(self, py_zero_s) < 0)
         return NULL;
@@ -503,7 +523,7 @@ PyDoc_STRVAR(collect_doc, "nvt_collect(timeout_s)\n\n"
                           "(the engine's wait_raw releases the GIL); finished jobs wait for poll().");
 
 static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     if (!PyFloat_Check(timeout)) {
         PyErr_SetString(PyExc_TypeError, "timeout_s must be a float");
         return NULL;
@@ -670,7 +690,7 @@ PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
                                  "load (and no other sharer) extended since.");
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     for (size_t i = 0; i < self->n_held; i++) {
         uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->core.ways;
         if (nvt_set_lock(&self->core, set) != 0)
@@ -688,7 +708,7 @@ PyDoc_STRVAR(invalidate_doc, "invalidate(key) -> bool\n\n"
                              "leased by a lookup or load. A removal is a KV event (bind(events=True)).");
 
 static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
-    GUARD(self);
+    GUARD_ATTACHED(self);
     uint64_t set;
     int w, done = 0;
     int r = nvt_locate(self, key, (1u << NVT_READY) | (1u << NVT_BAD), &set, &w);
@@ -970,6 +990,21 @@ static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(set_dying_wait_doc, "_set_dying_wait_ms(ms) -> int\n\n"
+                                 "Tests only: how long a locker that saw a sharer die waits for its lock\n"
+                                 "file to close (DYING_WAIT_MS by default). Returns the previous value.");
+
+static PyObject *py_set_dying_wait(PyObject *m, PyObject *arg) {
+    unsigned long ms = PyLong_AsUnsignedLong(arg);
+    if (PyErr_Occurred())
+        return NULL;
+    if (ms > 600000UL) {
+        PyErr_SetString(PyExc_ValueError, "the dying wait is at most 600000 ms (a wait must stay bounded)");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(nvt_set_dying_wait_ms((uint32_t)ms));
+}
+
 PyDoc_STRVAR(fail_allocs_doc,
              "_fail_allocs(after, count) -> int\n\n"
              "Tests only: after `after` more allocation points of the job path (slabs, lists,\n"
@@ -999,6 +1034,7 @@ static PyMethodDef module_methods[] = {
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
     {"_set_wall_clock_offset_ns", py_set_wall_offset, METH_O, set_wall_offset_doc},
+    {"_set_dying_wait_ms", py_set_dying_wait, METH_O, set_dying_wait_doc},
     {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
     {"format", py_format, METH_VARARGS, format_doc},
     {"header", py_header, METH_O, header_doc},

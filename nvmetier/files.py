@@ -396,8 +396,11 @@ class StoreFiles:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
             self._record_owner()
         finally:
-            _unlock_file(self._init_fd)
-            self._init_fd = -1
+            # Forget the number before closing it (here and in close()): a
+            # fork in between would otherwise have the child's fork hook
+            # close it, by then maybe another thread's new file.
+            init_fd, self._init_fd = self._init_fd, -1
+            _unlock_file(init_fd)
 
     # --- lock -----------------------------------------------------------------
     def _lock(self, main: str) -> None:
@@ -740,23 +743,27 @@ class StoreFiles:
             if hasattr(self, "index") and not self.index.closed:
                 with contextlib.suppress(BufferError):
                     self.index.close()
-            for fd in (self._index_fd, self._table_fd):
+            # Each number forgotten before it is closed (see open()).
+            fds = (self._index_fd, self._table_fd)
+            self._index_fd = self._table_fd = -1
+            for fd in fds:
                 if fd >= 0:
                     os.close(fd)
-            self._index_fd = self._table_fd = -1
-            for fd in self.data_fds:
+            data_fds, self.data_fds = self.data_fds, []
+            for fd in data_fds:
                 os.close(fd)
-            self.data_fds = []
             if removing:
                 _remove_dirs(self.dirs)  # still under lock.init: nobody attaches meanwhile
             if self._lock_fd >= 0:
                 # Unlock before the close: an io_uring ring that registered
                 # this fd (registry_fd) may hold the open file a few ms
-                # longer, and a flock goes only with the last reference.
+                # longer, and a flock goes only with the last reference. A
+                # child forked meanwhile closes its copy by its path (the
+                # fork hook's scan of lock files).
+                lock_fd, self._lock_fd = self._lock_fd, -1
                 with contextlib.suppress(OSError):
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-                os.close(self._lock_fd)
-                self._lock_fd = -1
+                    fcntl.flock(lock_fd, fcntl.LOCK_UN)
+                os.close(lock_fd)
         finally:
             _unlock_file(init_fd)
         return last

@@ -383,3 +383,64 @@ def test_forks_while_another_thread_opens_and_closes_stores_leave_no_lock_in_the
     assert not errors
     assert bad == []
     assert files.sharers(store_dir) == []
+
+
+def test_a_fork_just_after_the_store_closes_an_fd_leaves_that_fd_number_alone_in_the_child(
+    tmp_path, monkeypatch
+) -> None:
+    """Was a bug: the store closed each fd first and forgot its number after,
+    so a fork in between (another thread forking, the number already reused
+    by a third thread's open) made the child's fork hook close that number:
+    a file the child had every right to keep (a pipe, a socket). Here each
+    store fd, the moment it is closed (at open: lock.init; at close: index,
+    table, data, lock), has its number taken by another file and a child is
+    forked: the child must find that file still open."""
+    import errno
+
+    root = str(tmp_path / "kv")
+    buf = new_buffer(ROWS)
+    real_close = os.close
+    probe = os.open(os.devnull, os.O_RDONLY)
+    probe_ino = os.fstat(probe).st_ino
+    checked: list[tuple[str, int]] = []
+    store_paths = set()
+
+    me = os.getpid()
+
+    def forking_close(fd: int) -> None:
+        if os.getpid() != me:  # the child's fork hook: a plain close (a fork
+            real_close(fd)  # from a fork hook would deadlock on others' locks)
+            return
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            target = ""
+        real_close(fd)
+        if not any(target.startswith(p) for p in store_paths):
+            return
+        os.dup2(probe, fd)  # another thread's open got the number
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    code = 0 if os.fstat(fd).st_ino == probe_ino else 1
+                except OSError as exc:
+                    code = 2 if exc.errno == errno.EBADF else 3
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            checked.append((os.path.basename(target), os.waitstatus_to_exitcode(status)))
+        finally:
+            real_close(fd)
+
+    store_paths.add(os.path.realpath(os.path.join(root, STORE_NAME)))
+    os.makedirs(root)
+    monkeypatch.setattr(os, "close", forking_close)
+    try:
+        store = open_store(root, buf)
+        store.close()
+    finally:
+        monkeypatch.undo()
+        real_close(probe)
+    names = {name for name, _code in checked}
+    assert {"lock.init", "index", "table", "data", "lock"} <= names, checked
+    assert [c for c in checked if c[1] != 0] == []

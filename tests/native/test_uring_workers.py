@@ -345,6 +345,25 @@ def test_close_of_a_ring_refusing_enter_with_ops_taken_returns(engines, region, 
     assert {c.result for c in done.values()} <= {-errno.ENOMEM, -errno.ECANCELED}
 
 
+@pytest.mark.parametrize("err", ["EAGAIN", "EBUSY", "EINTR", "ETIME"])
+def test_a_ring_that_keeps_refusing_enter_with_a_transient_error_fails_its_ops_and_close_returns(
+    engines, region, files, err
+) -> None:
+    """Was a hang: an enter error that is normally transient (EAGAIN: the
+    kernel has no memory for requests) never failed the ring however long it
+    lasted, so the ops in the ring never completed, the I/O thread spun at
+    full speed and close() joined forever. Once it comes back with nothing
+    completing long enough, the ring fails like one refusing with EIO."""
+    engine = _engine(engines, region, files[:1], workers=1, queue_depth=4)
+    engine._native._inject_enter_error(0, getattr(errno, err))
+    ops = _writes(1, 12)  # 4 in slots, 8 queued behind them
+    engine.submit(ops)
+    done = _collect(engine, len(ops), timeout_s=20)
+    assert {c.result for c in done.values()} == {-getattr(errno, err)}
+    assert engine.worker_stats()[0]["failed_errno"] == getattr(errno, err)
+    assert _close_within(engine, 20.0), "close() did not return"
+
+
 def test_a_forked_child_closes_its_copy_of_the_engine_and_its_rings(
     engines, region, files, tmp_path
 ) -> None:

@@ -1084,6 +1084,23 @@ def test_a_set_lock_held_by_a_stopped_sharer_costs_a_bounded_time(shared: Shared
     assert a.contains(key) and a.counters()["lock_recoveries"] == 1
 
 
+def _kill_once_waiting(table: _table.Table, pid: int, seen: list[bool]) -> None:
+    """Kill ``pid`` once ``table``'s caller is inside a wait for another
+    process (its calls from this thread are then refused as "two threads");
+    ``seen`` records that the kill came during such a wait."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            table.usage()
+        except RuntimeError as exc:
+            if "two threads" in str(exc):
+                seen.append(True)
+                break
+            raise
+        time.sleep(0.0005)
+    os.kill(pid, 9)
+
+
 def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
     shared: Shared,
 ) -> None:
@@ -1092,20 +1109,30 @@ def test_a_dead_lock_holders_slots_are_reclaimed_once_its_lock_file_closes(
     OFD lock still held, reclaimed nothing, and dropped its store as "set
     busy". Its writes may still be in flight until that lock goes, so the
     survivor waits for it (bounded) instead of concluding. Here a grandchild
-    keeps the dead child's lock file open for 10 ms past the death."""
+    keeps the dead child's lock file open until the survivor is waiting, then
+    dies. The wait's bound is lengthened (it is 50 ms: a loaded machine may
+    take longer than that to run the killing thread), so the lock file closes
+    within it however slowly the test runs; a wait that ended without it
+    would reclaim nothing (the next test)."""
     b = _handle(shared)
     k1, k2, k3 = SET0_KEYS
     pid, grand = _fork_holder(shared, 0, [k1, k2], "die")
+    before = _table._set_dying_wait_ms(60_000)
     try:
         os.waitpid(pid, 0)
-        threading.Timer(0.01, os.kill, (grand, 9)).start()
+        seen: list[bool] = []
+        killer = threading.Thread(target=_kill_once_waiting, args=(b, grand, seen))
+        killer.start()
         ops, _ = _store(b, [k3], job_id=5)
+        killer.join()
+        assert seen, "the survivor reclaimed without waiting for the dead writer's lock file"
         assert len(ops) == 1, "the survivor's store was dropped: the dead writer's slots stayed"
         got = b.counters()
         assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 2
         b.complete(_ok(ops), False)
         assert b.contains(k3) and b.usage()[:2] == (1, 1)
     finally:
+        _table._set_dying_wait_ms(before)
         _reap(pid)
         _reap(grand)
 

@@ -230,8 +230,10 @@ HEADER_PROBE = textwrap.dedent(
             except ValueError:
                 refused += 1
             else:
+                t.attach()
                 t.lookup(b"x")
                 t.store_ops(1, [b"a%d" % i], [1], 10, False)
+                t.detach()
                 t.sweep()
                 worked += 1
             sh.table_map[i] = orig[i]
