@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -47,7 +46,6 @@ from vllm.v1.kv_offload.tiering.backpressure import (
     EMABackpressureDetector,
 )
 from vllm.v1.kv_offload.tiering.base import (
-    TIER_LABEL,
     JobResult,
     SecondaryTierManager,
     TransferJob,
@@ -59,6 +57,8 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import BlockStore, log_failed_job, log_refused_job
+from nvmetier.vllm import compat
+from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -174,7 +174,7 @@ if isinstance(_storage_types, frozenset):
     EMABackpressureDetector._STORAGE_TIER_TYPES = _storage_types | frozenset(TIER_TYPES)
 
 
-class FailureBackpressureDetector(EMABackpressureDetector):
+class FailureBackpressureDetector(compat.FailureCountingMixin, EMABackpressureDetector):
     """vLLM's EMA detector, judging failed stores only.
 
     ``failure_threshold`` consecutive failed store jobs (write errors, or keys
@@ -187,6 +187,10 @@ class FailureBackpressureDetector(EMABackpressureDetector):
     ms/MiB, over the 10 ms/MiB local high watermark) would read as overload
     and drop healthy stores. A user-written ``backpressure`` section gets
     vLLM's latency-judging detector as written.
+
+    On vLLM 0.32, whose orchestrator reports successful stores only, the
+    failure streak is kept by ``compat.FailureCountingMixin`` and fed by the
+    tier (``get_finished_jobs``); on 0.33 it is vLLM's own.
     """
 
     def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
@@ -204,7 +208,7 @@ def default_backpressure_detector(tier_type: str, locality: str | None) -> Backp
     ``FailureBackpressureDetector`` for why latency alone does not.
     """
     config = EMABackpressureDetector.default_config(tier_type, locality=locality)
-    config.setdefault("failure_threshold", EMABackpressureDetector.DEFAULT_FAILURE_THRESHOLD)
+    config.setdefault("failure_threshold", compat.DEFAULT_FAILURE_THRESHOLD)
     return FailureBackpressureDetector(**config)
 
 
@@ -500,11 +504,20 @@ class NvmeTierManager(SecondaryTierManager):
             return ()
         out = []
         for raw in done:
-            job_id, success, ok_keys, secs, moved, error, _is_load = raw
+            job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
+            if not success and not is_load and not compat.REPORTS_STORE_FAILURES:
+                self._report_store_failed()
             out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
         return out
+
+    def _report_store_failed(self) -> None:
+        """vLLM 0.32 tells the detector about successful stores only: report
+        a failed store job to it ourselves (0.33's orchestrator does)."""
+        on_store_failed = getattr(self.bp_detector, "on_store_failed", None)
+        if on_store_failed is not None:
+            on_store_failed()
 
     @override
     def has_pending_work(self) -> bool:
