@@ -49,7 +49,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, SupportsIndex
 
 import numpy as np
 import torch
@@ -131,7 +131,7 @@ class _EndlessPool(list):  # type: ignore[type-arg]
     def __bool__(self) -> bool:
         return True
 
-    def pop(self, index: int = -1) -> Any:
+    def pop(self, index: SupportsIndex = -1) -> Any:
         return super().pop(index) if len(self) else self._factory()
 
 
@@ -254,6 +254,8 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     memory, which is wrong: use vLLM's ``TieringOffloadingSpec`` there), so
     ``get_worker`` refuses a tensor that is not on the CPU.
     """
+
+    _worker: Any
 
     @override
     def get_manager(self) -> Any:

@@ -130,7 +130,7 @@ def make_model(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
         bos_token_id=0,
         eos_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
