@@ -156,6 +156,11 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# Gauges that describe the whole store, not this process: with several engines
+# of one vLLM instance on one store (data parallelism, sharing="node") only one
+# engine reports them (see NvmeTierManager.reports_store_gauges).
+STORE_GAUGES = frozenset({"bytes_used", "capacity_bytes", "slots_used", "sharers"})
+
 _warned_random_seed = False
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -293,7 +298,11 @@ def store_name(
     digest = hashlib.sha256(fmt.identity_json(identity)).hexdigest()[:12]
     model = str(identity.get("model_name", "model")).replace("/", "_") or "model"
     name = f"{model}_{digest}"
-    return f"{name}_dp{dp_index}" if dp_size > 1 and sharing == "process" else name
+    # vLLM runs the ranks of a non-MoE model as independent engines whose
+    # data_parallel_size reads 1 (reconfigure_for_independent_dp_rank); the
+    # rank index alone then tells rank 1 from rank 0.
+    in_dp = dp_size > 1 or dp_index > 0
+    return f"{name}_dp{dp_index}" if in_dp and sharing == "process" else name
 
 
 _warned_formats: set[str] = set()
@@ -395,6 +404,16 @@ class NvmeTierManager(SecondaryTierManager):
         reclaim_private_stores(self.config.root_dir)
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
+        # vLLM adds up a gauge's series over the engines of an instance (one
+        # series per engine label; 0.32 also one per API-server process), so a
+        # store-wide figure reported by every data-parallel rank of one shared
+        # store would count the store once per rank. Only rank 0 reports it;
+        # the other ranks report 0, and a dashboard's sum is the store's.
+        # (vLLM runs the ranks of a non-MoE model as independent engines with
+        # data_parallel_size 1; data_parallel_index keeps the rank.)
+        self.reports_store_gauges = not (
+            self.config.sharing == "node" and parallel.data_parallel_index != 0
+        )
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -563,6 +582,8 @@ class NvmeTierManager(SecondaryTierManager):
         for name, (kind, _doc) in METRICS.items():
             value = now.get(name, 0)
             if kind == "gauge":
+                if name in STORE_GAUGES and not self.reports_store_gauges:
+                    value = 0
                 stats.set_gauge(METRIC_PREFIX + name, value, labels)
                 continue
             delta = value - self._reported.get(name, 0)
