@@ -19,10 +19,10 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -368,10 +368,135 @@ def serve_python_missing() -> str | None:
     return None
 
 
-def _main_for_debug() -> None:  # pragma: no cover - manual use
-    print(docs_serve_line())
+def _percentile(values: Sequence[float], pct: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * pct / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    _main_for_debug()
-    sys.exit(0)
+def _token_prompts(n: int, tokens: int, vocab: int, seed: int = 7) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(tokens)] for _ in range(n)]
+
+
+def _disk_chunks(srv: ServerProcess, tier: str, root: str) -> int:
+    """Chunks the server's disk tier has written: nvmetier's counter, or the
+    fs tier's files."""
+    if tier == "nvme":
+        return int(metric_sum(srv.metrics(), "vllm:nvmetier_ops_written_total"))
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
+def run_serve_level(args: Any, log: Any) -> dict[str, Any]:
+    """``nvmetier bench --level serve``: TTFT of long prompts on real servers.
+
+    Three ways, each on fresh servers of the ``bench`` model (random weights,
+    ~120 M parameters, made once under ``--dir``): no offloading (every
+    prompt a full prefill); nvmetier warm from disk (a first server answers
+    the prompts and stores them, it is stopped, a second server on the same
+    ``root_dir`` answers them again: its primary tier is empty, so every hit
+    is a load from disk); and vLLM's ``fs`` tier the same way. Returns the
+    report section: per way the TTFTs, p50/p90, and the ratios to no
+    offloading; writes a PNG when ``--plot`` is given.
+    """
+    why = serve_python_missing()
+    if why:
+        raise RuntimeError(why)
+    work = os.path.abspath(args.dir)
+    os.makedirs(work, exist_ok=True)
+    model = make_model(args.serve_model or os.path.join(work, "model-bench"), "bench")
+    with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+        vocab = int(json.load(f)["vocab_size"])
+    n, tokens = args.serve_prompts, args.serve_prompt_tokens
+    prompts = _token_prompts(n, tokens, vocab)
+    max_len = (tokens // CPU_BLOCK_SIZE + 4) * CPU_BLOCK_SIZE
+    # Primary tier: room for every prompt's KV (fp32, the bench model's layout).
+    cpu_bytes = max(DEFAULT_CPU_BYTES, n * (max_len * 24576) + (64 << 20))
+    logs = os.path.join(work, "serve-logs")
+    os.makedirs(logs, exist_ok=True)
+
+    def server(tier: str | None, root: str, name: str) -> ServerProcess:
+        kv = kv_transfer_config(tier, root, "4GiB", cpu_bytes=cpu_bytes)
+        argv = cpu_serve_argv(
+            model, free_port(), kv, max_len, ("--max-num-seqs", "1"), python=SERVE_PYTHON
+        )
+        return ServerProcess(
+            argv, os.path.join(logs, f"{name}.log"), env={"VLLM_CPU_KVCACHE_SPACE": "2"}
+        )
+
+    def ttfts(srv: ServerProcess) -> list[float]:
+        out = []
+        for i, p in enumerate(prompts):
+            out.append(srv.time_to_first_token(p))  # type: ignore[arg-type]
+            log(f"  {srv.log_path.rsplit('/', 1)[-1][:-4]}: prompt {i}: {out[-1]:.2f} s")
+        return out
+
+    ways: dict[str, dict[str, Any]] = {}
+    with running(server(None, "", "none")) as srv:
+        ways["no offloading"] = {"ttft_s": ttfts(srv)}
+    for tier, label in (
+        ("nvme", "nvmetier, warm from disk"),
+        ("fs", "vLLM fs tier, warm from disk"),
+    ):
+        root = os.path.join(work, f"kv-{tier}")
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root)
+        with running(server(tier, root, f"{tier}-cold")) as srv:
+            cold = ttfts(srv)
+            want = n * (tokens // CPU_BLOCK_SIZE)
+            deadline = time.monotonic() + 300
+            while _disk_chunks(srv, tier, root) < want and time.monotonic() < deadline:
+                time.sleep(1)
+        with running(server(tier, root, f"{tier}-warm")) as srv:
+            warm = ttfts(srv)
+            loaded = srv.offload_bytes("CPU_to_GPU")
+            recomputed = srv.offload_bytes("GPU_to_CPU")
+        ways[label] = {
+            "ttft_s": warm,
+            "cold_ttft_s": cold,
+            "loaded_bytes": loaded,
+            "stored_bytes_after_restart": recomputed,
+        }
+    base = _percentile(ways["no offloading"]["ttft_s"], 50)
+    for way in ways.values():
+        way["p50_s"] = _percentile(way["ttft_s"], 50)
+        way["p90_s"] = _percentile(way["ttft_s"], 90)
+        way["speedup_p50"] = base / way["p50_s"] if way["p50_s"] else float("nan")
+    log("")
+    log(f"TTFT, {n} prompts of {tokens} tokens, bench model ({model}):")
+    log(f"  {'way':32s} {'p50 s':>8s} {'p90 s':>8s} {'p50 speedup':>12s}")
+    for name, way in ways.items():
+        log(f"  {name:32s} {way['p50_s']:8.2f} {way['p90_s']:8.2f} {way['speedup_p50']:11.1f}x")
+    if getattr(args, "plot", None):
+        log(plot_ttft(ways, args.plot, f"TTFT, {n} prompts x {tokens} tokens (vllm serve, CPU)"))
+    return {"prompts": n, "prompt_tokens": tokens, "model": model, "ways": ways}
+
+
+def plot_ttft(ways: dict[str, dict[str, Any]], path: str, title: str) -> str:
+    """Bars of p50 and p90 TTFT per way (log scale). Returns a message."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return f"matplotlib is not installed; skipped the plot {path}"
+    names = list(ways)
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], [ways[k]["p50_s"] for k in names], 0.4, label="p50")
+    ax.bar([x + 0.2 for x in xs], [ways[k]["p90_s"] for k in names], 0.4, label="p90")
+    ax.set_xticks(list(xs), names, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("time to first token (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"wrote {path}"
