@@ -103,7 +103,8 @@ def cpu_serve_argv(
     ``python -m nvmetier.vllm.serve`` is ``vllm serve`` (the CPU build's own
     ``vllm`` command cannot start). float32: the CPU kernels' reference
     dtype. ``--enforce-eager``: no compilation at start (seconds, not
-    minutes, on a small CPU).
+    minutes, on a small CPU). ``--shutdown-timeout 30``: a stop drains and
+    shuts the engine (and the tier) down instead of killing it.
     """
     argv = [
         python,
@@ -121,6 +122,10 @@ def cpu_serve_argv(
         "--block-size",
         str(CPU_BLOCK_SIZE),
         "--enforce-eager",
+        # Without it a stop (SIGTERM, Ctrl-C) aborts and force-kills the
+        # engine core: the tier never shuts down (docs/vllm.md, "Stopping").
+        "--shutdown-timeout",
+        "30",
     ]
     argv += list(extra)
     if kv_config is not None:

@@ -20,10 +20,12 @@ tier's.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -100,28 +102,49 @@ def store_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(tmp_path_factory.mktemp("kv"))
 
 
+def store_closed_cleanly(root: str) -> list[bool]:
+    """``clean_shutdown`` of every store under ``root`` (nvmetier info)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "nvmetier.cli", "info", root, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return [bool(s["clean_shutdown"]) for s in json.loads(out)["stores"]]
+
+
 @pytest.fixture(scope="module")
-def first_run(servers: Servers, store_root: str) -> dict[int, list[int]]:
+def first_run(servers: Servers, store_root: str) -> dict[str, Any]:
     """A server with nvmetier answers the restart prompts once, stores them
-    to disk, and is stopped the way vllm serve is stopped (SIGTERM)."""
+    to disk, and is stopped the way vllm serve is stopped (SIGTERM to its
+    process group, as Ctrl-C or systemd do)."""
     server = servers.start("nvme", store_root, name="first")
     tokens = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in SETS["restart"]}
     wait_stored(server, len(SETS["restart"]) * CHUNK_BLOCKS)
     server.stop()
-    return tokens
+    return {"tokens": tokens, "clean": store_closed_cleanly(store_root)}
 
 
 @pytest.fixture(scope="module")
-def restarted(servers: Servers, store_root: str, first_run: dict[int, list[int]]) -> ServerProcess:
+def restarted(servers: Servers, store_root: str, first_run: dict[str, Any]) -> ServerProcess:
     """A new server on the same root_dir, after the first one stopped."""
     return servers.start("nvme", store_root, name="restarted")
 
 
 def test_tokens_identical_with_and_without_tier(
-    first_run: dict[int, list[int]], reference: dict[int, list[int]]
+    first_run: dict[str, Any], reference: dict[int, list[int]]
 ) -> None:
     for s in SETS["restart"]:
-        assert first_run[s] == reference[s], f"prompt {s}"
+        assert first_run["tokens"][s] == reference[s], f"prompt {s}"
+
+
+def test_sigterm_with_shutdown_timeout_closes_the_store_cleanly(
+    first_run: dict[str, Any],
+) -> None:
+    # --shutdown-timeout (cpu_serve_argv): the engine core drains and shuts
+    # down, so the tier's shutdown() runs; without it vLLM force-kills it.
+    assert first_run["clean"] == [True]
 
 
 def test_warm_restart_loads_from_disk_and_recomputes_nothing(
@@ -171,6 +194,14 @@ def test_data_parallel_2_shares_one_store_and_counts_store_gauges_once(
         for s in SETS["dp"]:
             assert server.complete(PROMPTS[s], MAX_TOKENS) == reference[s], f"prompt {s}"
         wait_stored(server, len(SETS["dp"]) * CHUNK_BLOCKS)
+
+        # A gauge is a snapshot of the reporting engine's last step: let both
+        # engines step (short requests store nothing: no block fills up).
+        def slots_used() -> float:
+            server.complete([2, 3, 4], 1)
+            return metric_sum(server.metrics(), "vllm:nvmetier_slots_used")
+
+        wait_for(lambda: slots_used() == len(SETS["dp"]) * CHUNK_BLOCKS, 120, "slots_used")
         metrics = server.metrics()
         engines = {lab["engine"] for lab, _ in metrics["vllm:nvmetier_capacity_bytes"]}
         assert engines == {"0", "1"}
@@ -179,7 +210,6 @@ def test_data_parallel_2_shares_one_store_and_counts_store_gauges_once(
             restarted, "capacity_bytes"
         )
         assert metric_sum(metrics, "vllm:nvmetier_sharers") == 2  # both engines, one store
-        assert metric_sum(metrics, "vllm:nvmetier_slots_used") == len(SETS["dp"]) * CHUNK_BLOCKS
     finally:
         server.stop()
 
