@@ -190,9 +190,24 @@ def _region_paths(region: Any) -> list[str]:
     return [str(region.mmap_path)]
 
 
+def _could_be_vllm(pid_dir: str) -> bool:
+    """Whether a process whose maps we may not read could be a vLLM process
+    (a Python): then nothing can be called unmapped. Others (a sandbox's
+    init, a daemon of another user) are not."""
+    try:
+        with open(os.path.join(pid_dir, "cmdline"), "rb") as f:
+            cmd = f.read().lower()
+    except FileNotFoundError:
+        return False
+    except PermissionError:
+        return True
+    return b"python" in cmd or b"vllm" in cmd
+
+
 def _mapped_paths() -> set[str] | None:
-    """Files mapped by any live process (from /proc/*/maps); None when some
-    process's maps cannot be read (then nothing may be called unmapped)."""
+    """Files mapped by any live process (from /proc/*/maps); None when a
+    process that could be vLLM's cannot be read (then nothing may be called
+    unmapped)."""
     mapped: set[str] = set()
     for maps in glob.glob("/proc/[0-9]*/maps"):
         try:
@@ -203,7 +218,8 @@ def _mapped_paths() -> set[str] | None:
         except FileNotFoundError:  # the process exited meanwhile
             continue
         except PermissionError:
-            return None
+            if _could_be_vllm(os.path.dirname(maps)):
+                return None
     return mapped
 
 

@@ -18,7 +18,7 @@ not 0.02), so greedy decoding sees clear margins between the top logits: a
 near-tie could flip on the rounding differences between a full prefill and a
 prefill that reuses cached KV, which would say nothing about the cache. The
 serve suite still compares cache-served tokens with vLLM's own prefix-cache
-pass (tests/serve/README.md).
+pass (the docstring of tests/serve/test_serve.py).
 
 Runs in the calling process; blocks while it writes (well under a minute).
 """

@@ -98,3 +98,33 @@ def test_load_of_a_partial_first_chunk_skips_its_first_block() -> None:
     for layer in (0, 1):
         assert torch.equal(layers[layer][6], original[layer][2])
         assert not layers[layer][1].any()
+
+
+def test_stale_primary_tier_files_are_reclaimed_and_mapped_ones_kept() -> None:
+    import mmap
+    import os
+    import uuid
+
+    from nvmetier.vllm.cpu import reclaim_stale_offload_regions
+
+    stale = f"/dev/shm/vllm_offload_nvmetier-test-{uuid.uuid4().hex}.mmap"
+    mapped = f"/dev/shm/vllm_offload_nvmetier-test-{uuid.uuid4().hex}.mmap"
+    young = f"/dev/shm/vllm_offload_nvmetier-test-{uuid.uuid4().hex}.mmap"
+    for path in (stale, mapped, young):
+        with open(path, "wb") as f:
+            f.truncate(mmap.PAGESIZE)
+    old = 1_000_000_000
+    os.utime(stale, (old, old))
+    os.utime(mapped, (old, old))
+    with open(mapped, "r+b") as f:
+        m = mmap.mmap(f.fileno(), mmap.PAGESIZE)
+    try:
+        removed = reclaim_stale_offload_regions()
+        assert stale in removed
+        assert not os.path.exists(stale)
+        assert os.path.exists(mapped) and os.path.exists(young)
+    finally:
+        m.close()
+        for path in (stale, mapped, young):
+            if os.path.exists(path):
+                os.unlink(path)
