@@ -20,9 +20,11 @@ tier's.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -158,6 +160,40 @@ def test_warm_restart_loads_from_disk_and_recomputes_nothing(
     assert restarted.offload_bytes("GPU_to_CPU") == stored0, "KV was recomputed and stored"
     assert restarted.offload_bytes("CPU_to_GPU") > loaded0
     assert nvme(restarted, "ops_read_total") - reads0 == len(SETS["restart"]) * CHUNK_BLOCKS
+
+
+def group_maps(server: ServerProcess, needle: str) -> dict[int, list[str]]:
+    """Lines of /proc/<pid>/maps naming ``needle``, per process of the server's group."""
+    assert server.proc is not None
+    out: dict[int, list[str]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != server.proc.pid:  # pgrp
+                continue
+            pid = int(stat.split("/")[2])
+            with open(f"/proc/{pid}/maps") as f:
+                lines = [ln.strip() for ln in f if needle in ln]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if lines:
+            out[pid] = lines
+    return out
+
+
+def test_primary_tier_file_is_unlinked_while_serving(restarted: ServerProcess) -> None:
+    # Every process that needs vLLM's shared region (scheduler, worker) has it
+    # mapped, and the file itself is gone: no stop can leave it in /dev/shm.
+    with open(restarted.log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    engine_id = re.search(r"OffloadingConnector and engine_id: (\S+)", log)
+    assert engine_id, "no engine id in the server's log"
+    path = f"/dev/shm/vllm_offload_{engine_id.group(1)}.mmap"
+    assert not os.path.exists(path)
+    maps = group_maps(restarted, path)
+    assert len(maps) >= 2, maps  # the engine core (scheduler) and the worker
+    assert all(ln.endswith("(deleted)") for lines in maps.values() for ln in lines)
 
 
 def test_two_live_servers_on_one_root_share_chunks(
