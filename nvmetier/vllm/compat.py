@@ -10,6 +10,8 @@ the rest of ``nvmetier.vllm`` imports from here and never tests a version:
   backpressure detector about failed store jobs (``on_store_failed``, 0.33).
   On 0.32 it calls the detector for successful stores only, so our tier reports
   its failed store jobs to the detector itself.
+- ``ensure_manager_lock``: 0.33's managers have a ``lock`` to hold around
+  every call; 0.32's are entered from the scheduler thread only and have none.
 - ``FailureCountingMixin``: 0.33's failure-streak logic of
   ``EMABackpressureDetector`` (``failure_threshold``), for 0.32's detector that
   lacks it.
@@ -19,6 +21,7 @@ Import-time only; no threads, never blocks.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping
 from importlib import metadata
@@ -51,6 +54,18 @@ DEFAULT_FAILURE_THRESHOLD: int = int(
 # watermark, enough for ThrottledDropPolicy to drop every store until idle
 # decay lets a probe store through.
 _FAILURE_EMA_FACTOR: float = float(getattr(EMABackpressureDetector, "_FAILURE_EMA_FACTOR", 4.0))
+
+
+def ensure_manager_lock(manager: Any) -> Any:
+    """Give a vLLM 0.32 ``OffloadingManager`` the ``lock`` 0.33's have.
+
+    0.32's manager is entered from the scheduler thread only (no tier-poll
+    thread), so callers that hold ``manager.lock`` as 0.33 requires get a
+    no-op context there. Returns ``manager``.
+    """
+    if not hasattr(manager, "lock"):
+        manager.lock = contextlib.nullcontext()
+    return manager
 
 
 def vllm_version() -> str:
@@ -129,6 +144,13 @@ class FailureCountingMixin:
                 self._pressure_cleared_at = time.monotonic()
                 self._cooldown_count = 0
         return bool(super().is_under_pressure())  # type: ignore[misc]
+
+    @property
+    def stats(self) -> dict[str, float]:
+        out = dict(super().stats)  # type: ignore[misc]
+        if not REPORTS_STORE_FAILURES:  # 0.33 reports its own streak
+            out["consecutive_store_failures"] = self._compat_failures
+        return out
 
     def reset(self) -> None:
         self._compat_failures = 0
