@@ -86,10 +86,23 @@ def wait_stored(server: ServerProcess, chunks: float, timeout_s: float = 120.0) 
 
 
 @pytest.fixture(scope="module")
-def reference(servers: Servers) -> dict[int, list[int]]:
+def starts(servers: Servers, store_root: str) -> dict[str, ServerProcess]:
+    """The reference server and the first server with nvmetier, started at
+    once (their start-ups overlap; neither sends a request before both are up)."""
+    out = {
+        "reference": servers.start(None, name="reference", wait=False),
+        "first": servers.start("nvme", store_root, name="first", wait=False),
+    }
+    for server in out.values():
+        server.wait_ready()
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(starts: dict[str, ServerProcess]) -> dict[int, list[int]]:
     """Tokens of every prompt from a server without offloading: cold, then
     warm from vLLM's own prefix cache; the two must agree (module docstring)."""
-    server = servers.start(None, name="reference")
+    server = starts["reference"]
     cold = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in ALL_SEEDS}
     warm = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in ALL_SEEDS}
     hits = metric_sum(server.metrics(), "vllm:prefix_cache_hits_total")
@@ -117,11 +130,11 @@ def store_closed_cleanly(root: str) -> list[bool]:
 
 
 @pytest.fixture(scope="module")
-def first_run(servers: Servers, store_root: str) -> dict[str, Any]:
+def first_run(starts: dict[str, ServerProcess], store_root: str) -> dict[str, Any]:
     """A server with nvmetier answers the restart prompts once, stores them
     to disk, and is stopped the way vllm serve is stopped (SIGTERM to its
     process group, as Ctrl-C or systemd do)."""
-    server = servers.start("nvme", store_root, name="first")
+    server = starts["first"]
     tokens = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in SETS["restart"]}
     wait_stored(server, len(SETS["restart"]) * CHUNK_BLOCKS)
     server.stop()
@@ -129,9 +142,24 @@ def first_run(servers: Servers, store_root: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def restarted(servers: Servers, store_root: str, first_run: dict[str, Any]) -> ServerProcess:
+def restarted_pair(
+    servers: Servers, store_root: str, first_run: dict[str, Any]
+) -> dict[str, ServerProcess]:
+    """Two new servers on the same root_dir, after the first one stopped,
+    started at once: "restarted", and "sharer" for the sharing test."""
+    out = {
+        "restarted": servers.start("nvme", store_root, name="restarted", wait=False),
+        "sharer": servers.start("nvme", store_root, name="sharer", wait=False),
+    }
+    for server in out.values():
+        server.wait_ready()
+    return out
+
+
+@pytest.fixture(scope="module")
+def restarted(restarted_pair: dict[str, ServerProcess]) -> ServerProcess:
     """A new server on the same root_dir, after the first one stopped."""
-    return servers.start("nvme", store_root, name="restarted")
+    return restarted_pair["restarted"]
 
 
 def test_tokens_identical_with_and_without_tier(
@@ -197,9 +225,9 @@ def test_primary_tier_file_is_unlinked_while_serving(restarted: ServerProcess) -
 
 
 def test_two_live_servers_on_one_root_share_chunks(
-    servers: Servers, store_root: str, restarted: ServerProcess, reference: dict[int, list[int]]
+    restarted_pair: dict[str, ServerProcess], reference: dict[int, list[int]]
 ) -> None:
-    other = servers.start("nvme", store_root, name="sharer")
+    restarted, other = restarted_pair["restarted"], restarted_pair["sharer"]
     try:
         (seed,) = SETS["share"]
         written0 = nvme(restarted, "ops_written_total")
