@@ -140,6 +140,23 @@ def docs_serve_line() -> str:
     return "PYTHONHASHSEED=0 " + shlex.join(argv)
 
 
+def docs_gpu_serve_line() -> str:
+    """The GPU server line docs/vllm.md shows beside the CPU one: the same but
+    for what the CPU needs (launcher, our spec, block size, dtype, eager)."""
+    kv = kv_transfer_config("nvme", "/mnt/nvme/kv", "100GiB", cpu_bytes=8 << 30)
+    assert kv is not None
+    extra = kv["kv_connector_extra_config"]
+    extra["spec_name"] = "TieringOffloadingSpec"
+    del extra["spec_module_path"]
+    argv = cpu_serve_argv("/models/my-model", 8000, kv, max_model_len=8192)
+    cpu_only = {"--dtype": 2, "--block-size": 2, "--enforce-eager": 1}
+    for flag, n in cpu_only.items():
+        i = argv.index(flag)
+        del argv[i : i + n]
+    argv[:3] = ["vllm", "serve"]  # python -m nvmetier.vllm.serve -> vllm serve
+    return "PYTHONHASHSEED=0 " + shlex.join(argv)
+
+
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     """Prometheus text -> {sample name: [(labels, value), ...]}."""
     out: dict[str, list[tuple[dict[str, str], float]]] = {}

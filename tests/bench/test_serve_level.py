@@ -57,3 +57,23 @@ def test_metrics_parser_sums_series_by_label() -> None:
     assert metric_sum(m, "vllm:nvmetier_capacity_bytes") == 1.5e7
     assert metric_sum(m, "vllm:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU") == 42
     assert metric_sum(m, "vllm:kv_offload_total_bytes_total", transfer_type="CPU_to_GPU") == 0
+
+
+def test_docs_gpu_line_differs_from_the_cpu_line_only_where_the_docs_say() -> None:
+    from nvmetier.bench.serve import docs_gpu_serve_line
+
+    with open(os.path.join(ROOT, "docs", "vllm.md"), encoding="utf-8") as f:
+        assert docs_gpu_serve_line() in f.read().splitlines()
+    cpu, gpu = shlex.split(docs_serve_line()), shlex.split(docs_gpu_serve_line())
+    kv_cpu = json.loads(cpu.pop(cpu.index("--kv-transfer-config") + 1))
+    kv_gpu = json.loads(gpu.pop(gpu.index("--kv-transfer-config") + 1))
+    extra = kv_cpu["kv_connector_extra_config"]
+    assert extra.pop("spec_module_path") == "nvmetier.vllm.cpu"
+    extra["spec_name"] = "TieringOffloadingSpec"
+    assert kv_cpu == kv_gpu
+    for flag, n in (("--dtype", 2), ("--block-size", 2), ("--enforce-eager", 1)):
+        i = cpu.index(flag)
+        del cpu[i : i + n]
+    assert cpu[1:4] == ["python", "-m", "nvmetier.vllm.serve"]
+    assert gpu[1:3] == ["vllm", "serve"]
+    assert cpu[4:] == gpu[3:]
