@@ -258,16 +258,20 @@ class ServerProcess:
             os.killpg(self.proc.pid, sig)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM the group (as Ctrl-C, systemd or Kubernetes would), then
-        SIGKILL whatever is left after ``timeout_s``. Returns the API
-        server's exit status."""
+        """SIGTERM the group (as Ctrl-C or systemd would), wait up to
+        ``timeout_s`` for every process of it to exit, then SIGKILL whatever
+        is left. Returns the API server's exit status."""
         if self.proc is None:
             return None
         self._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
+        # As a service manager does: the engine core and its workers may still
+        # be shutting down (closing the tier) after the API server exited.
+        self._wait_group_gone(max(0.0, deadline - time.monotonic()))
         return self.kill()
 
     def kill(self) -> int | None:
