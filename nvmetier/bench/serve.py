@@ -258,12 +258,17 @@ class ServerProcess:
             os.killpg(self.proc.pid, sig)
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM the group (as Ctrl-C or systemd would), wait up to
-        ``timeout_s`` for every process of it to exit, then SIGKILL whatever
-        is left. Returns the API server's exit status."""
+        """SIGTERM the API server, wait up to ``timeout_s`` for every process
+        of its group to exit, then SIGKILL whatever is left. Returns the API
+        server's exit status."""
         if self.proc is None:
             return None
-        self._signal_group(signal.SIGTERM)
+        # To the API server only (as Kubernetes does; systemd with
+        # KillMode=mixed): it stops the engine core itself. A SIGTERM to the
+        # whole group reaches the engine core twice (ours and its manager's),
+        # and the second can abort its drain (docs/vllm.md).
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         try:
             self.proc.wait(timeout=timeout_s)

@@ -132,8 +132,8 @@ def store_closed_cleanly(root: str) -> list[bool]:
 @pytest.fixture(scope="module")
 def first_run(starts: dict[str, ServerProcess], store_root: str) -> dict[str, Any]:
     """A server with nvmetier answers the restart prompts once, stores them
-    to disk, and is stopped the way vllm serve is stopped (SIGTERM to its
-    process group, as Ctrl-C or systemd do)."""
+    to disk, and is stopped the way a service manager stops vllm serve
+    (SIGTERM to its main process, then waiting for the whole group)."""
     server = starts["first"]
     tokens = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in SETS["restart"]}
     wait_stored(server, len(SETS["restart"]) * CHUNK_BLOCKS)
