@@ -493,6 +493,17 @@ class StoreFiles:
             # the media at different moments): each rebuilt slot is then
             # checked at its next load even with verify_checksums off.
             unclean = not self.created and not self.sb.clean
+            if unclean:
+                # Every stop of `vllm serve` kills its engine (docs/vllm.md), so
+                # this is the usual restart: one line, nothing to do.
+                logger.warning(
+                    "nvmetier: %s was not closed cleanly (a killed or crashed vLLM); "
+                    "%d chunks kept, each checksum-verified at its first load; "
+                    "%d unfinished records dropped",
+                    self.dirs[0],
+                    len(rebuild),
+                    self.records_dropped,
+                )
             self.table.load(np.ascontiguousarray(rebuild, dtype=np.int64), unclean)
             del rebuild
             # The scan's temporaries (~65 B per stored slot) are freed now, but
@@ -524,10 +535,19 @@ class StoreFiles:
         rb = fmt.RECORD_BYTES
         for slot, _reason in scan.bad:
             self.index[slot * rb : (slot + 1) * rb] = fmt.EMPTY_RECORD
+        # One line for the whole open (below, or the crash line in attach);
+        # the slots themselves only at debug level: after a crash they are
+        # the unfinished writes, expected, and a warning each was noise.
         for slot, reason in scan.bad[:_MAX_LOGGED_DROPS]:
-            logger.warning("nvmetier: dropping index record of slot %d: %s", slot, reason)
-        if len(scan.bad) > _MAX_LOGGED_DROPS:
-            logger.warning("nvmetier: dropped %d index records at open in all", len(scan.bad))
+            logger.debug("nvmetier: dropping index record of slot %d: %s", slot, reason)
+        if scan.bad and self.sb.clean:
+            logger.warning(
+                "nvmetier: dropped %d index records of %s at open (%s%s)",
+                len(scan.bad),
+                self.dirs[0],
+                scan.bad[0][1],
+                ", ..." if len(scan.bad) > 1 else "",
+            )
         self.records_dropped = len(scan.bad)
         # Oldest first: load() gives recency in this order (the LRU survives).
         return scan.slots[np.argsort(scan.stored_ns, kind="stable")]

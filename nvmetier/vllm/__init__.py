@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
 from vllm.v1.kv_offload.base import (
-    ConfigInfoMapping,
     Locality,
     LookupResult,
     Medium,
@@ -47,7 +46,6 @@ from vllm.v1.kv_offload.tiering.backpressure import (
     EMABackpressureDetector,
 )
 from vllm.v1.kv_offload.tiering.base import (
-    TIER_LABEL,
     JobResult,
     SecondaryTierManager,
     TransferJob,
@@ -59,6 +57,8 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
+from nvmetier.vllm import compat
+from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 from nvmetier.vllm.promotion import (
     PromotionGuard,
     check_cpu_tier_size,
@@ -190,6 +190,11 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
 }
 
+# Gauges that describe the whole store, not this process: with several engines
+# of one vLLM instance on one store (data parallelism, sharing="node") only one
+# engine reports them (see NvmeTierManager.reports_store_gauges).
+STORE_GAUGES = frozenset({"bytes_used", "capacity_bytes", "slots_used", "sharers"})
+
 _warned_random_seed = False
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -208,7 +213,7 @@ if isinstance(_storage_types, frozenset):
     EMABackpressureDetector._STORAGE_TIER_TYPES = _storage_types | frozenset(TIER_TYPES)
 
 
-class FailureBackpressureDetector(EMABackpressureDetector):
+class FailureBackpressureDetector(compat.FailureCountingMixin, EMABackpressureDetector):
     """vLLM's EMA detector, judging failed stores only.
 
     ``failure_threshold`` consecutive failed store jobs (write errors, or keys
@@ -221,6 +226,10 @@ class FailureBackpressureDetector(EMABackpressureDetector):
     ms/MiB, over the 10 ms/MiB local high watermark) would read as overload
     and drop healthy stores. A user-written ``backpressure`` section gets
     vLLM's latency-judging detector as written.
+
+    On vLLM 0.32, whose orchestrator reports successful stores only, the
+    failure streak is kept by ``compat.FailureCountingMixin`` and fed by the
+    tier (``get_finished_jobs``); on 0.33 it is vLLM's own.
     """
 
     def on_store_completed(self, elapsed_s: float, num_bytes: int) -> None:
@@ -238,7 +247,7 @@ def default_backpressure_detector(tier_type: str, locality: str | None) -> Backp
     ``FailureBackpressureDetector`` for why latency alone does not.
     """
     config = EMABackpressureDetector.default_config(tier_type, locality=locality)
-    config.setdefault("failure_threshold", EMABackpressureDetector.DEFAULT_FAILURE_THRESHOLD)
+    config.setdefault("failure_threshold", compat.DEFAULT_FAILURE_THRESHOLD)
     return FailureBackpressureDetector(**config)
 
 
@@ -323,7 +332,11 @@ def store_name(
     digest = hashlib.sha256(fmt.identity_json(identity)).hexdigest()[:12]
     model = str(identity.get("model_name", "model")).replace("/", "_") or "model"
     name = f"{model}_{digest}"
-    return f"{name}_dp{dp_index}" if dp_size > 1 and sharing == "process" else name
+    # vLLM runs the ranks of a non-MoE model as independent engines whose
+    # data_parallel_size reads 1 (reconfigure_for_independent_dp_rank); the
+    # rank index alone then tells rank 1 from rank 0.
+    in_dp = dp_size > 1 or dp_index > 0
+    return f"{name}_dp{dp_index}" if in_dp and sharing == "process" else name
 
 
 _warned_formats: set[str] = set()
@@ -428,6 +441,16 @@ class NvmeTierManager(SecondaryTierManager):
         reclaim_private_stores(self.config.root_dir)
         self.store = self._open_store()
         self._reported: dict[str, int] = {}
+        # vLLM adds up a gauge's series over the engines of an instance (one
+        # series per engine label; 0.32 also one per API-server process), so a
+        # store-wide figure reported by every data-parallel rank of one shared
+        # store would count the store once per rank. Only rank 0 reports it;
+        # the other ranks report 0, and a dashboard's sum is the store's.
+        # (vLLM runs the ranks of a non-MoE model as independent engines with
+        # data_parallel_size 1; data_parallel_index keeps the rank.)
+        self.reports_store_gauges = not (
+            self.config.sharing == "node" and parallel.data_parallel_index != 0
+        )
         self._guard = self._build_guard(offloading_spec, primary_kv_view)
         _warn_other_formats(self.config.root_dir)
 
@@ -568,11 +591,20 @@ class NvmeTierManager(SecondaryTierManager):
             return ()
         out = []
         for raw in done:
-            job_id, success, ok_keys, secs, moved, error, _is_load = raw
+            job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
+            if not success and not is_load and not compat.REPORTS_STORE_FAILURES:
+                self._report_store_failed()
             out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
         return out
+
+    def _report_store_failed(self) -> None:
+        """vLLM 0.32 tells the detector about successful stores only: report
+        a failed store job to it ourselves (0.33's orchestrator does)."""
+        on_store_failed = getattr(self.bp_detector, "on_store_failed", None)
+        if on_store_failed is not None:
+            on_store_failed()
 
     @override
     def has_pending_work(self) -> bool:
@@ -619,6 +651,8 @@ class NvmeTierManager(SecondaryTierManager):
         for name, (kind, _doc) in METRICS.items():
             value = now.get(name, 0)
             if kind == "gauge":
+                if name in STORE_GAUGES and not self.reports_store_gauges:
+                    value = 0
                 stats.set_gauge(METRIC_PREFIX + name, value, labels)
                 continue
             delta = value - self._reported.get(name, 0)

@@ -33,6 +33,8 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from nvmetier.vllm import compat
+
 _END = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
@@ -117,7 +119,7 @@ class SimulatedEngine:
 
     def __init__(self, config: OffloadingConfig) -> None:
         self.spec = TieringOffloadingSpec(config)
-        self.manager = self.spec.get_manager()
+        self.manager = compat.ensure_manager_lock(self.spec.get_manager())
         self.primary = self.manager.primary_tier
         view = self.primary.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape)
@@ -191,7 +193,10 @@ class SimulatedEngine:
         """Empty the primary tier (vLLM's reset_cache), so loads hit the tiers."""
         with self.manager.lock:
             self.manager.reset_cache()
-            self.manager.on_reset_flushed()
+            # 0.33 waits for the workers' in-flight jobs before promotions
+            # resume (on_reset_flushed); 0.32 has no such hand-shake.
+            if hasattr(self.manager, "on_reset_flushed"):
+                self.manager.on_reset_flushed()
 
     # ------------------------------------------------------------ load
     def promote(self, keys: Sequence[bytes], timeout_s: float = 60.0) -> dict[bytes, LookupResult]:

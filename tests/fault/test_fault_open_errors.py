@@ -134,3 +134,22 @@ def test_read_only_root_is_a_config_error_and_changes_nothing(tmp_path, buf) -> 
         assert snapshot(str(tmp_path)) == before
     finally:
         ro.chmod(0o700)
+
+
+def test_crash_restart_logs_one_line_however_many_records_it_drops(root, buf, caplog) -> None:
+    # After a kill (every stop of `vllm serve`), the unfinished writes' records
+    # are dropped: one line for the whole open, not one per slot.
+    _mark_crashed(root)
+    index = os.path.join(store_dir(root), INDEX_NAME)
+    with open(index, "r+b") as f:
+        for slot in range(64):  # garbage over several records
+            f.seek(slot * fmt.RECORD_BYTES + 8)
+            f.write(b"\xff" * 8)
+    caplog.set_level("INFO", logger="nvmetier")
+    store = open_store(root, buf)
+    store.close()
+    lines = [r for r in caplog.records if r.levelno >= 30]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "not closed cleanly" in lines[0].getMessage()
+    assert "records dropped" in lines[0].getMessage()
+    assert "; 0 unfinished" not in lines[0].getMessage()

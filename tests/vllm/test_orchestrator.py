@@ -27,8 +27,9 @@ def test_tier_is_built_from_the_offloading_config(make_engine) -> None:
     (tier,) = eng.tiers
     assert isinstance(tier, NvmeTierManager)
     assert tier.medium.name == "STORAGE"
-    info = eng.manager.config_info()
-    assert info[1]["nvmetier_engine"] in ("threads", "uring")
+    if hasattr(eng.manager, "config_info"):  # vLLM 0.33's info metric
+        info = eng.manager.config_info()
+        assert info[1]["nvmetier_engine"] in ("threads", "uring")
 
 
 def test_cascade_then_promotion_returns_the_same_bytes(make_engine) -> None:
@@ -179,7 +180,7 @@ def test_the_tier_is_served_at_steps_without_a_tier_poll_thread(make_engine) -> 
     """No remote counterpart, so no vLLM tier-poll thread: finished jobs are
     collected by the steps themselves, and completions reach vLLM there."""
     eng = make_engine()
-    assert eng.manager._tier_poll_thread is None
+    assert getattr(eng.manager, "_tier_poll_thread", None) is None  # 0.32 has none at all
     assert not any(t.name == "vllm_offload_tier_poll" for t in threading.enumerate())
     keys = [key_of(i) for i in range(24)]
     eng.store_all(keys)  # steps until the cascade to the tier finished

@@ -121,6 +121,38 @@ def test_data_parallel_replicas_get_their_own_store_with_process_sharing(
     assert sorted(os.listdir(root)) == sorted([a.tiers[0].store_name, b.tiers[0].store_name])
 
 
+def test_independent_dp_ranks_get_their_own_store_with_process_sharing(
+    tmp_path, make_engine
+) -> None:
+    # vLLM runs the DP ranks of a non-MoE model as independent engines whose
+    # data_parallel_size reads 1; only data_parallel_index tells them apart.
+    root = str(tmp_path / "kv")
+    a = make_engine([nvme_tier(root, sharing="process")], dp_index=0, dp_size=1)
+    b = make_engine([nvme_tier(root, sharing="process")], dp_index=1, dp_size=1)
+    assert a.tiers[0].store_name != b.tiers[0].store_name
+    b.store_all([key_of(2)])
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_store_gauges_are_reported_by_dp_rank_0_only(tmp_path, make_engine, dp_size) -> None:
+    root = str(tmp_path / "kv")
+    a = make_engine([nvme_tier(root)], dp_index=0, dp_size=dp_size)
+    b = make_engine([nvme_tier(root)], dp_index=1, dp_size=dp_size)
+    a.store_all([key_of(1)])
+
+    def gauges(eng):
+        values = eng.tiers[0].get_stats().data["data"]
+        return {
+            name.removeprefix("vllm:nvmetier_"): sum(v.values())
+            for name, v in values.items()
+            if name.removeprefix("vllm:nvmetier_") in ("capacity_bytes", "sharers", "slots_used")
+        }
+
+    ga, gb = gauges(a), gauges(b)
+    assert ga["capacity_bytes"] > 0 and ga["sharers"] == 2 and ga["slots_used"] == 1
+    assert gb == {"capacity_bytes": 0, "sharers": 0, "slots_used": 0}
+
+
 def test_ephemeral_store_is_removed_at_shutdown(tmp_path, make_engine) -> None:
     root = tmp_path / "kv"
     eng = make_engine([nvme_tier(str(root), persist=False)])
