@@ -344,12 +344,11 @@ class BlockStore:
         return self._keys.key_mac(key)
 
     def _macs(self, keys: Iterable[bytes], job_id: int | None = None) -> list[bytes]:
-        """The MACs of ``keys`` (~1 µs each); remembered for the job's
-        successful_keys and, with events on, for the events."""
+        """The MACs of ``keys`` (~0.3 µs each, one native call); remembered
+        for the job's successful_keys and, with events on, for the events."""
         assert self._keys is not None
-        mac = self._keys.key_mac
         key_list = _key_list(keys)
-        macs = [mac(k) for k in key_list]
+        macs = self._keys.key_macs(key_list)
         if job_id is not None:
             self._job_keys[job_id] = dict(zip(macs, key_list, strict=True))
         if self.config.enable_kv_events:
@@ -363,6 +362,17 @@ class BlockStore:
         """The shared table's ``lookup`` itself: ``lookup`` without a Python
         frame, for callers that checked ``direct_table``."""
         return self._table.lookup  # type: ignore[no-any-return]
+
+    def lookup_call(self) -> Callable[[bytes], bool]:
+        """The cheapest callable equal to ``lookup``: the table's own
+        ``lookup`` for a plaintext store, the native HMAC handing the key's
+        MAC straight to it for a sealed one (no Python frame either way), or
+        ``lookup`` itself when the store counts lookups."""
+        if self.direct_table:
+            return self.table_lookup()
+        if self._keys is not None and not self.counts_lookups:
+            return self._keys.mac_then(self._table.lookup)
+        return self.lookup
 
     def table_calls(
         self,
