@@ -25,7 +25,7 @@ checksum, seeded with the key, verifies.
 
 Encryption at rest (``encryption``): keys go to the table as HMAC-SHA256
 MACs (mapped back for vLLM: ``successful_keys``, KV events) and the engine
-is a ``SealingEngine`` over the configured one (``engine/sealed.py``); the
+seals and opens chunks in its own threads (``engine/sealed.py``: ``Sealing``); the
 layout identity says ``encryption``, so a sealed store is never a plaintext
 one. Retention (``retention``) is applied by the table itself.
 """
@@ -35,7 +35,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
@@ -47,7 +46,7 @@ from nvmetier import format as fmt
 from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
-from nvmetier.engine.sealed import SealingEngine, sealed_chunk_bytes
+from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes
 from nvmetier.files import StoreFiles
 
 logger = logging.getLogger(__name__)
@@ -245,7 +244,7 @@ class BlockStore:
             self.open_time_s = time.monotonic() - t0
             slot_bytes = self.sb.slot_bytes
 
-            def inner(buf: memoryview) -> IoEngine:
+            def inner(buf: memoryview, sealing: Sealing | None = None) -> IoEngine:
                 return make_engine(
                     engine_name,
                     buf,
@@ -256,22 +255,24 @@ class BlockStore:
                     io_workers=config.io_workers,
                     chunk_bytes=slot_bytes if self._keys else row_bytes,
                     keepalive_fd=self.files.registry_fd,
+                    sealing=sealing,
                 )
 
             if self._keys is None:
                 self.engine: IoEngine = inner(self._buf)
             else:
                 self._nonces = crypto.NonceSource.open(self.files.dirs[0])
-                self.engine = SealingEngine(
+                # Both engines seal and open in their own threads, loads in
+                # place in the row (engine/sealed.py: Sealing).
+                self.engine = inner(
                     self._buf,
-                    row_bytes=row_bytes,
-                    slot_bytes=slot_bytes,
-                    keys=self._keys,
-                    layout_digest=fmt.identity_digest(identity),
-                    nonces=self._nonces,
-                    make_inner=inner,
-                    n_bounce=max(8, min(64, config.max_inflight_bytes // slot_bytes)),
-                    n_threads=max(2, min(8, os.cpu_count() or 2)),
+                    Sealing(
+                        self._keys,
+                        fmt.identity_digest(identity),
+                        self._nonces,
+                        row_bytes=row_bytes,
+                        slot_bytes=slot_bytes,
+                    ),
                 )
                 # For nvmetier info: the latest sealed opener's key fingerprint.
                 self.files.table_map[KEY_FINGERPRINT_OFFSET : KEY_FINGERPRINT_OFFSET + 8] = (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from nvmetier.engine.base import (
     COMPLETION_DTYPE,
@@ -23,6 +24,9 @@ from nvmetier.engine.base import (
 )
 from nvmetier.engine.threads import ThreadEngine
 from nvmetier.errors import ConfigError, EngineUnavailableError
+
+if TYPE_CHECKING:
+    from nvmetier.engine.sealed import Sealing
 
 __all__ = [
     "COMPLETION_DTYPE",
@@ -188,6 +192,7 @@ def make_engine(
     io_workers: int | str = 1,
     chunk_bytes: int | None = None,
     keepalive_fd: int = -1,
+    sealing: Sealing | None = None,
 ) -> IoEngine:
     """Construct the engine ``name`` (already resolved) over ``buffer`` and ``fds``.
 
@@ -198,9 +203,11 @@ def make_engine(
     lock fd) is registered in every ring so a dead process's lock outlives
     its queued writes. The thread engine uses ``io_threads`` and ignores the
     rest (its threads die with the process, and the lock only then).
+    With ``sealing`` both seal and open every chunk in their own threads
+    (``engine/sealed.py``); ``buffer`` is then the primary itself.
     """
     if name == "threads":
-        return ThreadEngine(buffer, fds, n_threads=io_threads)
+        return ThreadEngine(buffer, fds, n_threads=io_threads, sealing=sealing)
     if name == "uring":
         from nvmetier.engine import uring
 
@@ -214,5 +221,6 @@ def make_engine(
             max_inflight_bytes=max_inflight_bytes,
             workers=resolve_workers(io_workers, fds),
             keepalive_fd=keepalive_fd,
+            sealing=sealing,
         )
     raise ConfigError(f"unknown I/O engine {name!r}; use one of {ENGINE_NAMES}")
