@@ -873,6 +873,7 @@ static void io_run(nvt_worker *w) {
             io_publish(w);
 
         uint64_t hashed = 0;
+        int refused = 0; /* ops failed before their SQE (sealing) */
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &w->slots[w->taken[i]];
             if (e->sealed) {
@@ -881,6 +882,7 @@ static void io_run(nvt_worker *w) {
                 int err = s->op.kind == NVT_OP_WRITE ? seal_write(e, s) : seal_read_ready(e, s);
                 if (err) {
                     io_finish(w, w->taken[i], err, 0);
+                    refused = 1;
                     continue;
                 }
                 if (s->op.kind == NVT_OP_WRITE) {
@@ -901,6 +903,12 @@ static void io_run(nvt_worker *w) {
                 }
             }
             io_prep(w, w->taken[i]);
+        }
+        if (refused) {
+            /* Their completions must not wait for another op's CQE (there
+             * may be none): round again, which publishes them first and
+             * recomputes `sleeping` (the SQEs prepped are submitted then). */
+            continue;
         }
 
         if (w->n_reads) {

@@ -180,6 +180,17 @@ def resolve_engine_name(configured: str) -> tuple[str, str]:
     return "threads", f"io_uring unusable: {why}"
 
 
+def _sealing_workers(workers: int, io_workers: int | str, sealing: Sealing | None) -> int:
+    """Workers of a sealing io_uring engine: with ``auto``, at least one per
+    usable CPU (at most 8). Each worker seals its writes before their SQEs
+    and opens its reads before publishing them (~0.2 s of one core per GB):
+    one worker per drive would put all of that on one core and serialize it
+    with the drive's I/O; the file's ops alternate between its workers."""
+    if sealing is None or str(io_workers) != "auto" or os.environ.get(WORKERS_ENV, "").strip():
+        return workers
+    return max(workers, min(usable_cpus(), 8))
+
+
 def make_engine(
     name: str,
     buffer: memoryview,
@@ -219,7 +230,7 @@ def make_engine(
             queue_depth=queue_depth,
             register_buffers=register_buffers,
             max_inflight_bytes=max_inflight_bytes,
-            workers=resolve_workers(io_workers, fds),
+            workers=_sealing_workers(resolve_workers(io_workers, fds), io_workers, sealing),
             keepalive_fd=keepalive_fd,
             sealing=sealing,
         )
