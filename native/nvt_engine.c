@@ -928,6 +928,7 @@ static void io_run(nvt_worker *w) {
                 if (r->sealed) {
                     uint64_t sum;
                     int64_t res = seal_open(e, r, &sum);
+                    batch_reserve_hard(&w->out, 1); /* io_publish may have swapped it */
                     batch_push(&w->out, r->op_id, res, sum);
                     io_count(w, res);
                     io_publish(w); /* each opened chunk at once (~0.5 ms each) */
