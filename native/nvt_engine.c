@@ -46,7 +46,7 @@
 #define NVT_SUBMIT_EVERY_BYTES (256ULL << 10)
 #define NVT_MAX_QUEUE_DEPTH 32767u
 #define NVT_PAGE_BYTES 4096ull
-/* Sealing engines: ops taken (and sealed) per round of the I/O thread. */
+/* Sealing engines: writes taken (and sealed) per round of the I/O thread. */
 #define NVT_SEAL_BATCH 2u
 /* A ring whose io_uring_enter fails this many times in a row (1 ms apart)
  * with an error that is not transient is declared failed. */
@@ -837,7 +837,7 @@ static void io_run(nvt_worker *w) {
 
     io_arm_wake(w);
     for (;;) {
-        unsigned n_taken = 0;
+        unsigned n_taken = 0, n_seal = 0;
         int stop, failed, more = 0;
 
         io_publish(w);
@@ -851,9 +851,9 @@ static void io_run(nvt_worker *w) {
                 batch_push(&w->out, op->op_id, -failed, 0);
                 io_count(w, -failed);
             } else {
-                /* Sealing: a few ops a round, so the ring is reaped and
+                /* Sealing: a few writes a round, so the ring is reaped and
                  * completions published between seals (each ~0.5 ms). */
-                if (e->sealed && n_taken >= NVT_SEAL_BATCH) {
+                if (e->sealed && op->kind == NVT_OP_WRITE && n_seal++ >= NVT_SEAL_BATCH) {
                     more = 1;
                     break;
                 }
