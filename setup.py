@@ -117,6 +117,7 @@ ext_modules.append(
         depends=["native/nvt_crypto.h"],
         include_dirs=["native"],
         extra_compile_args=COMPILE_ARGS,
+        extra_link_args=SANITIZE_ARGS,  # a sanitized build links its runtime (UBSan's handlers)
         libraries=["crypto"],
         optional=True,
     )
