@@ -75,9 +75,11 @@ TABLE_SOURCES = [
 CRYPTO_SOURCES = ["native/nvt_crypto.c", "native/nvt_crypto_module.c"]
 
 extra_objects, libraries = _uring_link_args()
+# The io_uring engine seals and opens chunks in its own threads (nvt_crypto.c,
+# libcrypto): it links libcrypto too.
 native_sources = sorted(
     set(glob.glob("native/*.c")) - set(TABLE_SOURCES) - set(CRYPTO_SOURCES)
-    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c"}
+    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c", "native/nvt_crypto.c"}
 )
 ext_modules = [
     Extension(
@@ -103,7 +105,7 @@ if native_sources:
             extra_compile_args=COMPILE_ARGS,
             extra_link_args=(["-Wl,--exclude-libs,ALL"] if extra_objects else []) + SANITIZE_ARGS,
             extra_objects=extra_objects,
-            libraries=libraries,
+            libraries=[*libraries, "crypto"],
             optional=True,
         )
     )
@@ -115,6 +117,7 @@ ext_modules.append(
         depends=["native/nvt_crypto.h"],
         include_dirs=["native"],
         extra_compile_args=COMPILE_ARGS,
+        extra_link_args=SANITIZE_ARGS,  # a sanitized build links its runtime (UBSan's handlers)
         libraries=["crypto"],
         optional=True,
     )

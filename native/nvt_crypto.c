@@ -1,10 +1,19 @@
 /*
  * nvt_crypto: AES-256-GCM through libcrypto's EVP interface (nvt_crypto.h).
  */
+/* SHA256_Init/Update/Final are deprecated in OpenSSL 3 for EVP_Digest*,
+ * which allocate per call: the keyed HMAC midstates (nvt_hmac) need the
+ * plain context struct that can be copied. */
+#define OPENSSL_SUPPRESS_DEPRECATED
 #include "nvt_crypto.h"
 
 #include <limits.h>
 #include <openssl/evp.h>
+#include <openssl/crypto.h>
+#include <openssl/sha.h>
+#include <string.h>
+
+_Static_assert(sizeof(SHA256_CTX) <= sizeof(((nvt_hmac_key *)0)->inner), "nvt_hmac_key too small");
 
 /* EVP takes int lengths: longer buffers go through in pieces of this. */
 #define PIECE_BYTES (1 << 30)
@@ -73,4 +82,42 @@ int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_G
         rc = EVP_DecryptFinal_ex(ctx, dst + len, &out) == 1 ? 0 : 1;
     EVP_CIPHER_CTX_free(ctx);
     return rc;
+}
+
+int nvt_hmac_init(nvt_hmac_key *k, const uint8_t *key, size_t key_len) {
+    uint8_t block[SHA256_CBLOCK], pad[SHA256_CBLOCK];
+    SHA256_CTX c;
+    memset(block, 0, sizeof(block));
+    if (key_len > SHA256_CBLOCK) {
+        if (!SHA256(key, key_len, block))
+            return -1;
+    } else if (key_len) {
+        memcpy(block, key, key_len);
+    }
+    for (int i = 0; i < SHA256_CBLOCK; i++)
+        pad[i] = block[i] ^ 0x36;
+    if (SHA256_Init(&c) != 1 || SHA256_Update(&c, pad, sizeof(pad)) != 1)
+        return -1;
+    memset(k, 0, sizeof(*k));
+    memcpy(k->inner, &c, sizeof(c));
+    for (int i = 0; i < SHA256_CBLOCK; i++)
+        pad[i] = block[i] ^ 0x5c;
+    if (SHA256_Init(&c) != 1 || SHA256_Update(&c, pad, sizeof(pad)) != 1)
+        return -1;
+    memcpy(k->outer, &c, sizeof(c));
+    OPENSSL_cleanse(block, sizeof(block));
+    OPENSSL_cleanse(pad, sizeof(pad));
+    OPENSSL_cleanse(&c, sizeof(c));
+    return 0;
+}
+
+void nvt_hmac(const nvt_hmac_key *k, const uint8_t *msg, size_t len, uint8_t out[NVT_HMAC_BYTES]) {
+    SHA256_CTX c;
+    uint8_t inner[SHA256_DIGEST_LENGTH];
+    memcpy(&c, k->inner, sizeof(c));
+    SHA256_Update(&c, msg, len);
+    SHA256_Final(inner, &c);
+    memcpy(&c, k->outer, sizeof(c));
+    SHA256_Update(&c, inner, sizeof(inner));
+    SHA256_Final(out, &c);
 }

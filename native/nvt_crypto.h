@@ -33,4 +33,19 @@ int nvt_gcm_open(const uint8_t key[NVT_GCM_KEY_BYTES], const uint8_t nonce[NVT_G
                  const uint8_t *aad, size_t aad_len, const uint8_t *src, uint8_t *dst, size_t len,
                  const uint8_t tag[NVT_GCM_TAG_BYTES]);
 
+/* HMAC-SHA256 under a fixed key, keyed once: the SHA-256 states after the
+ * key's inner and outer pads, so each MAC costs two short hashes and no
+ * allocation (the offload keys' names in a sealed store's index). */
+#define NVT_HMAC_BYTES 32
+typedef struct {
+    uint8_t inner[128]; /* SHA256_CTX after ipad (opaque storage) */
+    uint8_t outer[128]; /* SHA256_CTX after opad */
+} nvt_hmac_key;
+
+/* Key `k` with `key` (any length). Returns 0, or -1 if libcrypto failed. */
+int nvt_hmac_init(nvt_hmac_key *k, const uint8_t *key, size_t key_len);
+
+/* HMAC-SHA256 of `msg` under `k` into `out`. Reentrant: `k` is only read. */
+void nvt_hmac(const nvt_hmac_key *k, const uint8_t *msg, size_t len, uint8_t out[NVT_HMAC_BYTES]);
+
 #endif /* NVT_CRYPTO_H */

@@ -117,6 +117,128 @@ fail_k:
     return PyBool_FromLong(rc == 0);
 }
 
+/* ---- KeyMac: HMAC-SHA256 of offload keys, optionally handed straight on */
+typedef struct {
+    PyObject_HEAD nvt_hmac_key key;
+    PyObject *then; /* NULL: return the MAC; else then(mac) */
+} KeyMacObject;
+
+static void keymac_dealloc(KeyMacObject *self) {
+    OPENSSL_cleanse(&self->key, sizeof(self->key));
+    Py_CLEAR(self->then);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *keymac_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"mac_key", "then", NULL};
+    Py_buffer k;
+    PyObject *then = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*|O", kwlist, &k, &then))
+        return NULL;
+    if (then != Py_None && !PyCallable_Check(then)) {
+        PyBuffer_Release(&k);
+        PyErr_SetString(PyExc_TypeError, "then must be callable or None");
+        return NULL;
+    }
+    KeyMacObject *self = (KeyMacObject *)type->tp_alloc(type, 0);
+    if (!self) {
+        PyBuffer_Release(&k);
+        return NULL;
+    }
+    int rc = nvt_hmac_init(&self->key, k.buf, (size_t)k.len);
+    PyBuffer_Release(&k);
+    if (rc != 0) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_OSError, "libcrypto failed to key HMAC-SHA256");
+        return NULL;
+    }
+    if (then != Py_None) {
+        Py_INCREF(then);
+        self->then = then;
+    }
+    return (PyObject *)self;
+}
+
+/* One positional bytes-like argument; no argument tuple parsing beyond that. */
+static PyObject *keymac_call(KeyMacObject *self, PyObject *args, PyObject *kwds) {
+    if (kwds && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "KeyMac takes no keyword arguments");
+        return NULL;
+    }
+    if (PyTuple_GET_SIZE(args) != 1) {
+        PyErr_SetString(PyExc_TypeError, "KeyMac takes one argument (the key)");
+        return NULL;
+    }
+    PyObject *arg = PyTuple_GET_ITEM(args, 0);
+    uint8_t mac[NVT_HMAC_BYTES];
+    if (PyBytes_CheckExact(arg)) {
+        nvt_hmac(&self->key, (const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg), mac);
+    } else {
+        Py_buffer b;
+        if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+            return NULL;
+        nvt_hmac(&self->key, b.buf, (size_t)b.len, mac);
+        PyBuffer_Release(&b);
+    }
+    PyObject *out = PyBytes_FromStringAndSize((const char *)mac, NVT_HMAC_BYTES);
+    if (!out || !self->then)
+        return out;
+    PyObject *r = PyObject_CallOneArg(self->then, out);
+    Py_DECREF(out);
+    return r;
+}
+
+static PyObject *keymac_many(KeyMacObject *self, PyObject *keys) {
+    PyObject *it = PyObject_GetIter(keys), *list = PyList_New(0), *item;
+    if (!it || !list)
+        goto fail;
+    while ((item = PyIter_Next(it))) {
+        Py_buffer b;
+        uint8_t mac[NVT_HMAC_BYTES];
+        int rc = PyObject_GetBuffer(item, &b, PyBUF_SIMPLE);
+        Py_DECREF(item);
+        if (rc < 0)
+            goto fail;
+        nvt_hmac(&self->key, b.buf, (size_t)b.len, mac);
+        PyBuffer_Release(&b);
+        PyObject *m = PyBytes_FromStringAndSize((const char *)mac, NVT_HMAC_BYTES);
+        if (!m || PyList_Append(list, m) < 0) {
+            Py_XDECREF(m);
+            goto fail;
+        }
+        Py_DECREF(m);
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_DECREF(it);
+    return list;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(list);
+    return NULL;
+}
+
+static PyMethodDef keymac_methods[] = {
+    {"many", (PyCFunction)keymac_many, METH_O, "many(keys) -> list of the keys' MACs (then is not applied)."},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(keymac_doc, "KeyMac(mac_key, then=None)\n\n"
+                         "HMAC-SHA256 under mac_key, keyed once. km(key) -> the 32-byte MAC, or\n"
+                         "then(mac) when then is given (a sealed store's table lookup without a\n"
+                         "Python frame). The GIL is held: a MAC of a short key takes ~0.3 us.");
+
+static PyTypeObject KeyMacType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._crypto.KeyMac",
+    .tp_basicsize = sizeof(KeyMacObject),
+    .tp_dealloc = (destructor)keymac_dealloc,
+    .tp_call = (ternaryfunc)keymac_call,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = keymac_doc,
+    .tp_methods = keymac_methods,
+    .tp_new = keymac_new,
+};
+
 static PyMethodDef methods[] = {
     {"seal", py_seal, METH_VARARGS, seal_doc},
     {"open", py_open, METH_VARARGS, open_doc},
@@ -131,6 +253,8 @@ static struct PyModuleDef crypto_module = {
 PyMODINIT_FUNC PyInit__crypto(void) {
     PyObject *m = PyModule_Create(&crypto_module);
     if (m && PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0)
+        Py_CLEAR(m);
+    if (m && (PyType_Ready(&KeyMacType) < 0 || PyModule_AddObjectRef(m, "KeyMac", (PyObject *)&KeyMacType) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -34,6 +34,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "nvt_crypto.h"
 #include "nvt_hash.h"
 
 /* user_data of the eventfd read; op SQEs carry their slot index. */
@@ -46,6 +47,8 @@
 #define NVT_SUBMIT_EVERY_BYTES (256ULL << 10)
 #define NVT_MAX_QUEUE_DEPTH 32767u
 #define NVT_PAGE_BYTES 4096ull
+/* Sealing engines: writes taken (and sealed) per round of the I/O thread. */
+#define NVT_SEAL_BATCH 2u
 /* A ring whose io_uring_enter fails this many times in a row (1 ms apart)
  * with an error that is not transient is declared failed. */
 #define NVT_RING_FAIL_TRIES 100
@@ -82,19 +85,27 @@ struct nvt_clone_buffers {
 typedef struct {
     nvt_op op;
     uint64_t moved;     /* bytes transferred so far */
-    uint64_t checksum;  /* writes: hash of the payload, taken before the first SQE */
-    uint8_t *stage;     /* the op's span of the staging arena, or NULL: moves directly */
+    uint64_t checksum;  /* writes: hash of the payload (sealed: the tag's head), taken before the first SQE */
+    uint8_t *stage;     /* the op's span of the staging arena, or NULL: moves directly (always when sealed) */
     uint32_t stage_first, stage_units;
+    /* Sealing engines only: the sealed slot of a write (slot_bytes, page
+     * aligned, allocated at the slot's first write) and the trailer page of
+     * a read (slot_bytes - row_bytes); both kept for the slot's life. */
+    uint8_t *bounce;
+    uint8_t *trail;
+    struct iovec iov[2]; /* a sealed read's readv: the row, then the trailer */
 } nvt_slot;
 
 /* A read that has left the ring and waits to be hashed. */
 typedef struct {
     void *op_id;
-    const uint8_t *data;
+    uint8_t *data;
     uint64_t length;
     uint64_t seed;
     uint8_t *dst;       /* staged: where the bytes go in the buffer (NULL: data is there) */
     uint32_t stage_first, stage_units;
+    int sealed;                           /* open `data` in place with `trailer` */
+    uint8_t trailer[NVT_TRAILER_BYTES];   /* copied: the slot's page is reused at once */
 } nvt_read_done;
 
 typedef struct nvt_worker {
@@ -188,6 +199,14 @@ struct nvt_engine {
     struct nvt_engine *next_engine;
     int src_ring_fd_fork;
     int forked;
+
+    /* Sealing (cfg.seal copied here; sealed: 0 when none). */
+    int sealed;
+    nvt_seal_config seal;
+    pthread_mutex_t nonce_lock;
+    uint64_t nonce_next, nonce_end;   /* current range; guarded by nonce_lock */
+    uint64_t spare_start, spare_n;    /* next range (spare_n 0: free) */
+    uint64_t auth_failures;           /* atomic */
 };
 
 /* ---- fork --------------------------------------------------------------- */
@@ -339,6 +358,8 @@ static int validate_op(const nvt_engine *e, const nvt_op *op) {
         return -EFAULT;
     if (op->file_offset < 0 || op->length > INT64_MAX - op->file_offset)
         return -EINVAL;
+    if (e->sealed && (uint64_t)op->length != e->seal.row_bytes)
+        return -EFAULT; /* a sealed slot holds exactly one chunk */
     return 0;
 }
 
@@ -476,6 +497,148 @@ static void stage_give(nvt_worker *w, uint32_t first, uint32_t units) {
     memset(w->stage_used + first, 0, units);
 }
 
+/* ---- sealing (nvt_seal_config) ----------------------------------------- */
+
+static void put_le(uint8_t *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_le64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* The next nonce (prefix, counter; LE), or -EAGAIN when none is left. */
+static int nonce_take(nvt_engine *e, uint8_t nonce[NVT_GCM_NONCE_BYTES]) {
+    uint64_t ctr;
+    pthread_mutex_lock(&e->nonce_lock);
+    if (e->nonce_next == e->nonce_end && e->spare_n) {
+        e->nonce_next = e->spare_start;
+        e->nonce_end = e->spare_start + e->spare_n;
+        e->spare_n = 0;
+    }
+    if (e->nonce_next == e->nonce_end) {
+        pthread_mutex_unlock(&e->nonce_lock);
+        return -EAGAIN;
+    }
+    ctr = e->nonce_next++;
+    pthread_mutex_unlock(&e->nonce_lock);
+    put_le(nonce, e->seal.nonce_prefix, 4);
+    put_le(nonce + 4, ctr, 8);
+    return 0;
+}
+
+/* A chunk's authenticated data: its seed (the key's fingerprint in the
+ * table) and the layout digest (sealed.py's chunk_aad). */
+static void seal_aad(const nvt_engine *e, uint64_t seed, uint8_t aad[16]) {
+    put_le(aad, seed, 8);
+    put_le(aad + 8, e->seal.layout_digest, 8);
+}
+
+/* Trailer layout (sealed.py's _TRAILER): magic, version, nonce, tag, key fingerprint. */
+#define TRL_VERSION 4
+#define TRL_NONCE 8
+#define TRL_TAG 20
+#define TRL_FINGERPRINT 36
+
+/* Seal a write's row into its slot's bounce buffer, trailer included (the
+ * row is only read). 0 or -errno; the op then fails with it. */
+static int seal_write(nvt_engine *e, nvt_slot *s) {
+    uint64_t row = e->seal.row_bytes, slot = e->seal.slot_bytes;
+    uint8_t nonce[NVT_GCM_NONCE_BYTES], aad[16], tag[NVT_GCM_TAG_BYTES];
+    if (!s->bounce) {
+        void *p = NULL;
+        if (posix_memalign(&p, NVT_PAGE_BYTES, (size_t)slot) != 0)
+            return -ENOMEM;
+        s->bounce = p;
+    }
+    int err = nonce_take(e, nonce);
+    if (err)
+        return err;
+    seal_aad(e, (uint64_t)s->op.seed, aad);
+    if (nvt_gcm_seal(e->seal.key, nonce, aad, sizeof(aad), e->buf + s->op.buf_offset, s->bounce, (size_t)row,
+                     tag) != 0)
+        return -EIO;
+    uint8_t *t = s->bounce + row;
+    memset(t, 0, (size_t)(slot - row));
+    memcpy(t, "NVTS", 4);
+    put_le(t + TRL_VERSION, 1, 4);
+    memcpy(t + TRL_NONCE, nonce, sizeof(nonce));
+    memcpy(t + TRL_TAG, tag, sizeof(tag));
+    memcpy(t + TRL_FINGERPRINT, e->seal.fingerprint, sizeof(e->seal.fingerprint));
+    s->checksum = get_le64(tag);
+    return 0;
+}
+
+/* A read's trailer page (allocated at the slot's first read). 0 or -ENOMEM. */
+static int seal_read_ready(nvt_engine *e, nvt_slot *s) {
+    if (!s->trail) {
+        size_t n = (size_t)((e->seal.slot_bytes - e->seal.row_bytes + NVT_PAGE_BYTES - 1) & ~(NVT_PAGE_BYTES - 1));
+        void *p = NULL;
+        if (posix_memalign(&p, NVT_PAGE_BYTES, n) != 0)
+            return -ENOMEM;
+        s->trail = p;
+    }
+    return 0;
+}
+
+/* Open a sealed read in place: its length, with the tag's head as checksum,
+ * or -EBADMSG when the trailer or the tag does not verify (the row then
+ * holds garbage the table never serves). */
+static int64_t seal_open(nvt_engine *e, nvt_read_done *r, uint64_t *checksum) {
+    const uint8_t *t = r->trailer;
+    uint8_t aad[16];
+    *checksum = 0;
+    if (memcmp(t, "NVTS", 4) != 0 || get_le64(t + TRL_VERSION) % (1ull << 32) != 1) {
+        __atomic_fetch_add(&e->auth_failures, 1, __ATOMIC_RELAXED);
+        return -EBADMSG;
+    }
+    seal_aad(e, r->seed, aad);
+    int rc = nvt_gcm_open(e->seal.key, t + TRL_NONCE, aad, sizeof(aad), r->data, r->data, (size_t)r->length,
+                          t + TRL_TAG);
+    if (rc == 0) {
+        *checksum = get_le64(t + TRL_TAG);
+        return (int64_t)r->length;
+    }
+    if (rc == 1)
+        __atomic_fetch_add(&e->auth_failures, 1, __ATOMIC_RELAXED);
+    return rc == 1 ? -EBADMSG : -EIO;
+}
+
+int nvt_engine_add_nonces(nvt_engine *e, uint64_t start, uint64_t n) {
+    int ret = 0;
+    if (!e->sealed || n == 0 || start + n < start)
+        return -EINVAL;
+    pthread_mutex_lock(&e->nonce_lock);
+    if (e->nonce_next == e->nonce_end) {
+        e->nonce_next = start;
+        e->nonce_end = start + n;
+    } else if (!e->spare_n) {
+        e->spare_start = start;
+        e->spare_n = n;
+    } else {
+        ret = -EBUSY;
+    }
+    pthread_mutex_unlock(&e->nonce_lock);
+    return ret;
+}
+
+uint64_t nvt_engine_nonces_left(nvt_engine *e, int *spare_free) {
+    uint64_t left;
+    pthread_mutex_lock(&e->nonce_lock);
+    left = e->nonce_end - e->nonce_next + e->spare_n;
+    *spare_free = e->sealed && e->spare_n == 0;
+    pthread_mutex_unlock(&e->nonce_lock);
+    return left;
+}
+
+uint64_t nvt_engine_auth_failures(const nvt_engine *e) {
+    return __atomic_load_n(&e->auth_failures, __ATOMIC_RELAXED);
+}
+
 /* Prep the SQE moving the next part of slot `idx` (all of it, unless it
  * crosses a registered-buffer boundary or exceeds one SQE). */
 static void io_prep(nvt_worker *w, unsigned idx) {
@@ -488,7 +651,27 @@ static void io_prep(nvt_worker *w, unsigned idx) {
     int fd = w->info.fixed_files ? (int)s->op.file_idx : e->fds[s->op.file_idx];
     struct io_uring_sqe *sqe = io_get_sqe(w);
 
-    if (s->stage) {
+    if (e->sealed) {
+        /* The sealed slot: from the bounce buffer (write), or into the row
+         * and the trailer page (readv); `moved` counts slot bytes. */
+        uint64_t slot = e->seal.slot_bytes, row = e->seal.row_bytes;
+        file_off = (uint64_t)s->op.file_offset + s->moved;
+        if (s->op.kind == NVT_OP_WRITE) {
+            io_uring_prep_write(sqe, fd, s->bounce + s->moved, (unsigned)(slot - s->moved), file_off);
+        } else {
+            unsigned nv = 0;
+            if (s->moved < row) {
+                s->iov[nv].iov_base = e->buf + s->op.buf_offset + s->moved;
+                s->iov[nv++].iov_len = (size_t)(row - s->moved);
+                s->iov[nv].iov_base = s->trail;
+                s->iov[nv++].iov_len = (size_t)(slot - row);
+            } else {
+                s->iov[nv].iov_base = s->trail + (s->moved - row);
+                s->iov[nv++].iov_len = (size_t)(slot - s->moved);
+            }
+            io_uring_prep_readv(sqe, fd, s->iov, nv, file_off);
+        }
+    } else if (s->stage) {
         /* The arena is not registered: a plain transfer (its huge pages
          * pin in a few steps each). */
         addr = s->stage + s->moved;
@@ -546,7 +729,8 @@ static void io_finish(nvt_worker *w, unsigned idx, int64_t result, uint64_t chec
 
 static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
     nvt_slot *s = &w->slots[idx];
-    uint64_t length = (uint64_t)s->op.length;
+    nvt_engine *e = w->e;
+    uint64_t length = e->sealed ? e->seal.slot_bytes : (uint64_t)s->op.length;
 
     if (res > 0) {
         s->moved += (uint64_t)res;
@@ -561,6 +745,20 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             io_prep(w, idx);
             return;
         }
+        if (s->op.kind == NVT_OP_READ && e->sealed) {
+            /* Opened next round, after the ring was refilled (as a hash). */
+            nvt_read_done *r = &w->reads[w->n_reads++];
+            r->op_id = s->op.op_id;
+            r->data = e->buf + s->op.buf_offset;
+            r->length = e->seal.row_bytes;
+            r->seed = s->op.seed;
+            r->sealed = 1;
+            r->dst = NULL;
+            memcpy(r->trailer, s->trail, NVT_TRAILER_BYTES);
+            w->inflight_bytes -= (uint64_t)s->op.length;
+            w->free_slots[w->n_free++] = idx;
+            return;
+        }
         if (s->op.kind == NVT_OP_READ && s->op.checksum) {
             /* Hashed next round, after the ring was refilled; the slot is free
              * now (the caller owns the buffer range until the completion). */
@@ -572,6 +770,7 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             r->stage_units = s->stage_units;
             r->length = length;
             r->seed = s->op.seed;
+            r->sealed = 0;
             /* A staged read keeps its span until it is copied out, but its
              * bytes leave the cap now, so the ring is refilled before the
              * copy; the arena holds twice the cap for that. */
@@ -580,7 +779,7 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             w->free_slots[w->n_free++] = idx;
             return;
         }
-        io_finish(w, idx, (int64_t)length, s->checksum);
+        io_finish(w, idx, (int64_t)s->op.length, s->checksum);
         return;
     }
     /* res == 0: end of file or no space, nothing moved. An error after some
@@ -772,8 +971,8 @@ static void io_run(nvt_worker *w) {
 
     io_arm_wake(w);
     for (;;) {
-        unsigned n_taken = 0;
-        int stop, failed;
+        unsigned n_taken = 0, n_seal = 0;
+        int stop, failed, more = 0;
 
         io_publish(w);
         pthread_mutex_lock(&w->lock);
@@ -786,6 +985,12 @@ static void io_run(nvt_worker *w) {
                 batch_push(&w->out, op->op_id, -failed, 0);
                 io_count(w, -failed);
             } else {
+                /* Sealing: a few writes a round, so the ring is reaped and
+                 * completions published between seals (each ~0.5 ms). */
+                if (e->sealed && op->kind == NVT_OP_WRITE && n_seal++ >= NVT_SEAL_BATCH) {
+                    more = 1;
+                    break;
+                }
                 /* One op larger than the cap still runs, alone. */
                 if (w->inflight_bytes && w->inflight_bytes + (uint64_t)op->length > w->max_inflight_bytes)
                     break;
@@ -810,12 +1015,31 @@ static void io_run(nvt_worker *w) {
             io_publish(w);
 
         uint64_t hashed = 0;
+        int refused = 0; /* ops failed before their SQE (sealing) */
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &w->slots[w->taken[i]];
-            stage_take(w, s);
+            if (!e->sealed)
+                stage_take(w, s); /* a sealing engine has no arena: its ops never stage */
             if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum)
                 memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
-            if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
+            if (e->sealed) {
+                /* Sealed here, on this worker, before the SQE (the nonce's
+                 * lock is the only one shared with other workers). */
+                int err = s->op.kind == NVT_OP_WRITE ? seal_write(e, s) : seal_read_ready(e, s);
+                if (err) {
+                    io_finish(w, w->taken[i], err, 0);
+                    refused = 1;
+                    continue;
+                }
+                if (s->op.kind == NVT_OP_WRITE) {
+                    hashed += (uint64_t)s->op.length;
+                    __atomic_fetch_add(&w->n_hashed, (uint64_t)s->op.length, __ATOMIC_RELAXED);
+                    if (hashed >= NVT_SUBMIT_EVERY_BYTES && i + 1 < n_taken) {
+                        io_submit(w);
+                        hashed = 0;
+                    }
+                }
+            } else if (s->op.kind == NVT_OP_WRITE && s->op.checksum) {
                 /* Staged: hash the copy, in the same pass as the copy, so the
                  * bytes written are the bytes hashed even if the caller
                  * touches its row meanwhile. */
@@ -832,6 +1056,12 @@ static void io_run(nvt_worker *w) {
             }
             io_prep(w, w->taken[i]);
         }
+        if (refused) {
+            /* Their completions must not wait for another op's CQE (there
+             * may be none): round again, which publishes them first and
+             * recomputes `sleeping` (the SQEs prepped are submitted then). */
+            continue;
+        }
 
         if (w->n_reads) {
             if (!failed && io_uring_sq_ready(&w->ring))
@@ -839,18 +1069,27 @@ static void io_run(nvt_worker *w) {
             batch_reserve_hard(&w->out, w->n_reads);
             for (unsigned i = 0; i < w->n_reads; i++) {
                 nvt_read_done *r = &w->reads[i];
-                uint64_t sum;
-                if (r->dst) {
-                    /* Copy out and hash the copy in one pass: the checksum
-                     * covers the bytes the caller gets. The span and its
-                     * bytes in flight are given back only now. */
-                    sum = nvt_xxh3_copy(r->dst, r->data, (size_t)r->length, r->seed);
-                    stage_give(w, r->stage_first, r->stage_units);
+                if (r->sealed) {
+                    uint64_t sum;
+                    int64_t res = seal_open(e, r, &sum);
+                    batch_reserve_hard(&w->out, 1); /* io_publish may have swapped it */
+                    batch_push(&w->out, r->op_id, res, sum);
+                    io_count(w, res);
+                    io_publish(w); /* each opened chunk at once (~0.5 ms each) */
                 } else {
-                    sum = nvt_xxh3(r->data, r->length, r->seed);
+                    uint64_t sum;
+                    if (r->dst) {
+                        /* Copy out and hash the copy in one pass: the checksum
+                         * covers the bytes the caller gets. The span and its
+                         * bytes in flight are given back only now. */
+                        sum = nvt_xxh3_copy(r->dst, r->data, (size_t)r->length, r->seed);
+                        stage_give(w, r->stage_first, r->stage_units);
+                    } else {
+                        sum = nvt_xxh3(r->data, r->length, r->seed);
+                    }
+                    batch_push(&w->out, r->op_id, (int64_t)r->length, sum);
+                    io_count(w, (int64_t)r->length);
                 }
-                batch_push(&w->out, r->op_id, (int64_t)r->length, sum);
-                io_count(w, (int64_t)r->length);
                 __atomic_fetch_add(&w->n_hashed, r->length, __ATOMIC_RELAXED);
             }
             w->n_reads = 0;
@@ -881,7 +1120,9 @@ static void io_run(nvt_worker *w) {
             ret = inj ? -inj : io_uring_get_events(&w->ring);
             usleep(1000);
         } else {
-            ret = inj ? -inj : io_uring_submit_and_wait(&w->ring, 1);
+            /* Ops left in the queue for the next round: submit, reap what
+             * has completed, and come back without waiting. */
+            ret = inj ? -inj : io_uring_submit_and_wait(&w->ring, more ? 0 : 1);
         }
         if (failed) {
             /* already failed: its errors change nothing */
@@ -955,6 +1196,10 @@ static void worker_destroy(nvt_worker *w) {
     if (w->wake_fd >= 0)
         close(w->wake_fd);
     pthread_mutex_destroy(&w->lock);
+    for (unsigned i = 0; w->slots && i < w->qd; i++) {
+        free(w->slots[i].bounce); /* ciphertext and trailers only */
+        free(w->slots[i].trail);
+    }
     free(w->slots);
     free(w->free_slots);
     free(w->taken);
@@ -972,6 +1217,8 @@ static void engine_destroy(nvt_engine *e) {
         worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->close_lock);
+    pthread_mutex_destroy(&e->nonce_lock);
+    explicit_bzero(&e->seal, sizeof(e->seal)); /* the key */
     pthread_cond_destroy(&e->cv);
     free(e->workers);
     free(e->rr);
@@ -1100,6 +1347,11 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
         cfg->register_chunk_bytes % NVT_PAGE_BYTES != 0 || cfg->workers < 1 ||
         cfg->workers > NVT_MAX_WORKERS)
         return -EINVAL;
+    if (cfg->seal && (cfg->seal->row_bytes == 0 || cfg->seal->row_bytes > buf_len ||
+                      cfg->seal->slot_bytes < cfg->seal->row_bytes + NVT_TRAILER_BYTES ||
+                      cfg->seal->slot_bytes - cfg->seal->row_bytes > NVT_MAX_SQE_BYTES ||
+                      cfg->seal->slot_bytes > NVT_MAX_SQE_BYTES))
+        return -EINVAL;
 
     nvt_engine *e = calloc(1, sizeof(*e));
     if (!e)
@@ -1110,6 +1362,18 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     e->cfg = *cfg;
     e->n_workers = cfg->workers;
     e->src_ring_fd_fork = -1;
+    e->cfg.seal = NULL;
+    if (cfg->seal) {
+        /* The sealed I/O moves a bounce buffer and a trailer page, neither
+         * in the registered buffer: register nothing (no pin for nothing). */
+        e->sealed = 1;
+        e->seal = *cfg->seal;
+        e->cfg.register_buffers = 0;
+        /* No staging either: writes already move through the slot's bounce
+         * buffer and reads are opened in place in the row. */
+        e->cfg.staging_bytes = 0;
+    }
+    pthread_mutex_init(&e->nonce_lock, NULL);
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
     pthread_condattr_t ca;
@@ -1140,7 +1404,7 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     int ret = 0;
     for (unsigned i = 0; i < e->n_workers && ret == 0; i++)
         ret = worker_init(e, i);
-    if (ret == 0 && e->n_workers > 1 && cfg->register_buffers && buf_len > 0)
+    if (ret == 0 && e->n_workers > 1 && e->cfg.register_buffers && buf_len > 0)
         src_ring_open(e);
     /* One at a time: each sets up its ring (and clones) before the next. */
     for (unsigned i = 0; i < e->n_workers && ret == 0; i++)

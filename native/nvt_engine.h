@@ -77,6 +77,26 @@ typedef struct {
 /* At most this many workers (rings and I/O threads) per engine. */
 #define NVT_MAX_WORKERS 64
 
+/* Encryption at rest inside the engine (nvmetier/engine/sealed.py's slot
+ * format): every op moves one chunk (`row_bytes`, an op of another length
+ * fails with -EFAULT). A write seals the row (only read) into a bounce
+ * buffer followed by the trailer, in the worker thread before its SQE is
+ * prepared, and writes the sealed slot (`slot_bytes`); its completion's
+ * checksum is the tag's first 8 bytes (LE). A read reads the slot straight
+ * into the row plus the trailer into a small buffer (one readv of both) and
+ * opens the row in place in the worker thread before the completion is
+ * published: a tag that does not verify completes with -EBADMSG. The
+ * authenticated data is the op's seed and `layout_digest` (LE u64 each). */
+#define NVT_TRAILER_BYTES 64
+typedef struct {
+    uint8_t key[32];          /* AES-256-GCM key */
+    uint8_t fingerprint[8];   /* the key's fingerprint, in every trailer */
+    uint32_t nonce_prefix;    /* the store's nonce prefix (nonce: prefix, counter; LE) */
+    uint64_t layout_digest;
+    uint64_t row_bytes;       /* bytes of one chunk: every op's length */
+    uint64_t slot_bytes;      /* bytes moved per op; slot_bytes - row_bytes >= 64 */
+} nvt_seal_config;
+
 typedef struct {
     unsigned queue_depth;           /* ops in flight per drive (file), >= 1 */
     uint64_t max_inflight_bytes;    /* bytes in flight over all drives (one op may exceed it) */
@@ -103,6 +123,11 @@ typedef struct {
      * into several requests and fills its ring with one op. An op that finds
      * no free span (or is larger than the arena) moves directly. */
     uint64_t staging_bytes;
+    /* Sealing (NULL: none). Copied by nvt_engine_open; nonces come from
+     * nvt_engine_add_nonces (a write that finds none fails with -EAGAIN).
+     * A sealing engine never stages (staging_bytes is taken as 0): writes
+     * already move through a private bounce slot, reads open in the row. */
+    const nvt_seal_config *seal;
 } nvt_config;
 
 /* How a worker's ring got the buffer registered. */
@@ -217,5 +242,17 @@ void nvt_engine_free(nvt_engine *e);
  * Returns 0, or -errno with *stage naming the step that failed.
  */
 int nvt_probe(const char **stage);
+
+/* Sealing engines: hand the engine `n` nonce counters from `start` (reserved
+ * durably by the caller). The engine keeps the current range and one spare:
+ * returns -EBUSY when the spare is taken (call again once it is used). */
+int nvt_engine_add_nonces(nvt_engine *e, uint64_t start, uint64_t n);
+
+/* Sealing engines: nonces the engine holds (current range and spare), and
+ * whether the spare is free (the caller's cue to reserve the next range). */
+uint64_t nvt_engine_nonces_left(nvt_engine *e, int *spare_free);
+
+/* Ops that failed their tag (-EBADMSG), since open (racy counter). */
+uint64_t nvt_engine_auth_failures(const nvt_engine *e);
 
 #endif /* NVT_ENGINE_H */

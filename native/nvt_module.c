@@ -126,19 +126,46 @@ static void nvt_drop_completions(nvt_completion_batch *b) {
 static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"buffer", "fds", "queue_depth", "max_inflight_bytes", "register_buffers",
                              "fixed_files", "register_chunk_bytes", "workers", "keepalive_fd", "staging_bytes",
-                             NULL};
-    PyObject *buffer, *fds_obj;
+                             "sealing", NULL};
+    PyObject *buffer, *fds_obj, *sealing = Py_None;
+    nvt_seal_config seal;
     int queue_depth = 64, register_buffers = 1, fixed_files = 1, workers = 1, keepalive_fd = -1;
     long long max_inflight_bytes = 64LL << 20, chunk_bytes = (long long)NVT_MAX_REGISTER_CHUNK_BYTES;
     long long staging_bytes = 0;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLiiL", kwlist, &buffer, &fds_obj, &queue_depth,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|$iLppLiiLO", kwlist, &buffer, &fds_obj, &queue_depth,
                                      &max_inflight_bytes, &register_buffers, &fixed_files, &chunk_bytes,
-                                     &workers, &keepalive_fd, &staging_bytes))
+                                     &workers, &keepalive_fd, &staging_bytes, &sealing))
         return NULL;
     if (staging_bytes < 0 || staging_bytes > (1LL << 40)) {
         PyErr_Format(PyExc_ValueError, "staging_bytes must be in 0..1 TiB, got %lld", staging_bytes);
         return NULL;
+    }
+    if (sealing != Py_None) {
+        /* (key, fingerprint, nonce_prefix, layout_digest, row_bytes, slot_bytes) */
+        Py_buffer kb, fb;
+        unsigned long long prefix, digest, row, slot;
+        if (!PyArg_ParseTuple(sealing, "y*y*KKKK;sealing is (key, fingerprint, nonce_prefix, layout_digest, "
+                                       "row_bytes, slot_bytes)",
+                              &kb, &fb, &prefix, &digest, &row, &slot))
+            return NULL;
+        int bad = kb.len != (Py_ssize_t)sizeof(seal.key) || fb.len != (Py_ssize_t)sizeof(seal.fingerprint) ||
+                  prefix > UINT32_MAX || row == 0 || slot < row + NVT_TRAILER_BYTES;
+        if (!bad) {
+            memcpy(seal.key, kb.buf, sizeof(seal.key));
+            memcpy(seal.fingerprint, fb.buf, sizeof(seal.fingerprint));
+        }
+        PyBuffer_Release(&kb);
+        PyBuffer_Release(&fb);
+        if (bad) {
+            PyErr_SetString(PyExc_ValueError, "sealing: a 32-byte key, an 8-byte fingerprint, a 32-bit nonce "
+                                              "prefix, and slot_bytes >= row_bytes + 64");
+            return NULL;
+        }
+        seal.nonce_prefix = (uint32_t)prefix;
+        seal.layout_digest = digest;
+        seal.row_bytes = row;
+        seal.slot_bytes = slot;
     }
     if (workers < 1 || workers > NVT_MAX_WORKERS) {
         PyErr_Format(PyExc_ValueError, "workers must be in 1..%d, got %d", NVT_MAX_WORKERS, workers);
@@ -197,6 +224,7 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     self->cfg.workers = (unsigned)workers;
     self->cfg.keepalive_fd = keepalive_fd < 0 ? -1 : keepalive_fd;
     self->cfg.staging_bytes = (uint64_t)staging_bytes;
+    self->cfg.seal = sealing != Py_None ? &seal : NULL;
 
     int ret;
     nvt_engine *eng = NULL;
@@ -205,6 +233,8 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
     ret = nvt_engine_open(&eng, self->view.buf, (size_t)self->view.len, fds, (unsigned)nfds, &self->cfg);
     Py_END_ALLOW_THREADS
     PyMem_Free(fds);
+    self->cfg.seal = NULL; /* copied by the engine; `seal` is this frame's */
+    explicit_bzero(&seal, sizeof(seal));
     if (ret < 0) {
         errno = -ret;
         PyErr_SetFromErrno(PyExc_OSError);
@@ -567,7 +597,43 @@ static PyObject *NvtEngine_inject_enter_error(NvtEngineObject *self, PyObject *a
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(add_nonces_doc, "add_nonces(start, n) -> bool\n\n"
+                             "Sealing engines: hand over n nonce counters from start, reserved durably.\n"
+                             "The engine holds the current range and one spare: False (nothing taken)\n"
+                             "when the spare is still unused.");
+
+static PyObject *NvtEngine_add_nonces(NvtEngineObject *self, PyObject *args) {
+    unsigned long long start, n;
+    if (!PyArg_ParseTuple(args, "KK", &start, &n))
+        return NULL;
+    int ret = nvt_engine_add_nonces(self->eng, start, n);
+    if (ret == -EINVAL) {
+        PyErr_SetString(PyExc_ValueError, "add_nonces: not a sealing engine, or an empty or wrapping range");
+        return NULL;
+    }
+    return PyBool_FromLong(ret == 0);
+}
+
+PyDoc_STRVAR(nonces_left_doc, "nonces_left() -> (left, spare_free)\n\n"
+                              "Sealing engines: nonces held, and whether the spare range is free (reserve\n"
+                              "the next one then). A write that finds none fails with -EAGAIN.");
+
+static PyObject *NvtEngine_nonces_left(NvtEngineObject *self, PyObject *unused) {
+    int spare_free = 0;
+    uint64_t left = nvt_engine_nonces_left(self->eng, &spare_free);
+    return Py_BuildValue("(KO)", (unsigned long long)left, spare_free ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(auth_failures_doc, "auth_failures() -> int: sealed reads whose tag did not verify.");
+
+static PyObject *NvtEngine_auth_failures(NvtEngineObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(nvt_engine_auth_failures(self->eng));
+}
+
 static PyMethodDef NvtEngine_methods[] = {
+    {"add_nonces", (PyCFunction)NvtEngine_add_nonces, METH_VARARGS, add_nonces_doc},
+    {"nonces_left", (PyCFunction)NvtEngine_nonces_left, METH_NOARGS, nonces_left_doc},
+    {"auth_failures", (PyCFunction)NvtEngine_auth_failures, METH_NOARGS, auth_failures_doc},
     {"submit", (PyCFunction)NvtEngine_submit, METH_O, submit_doc},
     {"wait", (PyCFunction)NvtEngine_wait, METH_O, wait_doc},
     {"submit_raw", (PyCFunction)NvtEngine_submit_raw, METH_O, submit_raw_doc},
@@ -583,11 +649,13 @@ static PyMethodDef NvtEngine_methods[] = {
 PyDoc_STRVAR(engine_doc,
              "Engine(buffer, fds, *, queue_depth=64, max_inflight_bytes=64 MiB,\n"
              "       register_buffers=True, fixed_files=True, register_chunk_bytes=1 GiB,\n"
-             "       workers=1, keepalive_fd=-1, staging_bytes=0)\n\n"
+             "       workers=1, keepalive_fd=-1, staging_bytes=0, sealing=None)\n\n"
              "`workers` io_urings, each driven by its own native thread, over a writable\n"
              "buffer and open fds (queue_depth is per drive, i.e. per fd).\n"
              "staging_bytes > 0 gives each worker a huge-page staging arena that ops move\n"
              "through (read there, copied into the buffer; see nvt_engine.h).\n"
+             "sealing=(key, fingerprint, nonce_prefix, layout_digest, row_bytes, slot_bytes)\n"
+             "seals writes and opens reads in the workers (no staging then).\n"
              "Registration failures fall back to unregistered I/O (see info()). Raises OSError\n"
              "if the ring cannot be created.");
 

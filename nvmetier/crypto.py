@@ -34,9 +34,12 @@ import hmac
 import os
 import stat
 import struct
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from nvmetier.errors import ConfigError, FormatError
+
+T = TypeVar("T")
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -110,7 +113,7 @@ class KeySet:
             revealing it: shown by ``nvmetier info``, compared at open.
     """
 
-    __slots__ = ("fingerprint", "mac_key", "seal_key")
+    __slots__ = ("_native_mac", "fingerprint", "mac_key", "seal_key")
 
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
@@ -118,6 +121,13 @@ class KeySet:
         self.seal_key = _hkdf(key, _INFO_SEAL, KEY_BYTES)
         self.mac_key = _hkdf(key, _INFO_MAC, KEY_BYTES)
         self.fingerprint = _hkdf(key, _INFO_FINGERPRINT, FINGERPRINT_BYTES)
+        # The native HMAC, keyed once (~0.3 us a key instead of ~3 us).
+        try:
+            import nvmetier._crypto as native
+        except ImportError:  # pragma: no cover - built with libssl-dev
+            self._native_mac: Any = None
+        else:
+            self._native_mac = native.KeyMac(self.mac_key)
 
     @classmethod
     def from_file(cls, path: str) -> KeySet:
@@ -131,7 +141,25 @@ class KeySet:
         """The index's name for ``key``: HMAC-SHA256 under the MAC subkey.
         Without the key file, nobody can test whether a guessed prompt's
         key is in the index."""
+        if self._native_mac is not None:
+            return self._native_mac(key)  # type: ignore[no-any-return]
         return hmac.digest(self.mac_key, key, hashlib.sha256)
+
+    def key_macs(self, keys: Iterable[bytes]) -> list[bytes]:
+        """``key_mac`` of each key, in one native call."""
+        if self._native_mac is not None:
+            return self._native_mac.many(keys)  # type: ignore[no-any-return]
+        return [self.key_mac(k) for k in keys]
+
+    def mac_then(self, then: Callable[[bytes], T]) -> Callable[[bytes], T]:
+        """``lambda key: then(key_mac(key))`` as one native callable (no
+        Python frame): a sealed store's table lookup for vLLM's adapter."""
+        if self._native_mac is not None:
+            import nvmetier._crypto as native
+
+            return native.KeyMac(self.mac_key, then)  # type: ignore[no-any-return]
+        mac = self.key_mac
+        return lambda key: then(mac(key))
 
     def __repr__(self) -> str:  # never the key material
         return f"KeySet(fingerprint={self.fingerprint_hex})"

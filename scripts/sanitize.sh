@@ -86,18 +86,21 @@ EOF
 
 TABLE_TESTS=(tests/native tests/unit/test_table_model.py tests/unit/test_table_snapshot.py
   tests/unit/test_table_header.py tests/unit/test_table_alloc_failure.py
-  tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py)
+  tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py
+  tests/integration/test_engine_sealing.py)
 
 echo "=== sanitizers: extensions built with address,undefined ==="
 asan=$(sanitized_tree address,undefined asan)
 run_tests "$asan" "$ASAN_LIB" threads "${TABLE_TESTS[@]}" --deselect tests/native/test_core_c.py
 if "$PY" -c "import sys; from nvmetier.engine import uring_status; sys.exit(0 if uring_status()[0] else 1)"; then
   run_tests "$asan" "$ASAN_LIB" uring tests/native/test_uring.py tests/native/test_uring_workers.py \
-    tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py
+    tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py \
+    tests/integration/test_engine_sealing.py
   if [ -n "$TSAN_LIB" ]; then
     echo "=== sanitizers: io_uring engine built with thread ==="
     tsan=$(sanitized_tree thread tsan)
-    run_tests "$tsan" "$TSAN_LIB" uring tests/native/test_uring.py tests/native/test_uring_workers.py
+    run_tests "$tsan" "$TSAN_LIB" uring tests/native/test_uring.py tests/native/test_uring_workers.py \
+      tests/integration/test_engine_sealing.py
   fi
 else
   echo "=== sanitizers: io_uring unusable here: its sanitized runs are skipped ==="

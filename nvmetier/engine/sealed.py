@@ -1,4 +1,17 @@
-"""SealingEngine: encryption at rest over any ``IoEngine`` (AES-256-GCM).
+"""Encryption at rest (AES-256-GCM): ``Sealing``, what the I/O engines need
+to seal and open chunks in their own threads, and ``SealingEngine``, the
+same over any ``IoEngine`` that cannot.
+
+The store gives a ``Sealing`` to the io_uring engine (nvt_engine.c seals in
+its worker threads before preparing the write, reads the slot straight into
+the primary row plus the trailer page into a small buffer, and opens the row
+in place before publishing the completion) or to the thread engine (the same
+in its Python workers, libcrypto with the GIL released). No bounce copy on
+loads, no thread hop. ``Sealing`` owns the nonce reservations: the thread
+engine's workers take nonces from it; for the io_uring engine a refill
+thread (``nvmetier-nonce``) keeps a reserved range spare in the engine.
+
+SealingEngine (below) remains for any other inner engine:
 
 Owns: a bounce region (page-aligned, ``n_bounce`` slots), the crypto worker
 threads (``nvmetier-seal-*``) and the inner engine, which moves bytes
@@ -80,6 +93,92 @@ def chunk_aad(seed: int, layout_digest: int) -> bytes:
     """The authenticated data of a chunk: its key's fingerprint in the table
     (the op's seed, a hash of the key's MAC) and the layout digest."""
     return struct.pack("<QQ", seed, layout_digest)
+
+
+class Sealing:
+    """What an engine needs to seal chunks in its own threads.
+
+    Args:
+        keys: the operator key's subkeys.
+        layout_digest: the store's layout identity digest (bound into the tag).
+        nonces: the store's nonce counter (reserved ``nonce_block`` at a time).
+        row_bytes: bytes of one chunk (every op's length).
+        slot_bytes: bytes of one slot (the sealed chunk, its trailer, padding).
+        nonce_block: counters reserved at a time (an fsync each).
+
+    Threads: any; ``nonce`` takes a lock and, once per block, blocks in an
+    fsync (an engine thread's, never vLLM's).
+    """
+
+    def __init__(
+        self,
+        keys: crypto.KeySet,
+        layout_digest: int,
+        nonces: crypto.NonceSource,
+        *,
+        row_bytes: int,
+        slot_bytes: int,
+        nonce_block: int = NONCE_BLOCK,
+    ) -> None:
+        if slot_bytes < sealed_chunk_bytes(row_bytes):
+            raise ValueError("slot_bytes has no room for the sealed chunk's trailer")
+        self.keys = keys
+        self.layout_digest = layout_digest
+        self.nonces = nonces
+        self.row_bytes = row_bytes
+        self.slot_bytes = slot_bytes
+        self.nonce_block = nonce_block
+        self._lock = threading.Lock()
+        self._next = self._end = 0
+
+    def native_config(self) -> tuple[bytes, bytes, int, int, int, int]:
+        """The io_uring engine's ``sealing`` argument."""
+        return (
+            self.keys.seal_key,
+            self.keys.fingerprint,
+            self.nonces.prefix,
+            self.layout_digest,
+            self.row_bytes,
+            self.slot_bytes,
+        )
+
+    def nonce(self) -> bytes:
+        """A nonce never used before with this key (reserving a block, with
+        its fsync, when this process's block is used up)."""
+        with self._lock:
+            if self._next == self._end:
+                start = self.nonces.reserve(self.nonce_block)
+                self._next, self._end = start, start + self.nonce_block
+            n = self._next
+            self._next += 1
+        return self.nonces.nonce(n)
+
+    def seal_into(self, row: memoryview, seed: int, slot: memoryview) -> int:
+        """Seal ``row`` (only read) into ``slot`` (``slot_bytes``): the sealed
+        chunk, the trailer, zeros. Returns the completion's checksum (the
+        tag's head). The GIL is released while the bytes are processed."""
+        nonce = self.nonce()
+        n = self.row_bytes
+        tag = crypto.seal(
+            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), row, slot[:n]
+        )
+        trailer = _TRAILER.pack(TRAILER_MAGIC, 1, nonce, tag, self.keys.fingerprint)
+        slot[n : n + len(trailer)] = trailer
+        slot[n + len(trailer) :] = bytes(len(slot) - n - len(trailer))
+        return checksum_of_tag(tag)
+
+    def open_in_place(self, row: memoryview, trailer: memoryview | bytes, seed: int) -> int | None:
+        """Open the sealed ``row`` in place with its ``trailer``: the
+        completion's checksum (the tag's head), or None when the trailer or
+        the tag does not verify (``row`` then holds garbage)."""
+        parsed = parse_trailer(trailer)
+        if parsed is None:
+            return None
+        nonce, tag, _fingerprint = parsed
+        ok = crypto.open_sealed(
+            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), row, tag
+        )
+        return checksum_of_tag(tag) if ok else None
 
 
 class SealingEngine(IoEngine):

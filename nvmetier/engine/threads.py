@@ -9,6 +9,14 @@ raises: the op completes with an error (``-EBADF``/``-EFAULT``/``-EINVAL`` for
 an op that fails the same checks as the io_uring engine's, ``-EIO`` for
 anything unexpected, logged once per engine) and the worker takes the next op,
 so no op, and no slot the table holds WRITING for it, is ever stranded.
+
+With ``sealing`` (encryption at rest, ``engine/sealed.py``) every op moves
+one chunk: a worker seals the row into its own page-aligned bounce slot and
+writes that; a load reads the slot straight into the row plus the trailer
+page into the worker's small buffer (one ``preadv``) and opens the row in
+place (libcrypto, the GIL released). A tag that does not verify completes
+with ``-EBADMSG``. A sealing engine never stages (below).
+
 ``submit`` only enqueues. Completions go to a ``queue.SimpleQueue`` that
 ``wait_completions`` drains. Packed ops (``submit_raw``) are enqueued as one
 item and unpacked by a worker, and their completions are packed by the
@@ -33,6 +41,7 @@ import struct
 import threading
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -48,6 +57,9 @@ from nvmetier.engine.base import (
     unpack_ops,
 )
 from nvmetier.errors import EngineClosedError
+
+if TYPE_CHECKING:
+    from nvmetier.engine.sealed import Sealing
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +141,10 @@ class ThreadEngine(IoEngine):
         buffer: writable, C-contiguous memory the ops address by byte offset.
         fds: open file descriptors the ops address by index.
         n_threads: worker count (the number of ops in flight at the kernel).
-        staging: move ops through each worker's huge-page arena.
+        sealing: seal and open every chunk in the workers (None: plaintext).
+        staging: move ops through each worker's huge-page arena (never with
+            ``sealing``: its writes already go through a bounce slot and its
+            reads are opened in place in the row).
     """
 
     name = "threads"
@@ -139,6 +154,7 @@ class ThreadEngine(IoEngine):
         buffer: memoryview,
         fds: Sequence[int],
         n_threads: int = 16,
+        sealing: Sealing | None = None,
         *,
         staging: bool = False,
     ) -> None:
@@ -146,6 +162,8 @@ class ThreadEngine(IoEngine):
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self._buf = memoryview(buffer).cast("B")
         self._buf_len = len(self._buf)
+        # A sealing engine never stages (the two paths are exclusive per engine).
+        staging = staging and sealing is None
         self._staging = staging
         self._buf_addr = (
             ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
@@ -160,6 +178,9 @@ class ThreadEngine(IoEngine):
         self._closed = False
         self._logged_unexpected = False
         self._close_lock = threading.Lock()
+        self._sealing = sealing
+        # Each worker's bounce slot and trailer page (page-aligned: O_DIRECT).
+        self._local = threading.local()
         _engines.add(self)
         self._threads = [
             threading.Thread(target=self._worker, name=f"nvmetier-io-{i}", daemon=True)
@@ -243,12 +264,16 @@ class ThreadEngine(IoEngine):
         self._buf.release()
 
     def describe(self) -> dict[str, object]:
-        return {
+        out: dict[str, object] = {
             "engine": self.name,
             "threads": len(self._threads),
             "staging": self._staging,
             "staged_bytes": self._staged_bytes,
         }
+        if self._sealing is not None:
+            out["encryption"] = "aes-256-gcm"
+            out["key_fingerprint"] = self._sealing.keys.fingerprint_hex
+        return out
 
     def _worker(self) -> None:
         stage = _Stage() if self._staging else None
@@ -326,6 +351,8 @@ class ThreadEngine(IoEngine):
             return Completion(op_id, -errno.EFAULT, 0)
         if file_off < 0:
             return Completion(op_id, -errno.EINVAL, 0)
+        if self._sealing is not None:
+            return self._run_sealed(op_id, kind, fds[file_idx], file_off, buf_off, length, seed)
         view = self._buf[buf_off:end]
         try:
             checksum = 0
@@ -390,3 +417,42 @@ class ThreadEngine(IoEngine):
             return Completion(op_id, -(exc.errno or errno.EIO), 0)
         finally:
             tmp.release()
+
+    def _worker_buffers(self, sealing: Sealing) -> tuple[memoryview, memoryview]:
+        """This worker's bounce slot and trailer page (made at first use)."""
+        local = self._local
+        bufs: tuple[memoryview, memoryview] | None = getattr(local, "bufs", None)
+        if bufs is None:
+            trail = sealing.slot_bytes - sealing.row_bytes
+            local.maps = (mmap.mmap(-1, sealing.slot_bytes), mmap.mmap(-1, trail))
+            bufs = (memoryview(local.maps[0]), memoryview(local.maps[1]))
+            local.bufs = bufs
+        return bufs
+
+    def _run_sealed(
+        self, op_id: int, kind: int, fd: int, file_off: int, buf_off: int, length: int, seed: int
+    ) -> Completion:
+        sealing = self._sealing
+        assert sealing is not None
+        if length != sealing.row_bytes:
+            return Completion(op_id, -errno.EFAULT, 0)  # a sealed slot holds one chunk
+        bounce, trail = self._worker_buffers(sealing)
+        row = self._buf[buf_off : buf_off + length]
+        try:
+            if kind == OP_WRITE:
+                checksum = sealing.seal_into(row, seed, bounce)
+                n = os.pwritev(fd, [bounce], file_off)
+                if n != sealing.slot_bytes:
+                    return Completion(op_id, -errno.EIO, 0)
+                return Completion(op_id, length, checksum)
+            n = os.preadv(fd, [row, trail], file_off)
+            if n != sealing.slot_bytes:
+                return Completion(op_id, -errno.EIO, 0)
+            got = sealing.open_in_place(row, trail, seed)
+            if got is None:
+                return Completion(op_id, -errno.EBADMSG, 0)
+            return Completion(op_id, length, got)
+        except OSError as exc:
+            return Completion(op_id, -(exc.errno or errno.EIO), 0)
+        finally:
+            row.release()

@@ -15,6 +15,14 @@ completions, hashes read payloads, continues short transfers and queues the
 results. ``wait_completions`` blocks up to ``timeout_s`` with the GIL released.
 ``close`` blocks until the ops in the ring finish.
 
+With ``sealing`` (encryption at rest, ``engine/sealed.py``) the native I/O
+threads also seal each written chunk before its SQE and open each read chunk
+in place before its completion is published. Nonces are reserved durably in
+Python (an fsync per block) and handed to the engine, which holds the range
+in use and one spare: the ``nvmetier-nonce`` thread refills the spare (woken
+by ``submit`` when it is free, and once a second); a write that finds none
+fails with ``-EAGAIN``.
+
 Importing this module raises ``ImportError`` when the extension was not built;
 ``nvmetier.engine.uring_status`` turns that into a reason string.
 """
@@ -24,9 +32,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import nvmetier._uring as _uring
+
+if TYPE_CHECKING:
+    from nvmetier.engine.sealed import Sealing
 from nvmetier.engine.base import Completion, IoEngine, Op
 from nvmetier.errors import EngineClosedError
 
@@ -149,6 +162,7 @@ class UringEngine(IoEngine):
         workers: int = 1,
         keepalive_fd: int = -1,
         staging_bytes: int = 0,
+        sealing: Sealing | None = None,
     ) -> None:
         # keepalive_fd (the store's lock fd, -1: none) is registered in every
         # ring and never used for I/O: a ring holds its files until its queued
@@ -166,7 +180,22 @@ class UringEngine(IoEngine):
             workers=workers,
             keepalive_fd=keepalive_fd,
             staging_bytes=staging_bytes,
+            sealing=None if sealing is None else sealing.native_config(),
         )
+        self._sealing = sealing
+        self._refill_wake = threading.Event()
+        self._refill_stop = False
+        self._refill_thread: threading.Thread | None = None
+        if sealing is not None:
+            try:
+                self._refill_nonces()  # the first range, before any write
+            except BaseException:
+                self._native.close()
+                raise
+            self._refill_thread = threading.Thread(
+                target=self._refill_loop, name="nvmetier-nonce", daemon=True
+            )
+            self._refill_thread.start()
         info = self._native.info()
         self._lock_registered = bool(info.get("lock_registered", False))
         self._workers_info = [dict(w) for w in info["workers"]]
@@ -198,6 +227,36 @@ class UringEngine(IoEngine):
                 len(self._workers_info),
             )
 
+    # ------------------------------------------------------------ sealing
+    def _refill_nonces(self) -> None:
+        """Reserve (fsync) and hand over ranges until the engine's spare is taken."""
+        assert self._sealing is not None
+        while not self._refill_stop and self._native.nonces_left()[1]:
+            block = self._sealing.nonce_block
+            if not self._native.add_nonces(self._sealing.nonces.reserve(block), block):
+                return  # another refill filled it first; that range is lost (never reused)
+
+    def _refill_loop(self) -> None:
+        logged = False
+        while not self._refill_stop:
+            self._refill_wake.wait(1.0)
+            self._refill_wake.clear()
+            try:
+                self._refill_nonces()
+            except Exception as exc:  # the writes fail with EAGAIN; say why once
+                if not logged:
+                    logged = True
+                    logger.error(
+                        "nvmetier: reserving nonces failed (%s); sealed writes fail with "
+                        "EAGAIN until a reservation succeeds",
+                        exc,
+                    )
+
+    @property
+    def auth_failures(self) -> int:
+        """Sealed reads whose trailer or tag did not verify (``-EBADMSG``)."""
+        return int(self._native.auth_failures())
+
     def submit(self, ops: Sequence[Op]) -> None:
         """Queue ops; never blocks on I/O.
 
@@ -210,6 +269,8 @@ class UringEngine(IoEngine):
         """
         if not self._native.submit(ops):
             raise EngineClosedError("the I/O engine is closed")
+        if self._sealing is not None and self._native.nonces_left()[1]:
+            self._refill_wake.set()
 
     @property
     def native_wait_raw(self) -> object:
@@ -225,6 +286,8 @@ class UringEngine(IoEngine):
         """
         if not self._native.submit_raw(ops):
             raise EngineClosedError("the I/O engine is closed")
+        if self._sealing is not None and self._native.nonces_left()[1]:
+            self._refill_wake.set()
 
     def wait_raw(self, timeout_s: float) -> bytes:
         """Completions of packed ops as packed ``COMPLETION_DTYPE`` records."""
@@ -248,6 +311,10 @@ class UringEngine(IoEngine):
         remain available from ``wait_completions``. Idempotent; blocks.
         """
         self._native.close()
+        if self._refill_thread is not None:
+            self._refill_stop = True
+            self._refill_wake.set()
+            self._refill_thread.join(timeout=30)  # at most one reservation's fsync
 
     def worker_stats(self) -> list[dict[str, float]]:
         """Per worker: ``ops`` completed, ``bytes`` moved, ``hashed_bytes``,
@@ -284,4 +351,12 @@ class UringEngine(IoEngine):
                 if w["staging_bytes"]
             ],
             "staged_bytes": sum(w.get("staged_bytes", 0) for w in self._native.worker_stats()),
+            **(
+                {}
+                if self._sealing is None
+                else {
+                    "encryption": "aes-256-gcm",
+                    "key_fingerprint": self._sealing.keys.fingerprint_hex,
+                }
+            ),
         }

@@ -463,8 +463,8 @@ class NvmeTierManager(SecondaryTierManager):
         self._store = store
         # lookup runs once per chunk on the scheduler thread: call the native
         # table directly unless the store counts lookups (admit_after_lookups).
-        # (A sealed store's calls map keys to their MACs first.)
-        self._lookup = store.table_lookup() if store.direct_table else store.lookup
+        # (A sealed store's calls map keys to their MACs first, natively.)
+        self._lookup = store.lookup_call()
         self._poll = store.poll_raw()
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).

@@ -258,3 +258,31 @@ def test_retention_and_purge_work_on_a_sealed_store(tmp_path, buffer, key_file) 
     (r,) = purge.purge(str(tmp_path / "kv"), older_than_s=None)
     assert r.removed == 6 and not any(store.contains(k) for k in keys)
     store.close()
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+def test_a_sealed_store_never_stages_even_with_staging_on(
+    tmp_path, buffer, key_file, engine
+) -> None:
+    # The engines seal writes into their own bounce slots and open reads in
+    # place in the row: a sealed store turns staging off, and its chunks
+    # still round-trip (none of them through a staging arena).
+    if engine == "uring":
+        from nvmetier.engine import uring_status
+
+        if not uring_status()[0]:
+            pytest.skip("io_uring unavailable")
+    store = sealed(tmp_path, buffer, key_file, staging="on", engine=engine)
+    try:
+        d = store.describe()
+        assert d["engine"] == engine
+        assert d["staging"] is False
+        assert d["staging_reason"] == "encryption seals through its own buffers"
+        keys = [key(i) for i in range(16)]
+        (outcome,) = store_keys(store, buffer, keys)
+        assert outcome.success
+        loaded, good = load_keys(store, buffer, keys)
+        assert loaded.success and good == keys
+        assert store.engine.describe()["staged_bytes"] == 0
+    finally:
+        store.close()

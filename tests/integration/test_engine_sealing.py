@@ -1,0 +1,333 @@
+"""Sealing inside the engines (``Sealing``: the io_uring engine's native
+workers and the thread engine's workers) over real files, and the native
+HMAC of offload keys: the slot format is SealingEngine's (either reads the
+other's chunks), loads open in place in the row, tampering fails only its
+op with -EBADMSG, nonces are unique across refills, and a key's MAC is
+HMAC-SHA256."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import mmap
+import os
+import time
+
+import pytest
+
+pytest.importorskip("nvmetier._crypto")
+
+from nvmetier import crypto
+from nvmetier.engine import make_engine, uring_status
+from nvmetier.engine.base import OP_READ, OP_WRITE, Op
+from nvmetier.engine.sealed import (
+    TRAILER_BYTES,
+    Sealing,
+    SealingEngine,
+    parse_trailer,
+)
+from nvmetier.engine.threads import ThreadEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+ROW = 16384
+SLOT = ROW + 4096
+ROWS = 16
+ENGINES = [
+    "threads",
+    pytest.param(
+        "uring", marks=pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+    ),
+]
+
+
+class Rig:
+    def __init__(self, tmp_path, engine: str, nonce_block: int = 1 << 20) -> None:
+        self.fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(self.fd, SLOT * 64)
+        self.primary = mmap.mmap(-1, ROW * ROWS)
+        self.primary.write(os.urandom(ROW * ROWS))
+        self.nonces = crypto.NonceSource.open(str(tmp_path))
+        self.keys = crypto.KeySet(bytes(range(32)))
+        self.sealing = Sealing(
+            self.keys, 42, self.nonces, row_bytes=ROW, slot_bytes=SLOT, nonce_block=nonce_block
+        )
+        self.engine = make_engine(
+            engine,
+            memoryview(self.primary),
+            [self.fd],
+            io_threads=4,
+            queue_depth=8,
+            sealing=self.sealing,
+        )
+
+    def run(self, ops, engine=None):
+        eng = engine or self.engine
+        eng.submit(ops)
+        out = {}
+        while len(out) < len(ops):
+            for c in eng.wait_completions(5.0):
+                out[c.op_id] = c
+        return out
+
+    def close(self) -> None:
+        self.engine.close()
+        self.nonces.close()
+        os.close(self.fd)
+        self.primary.close()
+
+
+@pytest.fixture(params=ENGINES)
+def rig(request, tmp_path):
+    r = Rig(tmp_path, request.param)
+    yield r
+    r.close()
+
+
+def test_round_trip_opens_in_place_and_the_disk_holds_only_ciphertext(rig) -> None:
+    before = bytes(rig.primary)
+    writes = [Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 1000 + i) for i in range(ROWS)]
+    done = rig.run(writes)
+    assert all(c.result == ROW and c.checksum for c in done.values())
+    assert bytes(rig.primary) == before  # the primary is only read
+    for i in range(ROWS):
+        slot = os.pread(rig.fd, SLOT, i * SLOT)
+        assert before[i * ROW : (i + 1) * ROW] not in slot  # sealed, not copied
+        parsed = parse_trailer(slot[ROW : ROW + TRAILER_BYTES])
+        assert parsed is not None and parsed[2] == rig.keys.fingerprint
+        assert slot[ROW + TRAILER_BYTES :] == bytes(SLOT - ROW - TRAILER_BYTES)
+    rig.primary[:] = bytes(len(rig.primary))
+    # Rows read back into other rows: opened where they land.
+    reads = [
+        Op(100 + i, OP_READ, 0, i * SLOT, ((i + 3) % ROWS) * ROW, ROW, 1000 + i)
+        for i in range(ROWS)
+    ]
+    got = rig.run(reads)
+    for i in range(ROWS):
+        assert got[100 + i].result == ROW
+        assert got[100 + i].checksum == done[i].checksum
+        j = (i + 3) % ROWS
+        assert bytes(rig.primary[j * ROW : (j + 1) * ROW]) == before[i * ROW : (i + 1) * ROW]
+
+
+@pytest.mark.parametrize("where", ["chunk", "trailer_tag", "trailer_magic", "seed"])
+def test_tampering_fails_only_its_op_with_ebadmsg(rig, where) -> None:
+    rig.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 7) for i in range(3)])
+    seed = 7
+    if where == "chunk":
+        os.pwrite(rig.fd, bytes([os.pread(rig.fd, 1, SLOT + 5)[0] ^ 1]), SLOT + 5)
+    elif where == "trailer_tag":
+        at = SLOT + ROW + 20
+        os.pwrite(rig.fd, bytes([os.pread(rig.fd, 1, at)[0] ^ 0x80]), at)
+    elif where == "trailer_magic":
+        os.pwrite(rig.fd, b"XXXX", SLOT + ROW)
+    got = rig.run(
+        [
+            Op(
+                10 + i,
+                OP_READ,
+                0,
+                i * SLOT,
+                i * ROW,
+                ROW,
+                8 if where == "seed" and i == 1 else seed,
+            )
+            for i in range(3)
+        ]
+    )
+    assert got[11].result == -errno.EBADMSG and got[11].checksum == 0
+    assert got[10].result == ROW and got[12].result == ROW
+    if hasattr(rig.engine, "auth_failures"):
+        assert rig.engine.auth_failures == 1
+
+
+def test_an_op_of_another_length_fails_with_efault(rig) -> None:
+    got = rig.run([Op(1, OP_WRITE, 0, 0, 0, ROW // 2, 1), Op(2, OP_READ, 0, 0, 0, 2 * ROW, 1)])
+    assert got[1].result == -errno.EFAULT and got[2].result == -errno.EFAULT
+
+
+def test_a_key_file_rotation_never_opens_old_chunks(rig, tmp_path) -> None:
+    rig.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 5)])
+    other = Sealing(crypto.KeySet(os.urandom(32)), 42, rig.nonces, row_bytes=ROW, slot_bytes=SLOT)
+    eng = ThreadEngine(memoryview(rig.primary), [rig.fd], n_threads=1, sealing=other)
+    try:
+        assert rig.run([Op(2, OP_READ, 0, 0, ROW, ROW, 5)], eng)[2].result == -errno.EBADMSG
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_slot_format_is_sealing_engines(tmp_path, engine) -> None:
+    """A chunk sealed in an engine opens through SealingEngine and back."""
+    r = Rig(tmp_path, engine)
+    try:
+        want = bytes(r.primary[:ROW])
+        assert r.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 9)])[1].result == ROW
+        old = SealingEngine(
+            memoryview(r.primary),
+            row_bytes=ROW,
+            slot_bytes=SLOT,
+            keys=r.keys,
+            layout_digest=42,
+            nonces=r.nonces,
+            make_inner=lambda buf: ThreadEngine(buf, [r.fd], n_threads=2),
+            n_bounce=2,
+            n_threads=1,
+        )
+        try:
+            assert r.run([Op(2, OP_READ, 0, 0, ROW, ROW, 9)], old)[2].result == ROW
+            assert bytes(r.primary[ROW : 2 * ROW]) == want
+            r.primary[2 * ROW : 3 * ROW] = os.urandom(ROW)
+            want2 = bytes(r.primary[2 * ROW : 3 * ROW])
+            assert r.run([Op(3, OP_WRITE, 0, SLOT, 2 * ROW, ROW, 4)], old)[3].result == ROW
+        finally:
+            old.close()
+        assert r.run([Op(4, OP_READ, 0, SLOT, 3 * ROW, ROW, 4)])[4].result == ROW
+        assert bytes(r.primary[3 * ROW : 4 * ROW]) == want2
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_nonces_stay_unique_across_refills(tmp_path, engine) -> None:
+    """Blocks of 3 nonces: 40 writes take many reservations (the io_uring
+    engine's range and spare, refilled by its thread); no nonce repeats."""
+    r = Rig(tmp_path, engine, nonce_block=3)
+    try:
+        seen: set[bytes] = set()
+        for rnd in range(8):
+            got = r.run(
+                [Op(rnd * 10 + i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 1) for i in range(5)]
+            )
+            retry = [op_id for op_id, c in got.items() if c.result == -errno.EAGAIN]
+            for _ in range(500):  # nonces ran out before the refill thread woke
+                if not retry:
+                    break
+                time.sleep(0.01)
+                got2 = r.run(
+                    [
+                        Op(op_id, OP_WRITE, 0, (op_id % 10) * SLOT, (op_id % 10) * ROW, ROW, 1)
+                        for op_id in retry
+                    ]
+                )
+                retry = [op_id for op_id, c in got2.items() if c.result == -errno.EAGAIN]
+            assert not retry
+            for i in range(5):
+                parsed = parse_trailer(os.pread(r.fd, TRAILER_BYTES, i * SLOT + ROW))
+                assert parsed is not None
+                assert parsed[0] not in seen
+                seen.add(parsed[0])
+        assert len(seen) == 40
+    finally:
+        r.close()
+
+
+@pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+def test_native_nonce_ranges_are_refused_while_the_spare_is_unused(tmp_path) -> None:
+    import nvmetier._uring as _uring
+
+    fd = os.open(str(tmp_path / "d"), os.O_CREAT | os.O_RDWR, 0o600)
+    buf = mmap.mmap(-1, ROW)
+    eng = _uring.Engine(buf, [fd], sealing=(bytes(32), bytes(8), 1, 2, ROW, SLOT))
+    try:
+        assert eng.nonces_left() == (0, True)
+        got = []
+        eng.submit([(1, 1, 0, 0, 0, ROW, 0, False)])
+        while not got:
+            got += eng.wait(5.0)
+        assert got[0][1] == -errno.EAGAIN  # no nonce: the write fails, nothing written
+        assert eng.add_nonces(10, 5) and eng.add_nonces(100, 5)
+        assert not eng.add_nonces(200, 5)
+        assert eng.nonces_left() == (10, False)
+        with pytest.raises(ValueError):
+            eng.add_nonces(0, 0)
+        with pytest.raises(ValueError):
+            _uring.Engine(buf, [fd], sealing=(bytes(31), bytes(8), 1, 2, ROW, SLOT))
+        with pytest.raises(ValueError):
+            _uring.Engine(buf, [fd], sealing=(bytes(32), bytes(8), 1, 2, ROW, ROW + 63))
+    finally:
+        eng.close()
+        buf.close()
+        os.close(fd)
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 55, 56, 63, 64, 65, 119, 1000])
+def test_native_key_mac_is_hmac_sha256(n) -> None:
+    import nvmetier._crypto as native
+
+    mac_key = os.urandom(32)
+    msg = os.urandom(n)
+    want = hmac.digest(mac_key, msg, hashlib.sha256)
+    km = native.KeyMac(mac_key)
+    assert km(msg) == want and km(bytearray(msg)) == want
+    assert km.many([msg, b"x"]) == [want, hmac.digest(mac_key, b"x", hashlib.sha256)]
+    long_key = os.urandom(100)  # longer than a block: hashed first
+    assert native.KeyMac(long_key)(msg) == hmac.digest(long_key, msg, hashlib.sha256)
+    seen = []
+    assert native.KeyMac(mac_key, lambda m: seen.append(m) or True)(msg) is True
+    assert seen == [want]
+
+
+def test_key_set_macs_and_mac_then_agree() -> None:
+    keys = crypto.KeySet(os.urandom(32))
+    ks = [os.urandom(16) for _ in range(5)]
+    want = [hmac.digest(keys.mac_key, k, hashlib.sha256) for k in ks]
+    assert [keys.key_mac(k) for k in ks] == want
+    assert keys.key_macs(ks) == want
+    assert keys.mac_then(lambda m: m[:4])(ks[0]) == want[0][:4]
+    import nvmetier._crypto as native
+
+    with pytest.raises(TypeError):
+        native.KeyMac(b"k", then=3)
+    with pytest.raises(TypeError):
+        native.KeyMac(b"k")()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sealing_engine_ignores_staging(tmp_path, engine) -> None:
+    # Sealing and staging are exclusive per engine: asked for both, the
+    # engine seals (bounce slot on writes, in place on reads) and maps no arena.
+    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, SLOT * ROWS)
+    primary = mmap.mmap(-1, ROW * ROWS)
+    data = os.urandom(ROW * ROWS)
+    primary[:] = data
+    nonces = crypto.NonceSource.open(str(tmp_path))
+    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=ROW, slot_bytes=SLOT)
+    eng = make_engine(
+        engine,
+        memoryview(primary),
+        [fd],
+        io_threads=2,
+        queue_depth=8,
+        staging=True,
+        sealing=sealing,
+    )
+    try:
+        d = eng.describe()
+        assert d["staging"] is False and d["encryption"] == "aes-256-gcm"
+        if engine == "uring":
+            assert d["worker_staging_bytes"] == [0] * len(d["worker_staging_bytes"])
+            from nvmetier.engine.uring import UringEngine
+
+            # The native engine too: an arena asked for beside sealing is not mapped.
+            raw = UringEngine(memoryview(primary), [fd], staging_bytes=4 << 20, sealing=sealing)
+            try:
+                assert raw.describe()["worker_staging_bytes"] == [0]
+            finally:
+                raw.close()
+        r = Rig.__new__(Rig)
+        done = r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(ROWS)], eng)
+        assert all(c.result == ROW for c in done.values())
+        assert data[:ROW] not in os.pread(fd, SLOT, 0)
+        primary[:] = bytes(len(primary))
+        got = r.run([Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(ROWS)], eng)
+        assert all(c.result == ROW for c in got.values())
+        assert bytes(primary) == data
+        assert eng.describe()["staged_bytes"] == 0
+    finally:
+        eng.close()
+        nonces.close()
+        os.close(fd)
+        primary.close()
