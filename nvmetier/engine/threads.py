@@ -70,6 +70,23 @@ _HUGE = 2 << 20
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
+def _op_error(
+    kind: int, n_fds: int, buf_len: int, file_idx: int, file_off: int, buf_off: int, length: int
+) -> int:
+    """The io_uring engine's checks of an op, so both engines fail a bad op
+    alike (a negative index would otherwise address another file or buffer
+    byte): 0, or the negative errno the op completes with."""
+    if kind != OP_WRITE and kind != OP_READ:
+        return -errno.EINVAL
+    if not 0 <= file_idx < n_fds:
+        return -errno.EBADF
+    if buf_off < 0 or length < 0 or buf_off + length > buf_len:
+        return -errno.EFAULT
+    if file_off < 0:
+        return -errno.EINVAL
+    return 0
+
+
 class _Stage:
     """One worker's staging arena: private memory advised for huge pages,
     2 MiB-aligned, at least as large as the largest op seen (worker-local)."""
@@ -339,18 +356,11 @@ class ThreadEngine(IoEngine):
         # One unpack instead of a property lookup per field use: this runs per
         # op on a Python thread that competes with vLLM's for the GIL.
         op_id, kind, file_idx, file_off, buf_off, length, seed, want_sum = op
-        # The io_uring engine's checks, so both engines fail a bad op alike (a
-        # negative index would otherwise address another file or buffer byte).
-        if kind != OP_WRITE and kind != OP_READ:
-            return Completion(op_id, -errno.EINVAL, 0)
         fds = self._fds
-        if not 0 <= file_idx < len(fds):
-            return Completion(op_id, -errno.EBADF, 0)
+        bad = _op_error(kind, len(fds), self._buf_len, file_idx, file_off, buf_off, length)
+        if bad:
+            return Completion(op_id, bad, 0)
         end = buf_off + length
-        if buf_off < 0 or length < 0 or end > self._buf_len:
-            return Completion(op_id, -errno.EFAULT, 0)
-        if file_off < 0:
-            return Completion(op_id, -errno.EINVAL, 0)
         if self._sealing is not None:
             return self._run_sealed(op_id, kind, fds[file_idx], file_off, buf_off, length, seed)
         view = self._buf[buf_off:end]
@@ -375,16 +385,11 @@ class ThreadEngine(IoEngine):
     def _run_staged(self, op: Op, stage: _Stage) -> Completion:
         """``_run`` through the worker's staging arena (same checks, same results)."""
         op_id, kind, file_idx, file_off, buf_off, length, seed, want_sum = op
-        if kind != OP_WRITE and kind != OP_READ:
-            return Completion(op_id, -errno.EINVAL, 0)
         fds = self._fds
-        if not 0 <= file_idx < len(fds):
-            return Completion(op_id, -errno.EBADF, 0)
+        bad = _op_error(kind, len(fds), self._buf_len, file_idx, file_off, buf_off, length)
+        if bad:
+            return Completion(op_id, bad, 0)
         end = buf_off + length
-        if buf_off < 0 or length < 0 or end > self._buf_len:
-            return Completion(op_id, -errno.EFAULT, 0)
-        if file_off < 0:
-            return Completion(op_id, -errno.EINVAL, 0)
         if not length:
             return self._run(op)
         stage.ensure(length)
