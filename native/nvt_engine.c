@@ -458,13 +458,13 @@ static int stage_open(nvt_worker *w, uint64_t bytes) {
     return 0;
 }
 
-/* Give slot `s` a span of the arena for its op (first fit from a rotating
- * start), or leave it direct when none is free. I/O thread only. */
-static void stage_take(nvt_worker *w, nvt_slot *s) {
+/* Give slot `s` a span of `bytes` of the arena for its op (first fit from a
+ * rotating start), or leave it direct when none is free. I/O thread only. */
+static void stage_take(nvt_worker *w, nvt_slot *s, uint64_t bytes) {
     s->stage = NULL;
-    if (!w->stage_units || s->op.length <= 0)
+    if (!w->stage_units || bytes == 0)
         return;
-    uint64_t need64 = ((uint64_t)s->op.length + NVT_STAGE_UNIT_BYTES - 1) / NVT_STAGE_UNIT_BYTES;
+    uint64_t need64 = (bytes + NVT_STAGE_UNIT_BYTES - 1) / NVT_STAGE_UNIT_BYTES;
     if (need64 > w->stage_units)
         return;
     uint32_t need = (uint32_t)need64, n = w->stage_units;
@@ -544,12 +544,20 @@ static void seal_aad(const nvt_engine *e, uint64_t seed, uint8_t aad[16]) {
 #define TRL_TAG 20
 #define TRL_FINGERPRINT 36
 
-/* Seal a write's row into its slot's bounce buffer, trailer included (the
- * row is only read). 0 or -errno; the op then fails with it. */
+/* Where a sealed op's slot image is: its span of the staging arena (huge
+ * pages: the device moves it in a few large pieces), else its bounce buffer
+ * (write) / the row and trailer page (read). */
+static uint8_t *seal_out(nvt_slot *s) {
+    return s->stage ? s->stage : s->bounce;
+}
+
+/* Seal a write's row into its slot image (arena span or bounce buffer),
+ * trailer included (the row is only read). 0 or -errno; the op then fails
+ * with it. */
 static int seal_write(nvt_engine *e, nvt_slot *s) {
     uint64_t row = e->seal.row_bytes, slot = e->seal.slot_bytes;
     uint8_t nonce[NVT_GCM_NONCE_BYTES], aad[16], tag[NVT_GCM_TAG_BYTES];
-    if (!s->bounce) {
+    if (!s->stage && !s->bounce) {
         void *p = NULL;
         if (posix_memalign(&p, NVT_PAGE_BYTES, (size_t)slot) != 0)
             return -ENOMEM;
@@ -559,10 +567,10 @@ static int seal_write(nvt_engine *e, nvt_slot *s) {
     if (err)
         return err;
     seal_aad(e, (uint64_t)s->op.seed, aad);
-    if (nvt_gcm_seal(e->seal.key, nonce, aad, sizeof(aad), e->buf + s->op.buf_offset, s->bounce, (size_t)row,
-                     tag) != 0)
+    uint8_t *out = seal_out(s);
+    if (nvt_gcm_seal(e->seal.key, nonce, aad, sizeof(aad), e->buf + s->op.buf_offset, out, (size_t)row, tag) != 0)
         return -EIO;
-    uint8_t *t = s->bounce + row;
+    uint8_t *t = out + row;
     memset(t, 0, (size_t)(slot - row));
     memcpy(t, "NVTS", 4);
     put_le(t + TRL_VERSION, 1, 4);
@@ -585,9 +593,10 @@ static int seal_read_ready(nvt_engine *e, nvt_slot *s) {
     return 0;
 }
 
-/* Open a sealed read in place: its length, with the tag's head as checksum,
- * or -EBADMSG when the trailer or the tag does not verify (the row then
- * holds garbage the table never serves). */
+/* Open a sealed read into its row (from its arena span, or in place): its
+ * length, with the tag's head as checksum, or -EBADMSG when the trailer or
+ * the tag does not verify (the row then holds garbage the table never
+ * serves). */
 static int64_t seal_open(nvt_engine *e, nvt_read_done *r, uint64_t *checksum) {
     const uint8_t *t = r->trailer;
     uint8_t aad[16];
@@ -597,7 +606,9 @@ static int64_t seal_open(nvt_engine *e, nvt_read_done *r, uint64_t *checksum) {
         return -EBADMSG;
     }
     seal_aad(e, r->seed, aad);
-    int rc = nvt_gcm_open(e->seal.key, t + TRL_NONCE, aad, sizeof(aad), r->data, r->data, (size_t)r->length,
+    /* From the arena into the row (no copy), or in place in the row. */
+    uint8_t *out = r->dst ? r->dst : r->data;
+    int rc = nvt_gcm_open(e->seal.key, t + TRL_NONCE, aad, sizeof(aad), r->data, out, (size_t)r->length,
                           t + TRL_TAG);
     if (rc == 0) {
         *checksum = get_le64(t + TRL_TAG);
@@ -652,12 +663,15 @@ static void io_prep(nvt_worker *w, unsigned idx) {
     struct io_uring_sqe *sqe = io_get_sqe(w);
 
     if (e->sealed) {
-        /* The sealed slot: from the bounce buffer (write), or into the row
-         * and the trailer page (readv); `moved` counts slot bytes. */
+        /* The sealed slot: from its image (write), into its arena span or
+         * else the row and the trailer page (readv); `moved` counts slot
+         * bytes. */
         uint64_t slot = e->seal.slot_bytes, row = e->seal.row_bytes;
         file_off = (uint64_t)s->op.file_offset + s->moved;
         if (s->op.kind == NVT_OP_WRITE) {
-            io_uring_prep_write(sqe, fd, s->bounce + s->moved, (unsigned)(slot - s->moved), file_off);
+            io_uring_prep_write(sqe, fd, seal_out(s) + s->moved, (unsigned)(slot - s->moved), file_off);
+        } else if (s->stage) {
+            io_uring_prep_read(sqe, fd, s->stage + s->moved, (unsigned)(slot - s->moved), file_off);
         } else {
             unsigned nv = 0;
             if (s->moved < row) {
@@ -715,7 +729,7 @@ static void io_finish(nvt_worker *w, unsigned idx, int64_t result, uint64_t chec
     if (s->stage) {
         /* A staged read that asked for no hash lands in the buffer now; a
          * failed op leaves the buffer untouched (as a direct op's might not). */
-        if (s->op.kind == NVT_OP_READ && result > 0)
+        if (s->op.kind == NVT_OP_READ && result > 0 && !w->e->sealed)
             memcpy(w->e->buf + s->op.buf_offset, s->stage, (size_t)s->op.length);
         stage_give(w, s->stage_first, s->stage_units);
         s->stage = NULL;
@@ -749,12 +763,16 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             /* Opened next round, after the ring was refilled (as a hash). */
             nvt_read_done *r = &w->reads[w->n_reads++];
             r->op_id = s->op.op_id;
-            r->data = e->buf + s->op.buf_offset;
+            r->data = s->stage ? s->stage : e->buf + s->op.buf_offset;
+            r->dst = s->stage ? e->buf + s->op.buf_offset : NULL;
+            r->stage_first = s->stage_first;
+            r->stage_units = s->stage_units;
             r->length = e->seal.row_bytes;
             r->seed = s->op.seed;
             r->sealed = 1;
-            r->dst = NULL;
-            memcpy(r->trailer, s->trail, NVT_TRAILER_BYTES);
+            memcpy(r->trailer, s->stage ? s->stage + e->seal.row_bytes : s->trail, NVT_TRAILER_BYTES);
+            /* The span stays with the read until it is opened (as above). */
+            s->stage = NULL;
             w->inflight_bytes -= (uint64_t)s->op.length;
             w->free_slots[w->n_free++] = idx;
             return;
@@ -909,6 +927,13 @@ static int io_setup(nvt_worker *w) {
          * reaped and still waiting for their copy out. */
         uint64_t cap2 = 2 * w->max_inflight_bytes;
         uint64_t want = e->cfg.staging_bytes < cap2 ? e->cfg.staging_bytes : cap2;
+        if (e->sealed) {
+            /* A sealed op's span is its whole slot (row and trailer page),
+             * rounded to whole units: as many spans as rows fit in `want`. */
+            uint64_t span = (e->seal.slot_bytes + NVT_STAGE_UNIT_BYTES - 1) / NVT_STAGE_UNIT_BYTES *
+                            NVT_STAGE_UNIT_BYTES;
+            want = (want / e->seal.row_bytes + 1) * span;
+        }
         int sret = stage_open(w, want);
         if (sret < 0)
             w->info.staging_errno = -sret;
@@ -1018,14 +1043,15 @@ static void io_run(nvt_worker *w) {
         int refused = 0; /* ops failed before their SQE (sealing) */
         for (unsigned i = 0; i < n_taken; i++) {
             nvt_slot *s = &w->slots[w->taken[i]];
-            if (!e->sealed)
-                stage_take(w, s); /* a sealing engine has no arena: its ops never stage */
-            if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum)
+            stage_take(w, s, e->sealed ? e->seal.slot_bytes : (uint64_t)s->op.length);
+            if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum && !e->sealed)
                 memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
             if (e->sealed) {
                 /* Sealed here, on this worker, before the SQE (the nonce's
                  * lock is the only one shared with other workers). */
-                int err = s->op.kind == NVT_OP_WRITE ? seal_write(e, s) : seal_read_ready(e, s);
+                int err = s->op.kind == NVT_OP_WRITE ? seal_write(e, s)
+                          : s->stage                 ? 0
+                                                     : seal_read_ready(e, s);
                 if (err) {
                     io_finish(w, w->taken[i], err, 0);
                     refused = 1;
@@ -1072,6 +1098,8 @@ static void io_run(nvt_worker *w) {
                 if (r->sealed) {
                     uint64_t sum;
                     int64_t res = seal_open(e, r, &sum);
+                    if (r->dst)
+                        stage_give(w, r->stage_first, r->stage_units);
                     batch_reserve_hard(&w->out, 1); /* io_publish may have swapped it */
                     batch_push(&w->out, r->op_id, res, sum);
                     io_count(w, res);
@@ -1369,9 +1397,6 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
         e->sealed = 1;
         e->seal = *cfg->seal;
         e->cfg.register_buffers = 0;
-        /* No staging either: writes already move through the slot's bounce
-         * buffer and reads are opened in place in the row. */
-        e->cfg.staging_bytes = 0;
     }
     pthread_mutex_init(&e->nonce_lock, NULL);
     pthread_mutex_init(&e->lock, NULL);

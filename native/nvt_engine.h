@@ -125,8 +125,10 @@ typedef struct {
     uint64_t staging_bytes;
     /* Sealing (NULL: none). Copied by nvt_engine_open; nonces come from
      * nvt_engine_add_nonces (a write that finds none fails with -EAGAIN).
-     * A sealing engine never stages (staging_bytes is taken as 0): writes
-     * already move through a private bounce slot, reads open in the row. */
+     * With staging a sealed op's slot image is a span of the arena (sealed
+     * into it from the row, or read into it and opened into the row); an op
+     * that finds no span uses its slot's bounce buffer (write) or reads into
+     * the row plus a trailer page and opens in place (read). */
     const nvt_seal_config *seal;
 } nvt_config;
 

@@ -245,10 +245,6 @@ class BlockStore:
             self.open_time_s = time.monotonic() - t0
             self.primary = describe_primary(self._buf)
             stage, self.staging_reason = staging_wanted(config.staging, self._buf)
-            if stage and self._keys is not None:
-                # The engines seal writes into private bounce buffers and open
-                # reads in place in the row: staging would only add a copy.
-                stage, self.staging_reason = False, "encryption seals through its own buffers"
             slot_bytes = self.sb.slot_bytes
 
             def inner(buf: memoryview, sealing: Sealing | None = None) -> IoEngine:

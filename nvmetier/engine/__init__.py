@@ -221,12 +221,11 @@ def make_engine(
     ``nvmetier.memory``); each uring worker's arena is twice its byte cap
     (ops in flight, and reads reaped but not yet copied out).
     With ``sealing`` both seal and open every chunk in their own threads
-    (``engine/sealed.py``); ``buffer`` is then the primary itself. A sealing
-    engine never stages (``staging`` is ignored): its writes already move
-    through private bounce buffers and its reads are opened in place.
+    (``engine/sealed.py``); ``buffer`` is then the primary itself. Staging
+    then holds the sealed slot image: a write is sealed from the row into the
+    arena and written from there, a read lands there and is opened from
+    there into the row (no copy either way, only huge pages under the I/O).
     """
-    if sealing is not None:
-        staging = False
     if name == "threads":
         return ThreadEngine(buffer, fds, n_threads=io_threads, staging=staging, sealing=sealing)
     if name == "uring":

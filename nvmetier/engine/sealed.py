@@ -171,12 +171,25 @@ class Sealing:
         """Open the sealed ``row`` in place with its ``trailer``: the
         completion's checksum (the tag's head), or None when the trailer or
         the tag does not verify (``row`` then holds garbage)."""
+        return self.open_into(row, trailer, seed, None)
+
+    def open_into(
+        self,
+        sealed: memoryview,
+        trailer: memoryview | bytes,
+        seed: int,
+        dst: memoryview | None,
+    ) -> int | None:
+        """Open ``sealed`` (``row_bytes``) with its ``trailer`` into ``dst``
+        (None: in place): the checksum, or None when the trailer or the tag
+        does not verify (``dst`` then holds garbage, or is untouched when
+        the trailer itself is bad)."""
         parsed = parse_trailer(trailer)
         if parsed is None:
             return None
         nonce, tag, _fingerprint = parsed
         ok = crypto.open_sealed(
-            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), row, tag
+            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), sealed, tag, dst
         )
         return checksum_of_tag(tag) if ok else None
 

@@ -15,7 +15,9 @@ one chunk: a worker seals the row into its own page-aligned bounce slot and
 writes that; a load reads the slot straight into the row plus the trailer
 page into the worker's small buffer (one ``preadv``) and opens the row in
 place (libcrypto, the GIL released). A tag that does not verify completes
-with ``-EBADMSG``. A sealing engine never stages (below).
+with ``-EBADMSG``. With ``staging`` too, the slot image lives in the
+worker's huge-page arena instead: sealed into it from the row, or read into
+it whole and opened from it into the row.
 
 ``submit`` only enqueues. Completions go to a ``queue.SimpleQueue`` that
 ``wait_completions`` drains. Packed ops (``submit_raw``) are enqueued as one
@@ -159,9 +161,9 @@ class ThreadEngine(IoEngine):
         fds: open file descriptors the ops address by index.
         n_threads: worker count (the number of ops in flight at the kernel).
         sealing: seal and open every chunk in the workers (None: plaintext).
-        staging: move ops through each worker's huge-page arena (never with
-            ``sealing``: its writes already go through a bounce slot and its
-            reads are opened in place in the row).
+        staging: move ops through each worker's huge-page arena (with
+            ``sealing`` the arena holds the sealed slot image instead of the
+            bounce slot: sealed into it, opened out of it into the row).
     """
 
     name = "threads"
@@ -179,8 +181,6 @@ class ThreadEngine(IoEngine):
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self._buf = memoryview(buffer).cast("B")
         self._buf_len = len(self._buf)
-        # A sealing engine never stages (the two paths are exclusive per engine).
-        staging = staging and sealing is None
         self._staging = staging
         self._buf_addr = (
             ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
@@ -390,6 +390,10 @@ class ThreadEngine(IoEngine):
         if bad:
             return Completion(op_id, bad, 0)
         end = buf_off + length
+        if self._sealing is not None:
+            return self._run_sealed(
+                op_id, kind, fds[file_idx], file_off, buf_off, length, seed, stage
+            )
         if not length:
             return self._run(op)
         stage.ensure(length)
@@ -435,12 +439,25 @@ class ThreadEngine(IoEngine):
         return bufs
 
     def _run_sealed(
-        self, op_id: int, kind: int, fd: int, file_off: int, buf_off: int, length: int, seed: int
+        self,
+        op_id: int,
+        kind: int,
+        fd: int,
+        file_off: int,
+        buf_off: int,
+        length: int,
+        seed: int,
+        stage: _Stage | None = None,
     ) -> Completion:
         sealing = self._sealing
         assert sealing is not None
         if length != sealing.row_bytes:
             return Completion(op_id, -errno.EFAULT, 0)  # a sealed slot holds one chunk
+        if stage is not None:
+            # The slot image lives in the worker's huge-page arena.
+            stage.ensure(sealing.slot_bytes)
+            assert stage.view is not None
+            return self._run_sealed_in(op_id, kind, fd, file_off, buf_off, seed, stage.view)
         bounce, trail = self._worker_buffers(sealing)
         row = self._buf[buf_off : buf_off + length]
         try:
@@ -461,3 +478,41 @@ class ThreadEngine(IoEngine):
             return Completion(op_id, -(exc.errno or errno.EIO), 0)
         finally:
             row.release()
+
+    def _run_sealed_in(
+        self,
+        op_id: int,
+        kind: int,
+        fd: int,
+        file_off: int,
+        buf_off: int,
+        seed: int,
+        arena: memoryview,
+    ) -> Completion:
+        """A sealed op through the arena: a write is sealed from the row into
+        it and written from there; a read lands there and is opened from
+        there into the row (no copy either way)."""
+        sealing = self._sealing
+        assert sealing is not None
+        n_row, n_slot = sealing.row_bytes, sealing.slot_bytes
+        image = arena[:n_slot]
+        row = self._buf[buf_off : buf_off + n_row]
+        try:
+            if kind == OP_WRITE:
+                checksum = sealing.seal_into(row, seed, image)
+                if os.pwritev(fd, [image], file_off) != n_slot:
+                    return Completion(op_id, -errno.EIO, 0)
+                self._staged_bytes += n_row
+                return Completion(op_id, n_row, checksum)
+            if os.preadv(fd, [image], file_off) != n_slot:
+                return Completion(op_id, -errno.EIO, 0)
+            got = sealing.open_into(image[:n_row], image[n_row:], seed, row)
+            if got is None:
+                return Completion(op_id, -errno.EBADMSG, 0)
+            self._staged_bytes += n_row
+            return Completion(op_id, n_row, got)
+        except OSError as exc:
+            return Completion(op_id, -(exc.errno or errno.EIO), 0)
+        finally:
+            row.release()
+            image.release()

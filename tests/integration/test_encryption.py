@@ -110,8 +110,10 @@ def test_a_wrong_key_makes_every_chunk_a_miss_and_reuses_the_slots(tmp_path, buf
     store.close()
 
 
-def test_a_tampered_chunk_is_a_counted_miss_and_freed(tmp_path, buffer, key_file) -> None:
-    store = sealed(tmp_path, buffer, key_file, enable_kv_events=True)
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_a_tampered_chunk_is_a_counted_miss_and_freed(tmp_path, buffer, key_file, staging) -> None:
+    # staged: the slot image is read into the arena and opened into the row
+    store = sealed(tmp_path, buffer, key_file, enable_kv_events=True, staging=staging)
     keys = [key(i) for i in range(8)]
     store_keys(store, buffer, keys)
     store.take_events()
@@ -131,8 +133,10 @@ def test_a_tampered_chunk_is_a_counted_miss_and_freed(tmp_path, buffer, key_file
     store.close()
 
 
-def test_a_tampered_trailer_is_a_miss(tmp_path, buffer, key_file) -> None:
-    store = sealed(tmp_path, buffer, key_file)
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_a_tampered_trailer_is_a_miss(tmp_path, buffer, key_file, staging) -> None:
+    # staged: the slot image is read into the arena and opened into the row
+    store = sealed(tmp_path, buffer, key_file, staging=staging)
     keys = [key(i) for i in range(4)]
     store_keys(store, buffer, keys)
     data, _index = files_of(tmp_path)
@@ -261,28 +265,33 @@ def test_retention_and_purge_work_on_a_sealed_store(tmp_path, buffer, key_file) 
 
 
 @pytest.mark.parametrize("engine", ["threads", "uring"])
-def test_a_sealed_store_never_stages_even_with_staging_on(
-    tmp_path, buffer, key_file, engine
+@pytest.mark.parametrize("staging", ["on", "off"])
+def test_a_sealed_store_stages_its_slot_images_only_when_staging_is_on(
+    tmp_path, buffer, key_file, engine, staging
 ) -> None:
-    # The engines seal writes into their own bounce slots and open reads in
-    # place in the row: a sealed store turns staging off, and its chunks
-    # still round-trip (none of them through a staging arena).
+    # With staging the sealed slot image lives in the engine's huge-page
+    # arena (sealed into it, opened out of it into the row); without it the
+    # engine seals into its own bounce slot and opens in place. Both round-trip.
     if engine == "uring":
         from nvmetier.engine import uring_status
 
         if not uring_status()[0]:
             pytest.skip("io_uring unavailable")
-    store = sealed(tmp_path, buffer, key_file, staging="on", engine=engine)
+    store = sealed(tmp_path, buffer, key_file, staging=staging, engine=engine)
     try:
         d = store.describe()
         assert d["engine"] == engine
-        assert d["staging"] is False
-        assert d["staging_reason"] == "encryption seals through its own buffers"
+        assert d["staging"] is (staging == "on")
         keys = [key(i) for i in range(16)]
         (outcome,) = store_keys(store, buffer, keys)
         assert outcome.success
         loaded, good = load_keys(store, buffer, keys)
         assert loaded.success and good == keys
-        assert store.engine.describe()["staged_bytes"] == 0
+        staged = store.engine.describe()["staged_bytes"]
+        if staging == "on":
+            # every store and every load went through the arena
+            assert staged >= 2 * len(keys) * ROW
+        else:
+            assert staged == 0
     finally:
         store.close()

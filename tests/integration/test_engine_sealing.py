@@ -42,8 +42,21 @@ ENGINES = [
 ]
 
 
+_URING_SKIP = pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+# (engine, staging): with staging the slot image is a span of the worker's
+# huge-page arena; without it, a bounce slot (writes) or the row (reads).
+RIGS = [
+    pytest.param(("threads", False), id="threads"),
+    pytest.param(("threads", True), id="threads-staged"),
+    pytest.param(("uring", False), id="uring", marks=_URING_SKIP),
+    pytest.param(("uring", True), id="uring-staged", marks=_URING_SKIP),
+]
+
+
 class Rig:
-    def __init__(self, tmp_path, engine: str, nonce_block: int = 1 << 20) -> None:
+    def __init__(
+        self, tmp_path, engine: str, nonce_block: int = 1 << 20, staging: bool = False
+    ) -> None:
         self.fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
         os.ftruncate(self.fd, SLOT * 64)
         self.primary = mmap.mmap(-1, ROW * ROWS)
@@ -60,6 +73,7 @@ class Rig:
             io_threads=4,
             queue_depth=8,
             sealing=self.sealing,
+            staging=staging,
         )
 
     def run(self, ops, engine=None):
@@ -78,9 +92,10 @@ class Rig:
         self.primary.close()
 
 
-@pytest.fixture(params=ENGINES)
+@pytest.fixture(params=RIGS)
 def rig(request, tmp_path):
-    r = Rig(tmp_path, request.param)
+    engine, staging = request.param
+    r = Rig(tmp_path, engine, staging=staging)
     yield r
     r.close()
 
@@ -285,9 +300,9 @@ def test_key_set_macs_and_mac_then_agree() -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_a_sealing_engine_ignores_staging(tmp_path, engine) -> None:
-    # Sealing and staging are exclusive per engine: asked for both, the
-    # engine seals (bounce slot on writes, in place on reads) and maps no arena.
+def test_a_sealing_engine_stages_and_its_slots_read_back_either_way(tmp_path, engine) -> None:
+    # Staged (slot image in the huge-page arena) and unstaged (bounce slot,
+    # open in place) write the same slot format: each reads the other's.
     fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
     os.ftruncate(fd, SLOT * ROWS)
     primary = mmap.mmap(-1, ROW * ROWS)
@@ -295,37 +310,83 @@ def test_a_sealing_engine_ignores_staging(tmp_path, engine) -> None:
     primary[:] = data
     nonces = crypto.NonceSource.open(str(tmp_path))
     sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=ROW, slot_bytes=SLOT)
-    eng = make_engine(
-        engine,
-        memoryview(primary),
-        [fd],
-        io_threads=2,
-        queue_depth=8,
-        staging=True,
-        sealing=sealing,
-    )
-    try:
-        d = eng.describe()
-        assert d["staging"] is False and d["encryption"] == "aes-256-gcm"
-        if engine == "uring":
-            assert d["worker_staging_bytes"] == [0] * len(d["worker_staging_bytes"])
-            from nvmetier.engine.uring import UringEngine
+    r = Rig.__new__(Rig)
 
-            # The native engine too: an arena asked for beside sealing is not mapped.
-            raw = UringEngine(memoryview(primary), [fd], staging_bytes=4 << 20, sealing=sealing)
-            try:
-                assert raw.describe()["worker_staging_bytes"] == [0]
-            finally:
-                raw.close()
-        r = Rig.__new__(Rig)
-        done = r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(ROWS)], eng)
+    def engine_of(staging: bool):
+        return make_engine(
+            engine,
+            memoryview(primary),
+            [fd],
+            io_threads=2,
+            queue_depth=8,
+            staging=staging,
+            sealing=sealing,
+        )
+
+    staged, plain = engine_of(True), engine_of(False)
+    try:
+        d = staged.describe()
+        assert d["staging"] is True and d["encryption"] == "aes-256-gcm"
+        assert plain.describe()["staging"] is False
+        half = ROWS // 2
+        # rows 0..7 written staged, 8..15 unstaged
+        done = r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half)], staged)
+        done.update(
+            r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half, ROWS)], plain)
+        )
         assert all(c.result == ROW for c in done.values())
-        assert data[:ROW] not in os.pread(fd, SLOT, 0)
+        assert staged.describe()["staged_bytes"] == half * ROW
+        for i in range(ROWS):
+            assert data[i * ROW : (i + 1) * ROW] not in os.pread(fd, SLOT, i * SLOT)
         primary[:] = bytes(len(primary))
-        got = r.run([Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(ROWS)], eng)
-        assert all(c.result == ROW for c in got.values())
+        # and read back crosswise: the staged engine the unstaged rows, and so on
+        got = r.run(
+            [Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half, ROWS)], staged
+        )
+        got.update(
+            r.run([Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half)], plain)
+        )
+        assert all(got[100 + i].result == ROW for i in range(ROWS))
+        assert all(got[100 + i].checksum == done[i].checksum for i in range(ROWS))
         assert bytes(primary) == data
-        assert eng.describe()["staged_bytes"] == 0
+        assert staged.describe()["staged_bytes"] == ROWS * ROW
+        assert plain.describe()["staged_bytes"] == 0
+    finally:
+        staged.close()
+        plain.close()
+        nonces.close()
+        os.close(fd)
+        primary.close()
+
+
+@pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+def test_a_sealed_op_that_finds_no_arena_span_moves_through_its_bounce_slot(tmp_path) -> None:
+    # An arena of one span (the arena is one 2 MiB huge page; a 1 MiB row's
+    # slot takes 17 of its 32 units): with several ops in flight the others
+    # find it taken and take the unstaged path in the same ring; every op
+    # still round-trips.
+    from nvmetier.engine.uring import UringEngine
+
+    row, slot = 1 << 20, (1 << 20) + 4096
+
+    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, slot * ROWS)
+    primary = mmap.mmap(-1, row * ROWS)
+    data = os.urandom(row * ROWS)
+    primary[:] = data
+    nonces = crypto.NonceSource.open(str(tmp_path))
+    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=row, slot_bytes=slot)
+    eng = UringEngine(memoryview(primary), [fd], queue_depth=8, staging_bytes=4096, sealing=sealing)
+    r = Rig.__new__(Rig)
+    try:
+        done = r.run([Op(i, OP_WRITE, 0, i * slot, i * row, row, 5) for i in range(ROWS)], eng)
+        assert all(c.result == row for c in done.values())
+        primary[:] = bytes(len(primary))
+        got = r.run([Op(100 + i, OP_READ, 0, i * slot, i * row, row, 5) for i in range(ROWS)], eng)
+        assert all(c.result == row for c in got.values())
+        assert bytes(primary) == data
+        staged = eng.describe()["staged_bytes"]
+        assert 0 < staged < 2 * ROWS * row  # both paths were taken
     finally:
         eng.close()
         nonces.close()
