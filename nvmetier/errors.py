@@ -19,6 +19,15 @@ class FormatError(NvmeTierError):
     """An on-disk structure is not what this version of nvmetier expects."""
 
 
+class FormatVersionError(FormatError):
+    """A store written in another on-disk format version (not damaged:
+    another nvmetier made it). ``version`` is the store's."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class StoreLockedError(NvmeTierError):
     """Another process holds the store's exclusive lock."""
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import xxhash
 
-from nvmetier.errors import FormatError
+from nvmetier.errors import FormatError, FormatVersionError
 
 # Changing any layout below requires bumping FORMAT_VERSION.
 # 2: the process-shared slot table (file ``table``) joined the store.
@@ -214,10 +214,11 @@ def unpack_superblock(data: bytes, where: str = "superblock") -> Superblock:
         raise FormatError(f"{where}: not an nvmetier store (bad magic {magic!r})")
     if version != FORMAT_VERSION:
         store_dir = os.path.dirname(os.path.abspath(where)) if where != "superblock" else where
-        raise FormatError(
+        raise FormatVersionError(
             f"{where}: store format version {version}, this nvmetier reads version "
             f"{FORMAT_VERSION}; the cache can be rebuilt: remove the store directory "
-            f"{store_dir!r} (rm -r) to start a new cache there"
+            f"{store_dir!r} (rm -r) to start a new cache there",
+            version,
         )
     if size > len(data) or size % ALIGN_BYTES:
         raise FormatError(f"{where}: superblock size {size} does not match the file")

@@ -56,7 +56,7 @@ import xxhash
 
 from nvmetier import format as fmt
 from nvmetier import recovery
-from nvmetier.errors import FormatError, NvmeTierError
+from nvmetier.errors import FormatError, FormatVersionError, NvmeTierError
 from nvmetier.files import (
     DATA_NAME,
     INDEX_NAME,
@@ -622,6 +622,8 @@ def _check_locked(
         sb = fmt.unpack_superblock(raw, where=sb_path)
     except FormatError as exc:
         res.errors.append(FsckError("superblock", str(exc)))
+        if isinstance(exc, FormatVersionError):
+            res.format_version = exc.version  # another nvmetier's store, not damage
         return
     res.identity = sb.identity
     res.format_version = sb.format_version
@@ -767,7 +769,14 @@ def format_result(res: StoreResult) -> str:
     if res.exit_code == EXIT_UNCORRECTED:
         if any(e.kind in RECORD_KINDS for e in res.errors if not e.repaired):
             lines.append("  hint:    run again with --repair to drop the bad records")
-        if any(e.kind in STORE_KINDS or e.kind == "read_error" for e in res.errors):
+        if res.format_version is not None and res.format_version != fmt.FORMAT_VERSION:
+            lines.append(
+                f"  hint:    another nvmetier made this store (format version "
+                f"{res.format_version}; this one reads {fmt.FORMAT_VERSION}): use that "
+                "version's fsck, or, it being a cache, remove this directory and let the "
+                "server create a new store"
+            )
+        elif any(e.kind in STORE_KINDS or e.kind == "read_error" for e in res.errors):
             lines.append(
                 "  hint:    the store's files are damaged; it is a cache: stop the server, "
                 "remove this directory and let the server create a new store"

@@ -131,3 +131,23 @@ def test_fsck_leaves_damaged_files_for_a_person(root, damage, kind) -> None:
     res = fsck.check_store(store_dir(root), deep=True, repair=True)
     assert res.exit_code == fsck.EXIT_UNCORRECTED
     assert kind in {e.kind for e in res.errors} and res.repaired == 0
+
+
+def test_fsck_names_a_store_of_another_format_version_not_damage(root) -> None:
+    # A superblock in another format version (another nvmetier made it): a
+    # superblock error whose hint says so, never "the files are damaged".
+    from nvmetier.files import SUPERBLOCK_NAME
+
+    path = os.path.join(store_dir(root), SUPERBLOCK_NAME)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, (fmt.FORMAT_VERSION + 1).to_bytes(4, "little"), 8)  # after the magic
+    finally:
+        os.close(fd)
+    res = fsck.check_store(store_dir(root))
+    assert res.exit_code == fsck.EXIT_UNCORRECTED
+    assert [e.kind for e in res.errors] == ["superblock"]
+    assert res.format_version == fmt.FORMAT_VERSION + 1
+    text = fsck.format_result(res)
+    assert f"format version {fmt.FORMAT_VERSION + 1}" in text
+    assert "another nvmetier made this store" in text and "damaged" not in text
