@@ -446,21 +446,28 @@ def _lookup_latency(eng: Any, keys: list[bytes], n: int, count: int) -> LookupSt
     from nvmetier.vllm.harness import key_of
 
     tier = eng.tiers[0]
-    ctx = ReqContext(req_id="lookup-bench")
     rng = np.random.default_rng(7)
     hits = [keys[int(i)] for i in rng.integers(0, n, size=count)]
     misses = [key_of(n + 1_000_000 + i) for i in range(count)]
+    # Each lookup is its own request, finished after it is timed: under one
+    # request the promotion guard would answer MISS past the request's budget
+    # (a CPU tier's worth of HITs) without reaching the store, and the "hit"
+    # figure would time that shortcut instead of the index (and, sealed, the
+    # key's MAC).
+    ctxs = [ReqContext(req_id=f"lookup-bench-{i}") for i in range(count)]
+    end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     outcomes: dict[str, int] = {}
     perf = time.perf_counter_ns
     out: list[list[float]] = []
     with eng.manager.lock:
         for sample in (hits, misses):
             lat = []
-            for key in sample:
+            for key, ctx in zip(sample, ctxs, strict=True):
                 t = perf()
                 r = tier.lookup(key, ctx)
                 lat.append((perf() - t) / 1e9)
                 outcomes[r.name] = outcomes.get(r.name, 0) + 1
+                tier.on_request_finished(ctx)
             out.append(lat)
-            tier.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+            tier.on_schedule_end(end)
     return LookupStats(_percentiles(out[0]), _percentiles(out[1]), outcomes)

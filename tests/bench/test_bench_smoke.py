@@ -218,3 +218,33 @@ def test_tier_clock_counts_time_inside_wrapped_methods_only() -> None:
     assert clock.tier_s(cpu, usr, sys_) >= inside
     clock.remove()
     assert "lookup" not in vars(tier)
+
+
+@pytest.mark.timeout(180)
+def test_vllm_level_times_lookups_that_reach_the_store(tmp_path, capsys) -> None:
+    # Through vLLM's real orchestrator: every timed lookup of a stored key is
+    # a HIT (the store's index answered it), every absent key a MISS; none
+    # is cut short by the promotion guard's per-request budget.
+    pytest.importorskip("vllm.v1.kv_offload.tiering")
+    report = _run(
+        capsys,
+        "--level",
+        "vllm",
+        "--bs",
+        "64k",
+        "--size",
+        "4m",
+        "--engine",
+        "threads",
+        "--no-fs-tier",
+        "--lookups",
+        "300",
+        "--primary",
+        "1m",  # a 16-chunk CPU tier: 300 HITs would exceed one request's budget
+        "--dir",
+        str(tmp_path),
+        "--no-drop-caches",
+    )
+    (lk,) = report["lookup_latency"].values()
+    assert lk["results"] == {"HIT": 300, "MISS": 300}
+    assert lk["hit_ns"]["p50"] > 0 and lk["miss_ns"]["p50"] > 0
