@@ -392,3 +392,46 @@ def test_a_sealed_op_that_finds_no_arena_span_moves_through_its_bounce_slot(tmp_
         nonces.close()
         os.close(fd)
         primary.close()
+
+
+@pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+def test_a_sealed_arena_of_small_rows_maps_no_more_spans_than_a_worker_holds(tmp_path) -> None:
+    # Every sealed op takes a whole span (its slot, rounded to 64 KiB units):
+    # sized by the rows that fit the byte cap, an arena of small rows mapped
+    # (and faulted in) many times what the plain tier maps (4 KiB rows: 16x).
+    # A worker never holds more than 2 * queue_depth spans (its ops in
+    # flight, and reads reaped but not yet opened), and each of them stages.
+    from nvmetier.engine.uring import UringEngine
+
+    row, slot, qd, n = 4096, 8192, 8, 16
+    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, slot * n)
+    primary = mmap.mmap(-1, row * n)
+    data = os.urandom(row * n)
+    primary[:] = data
+    nonces = crypto.NonceSource.open(str(tmp_path))
+    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=row, slot_bytes=slot)
+    eng = UringEngine(
+        memoryview(primary),
+        [fd],
+        queue_depth=qd,
+        max_inflight_bytes=4 << 20,
+        staging_bytes=8 << 20,
+        sealing=sealing,
+    )
+    r = Rig.__new__(Rig)
+    try:
+        # 2 * qd spans of one 64 KiB unit: one 2 MiB huge page (was 128 MiB)
+        assert eng.describe()["worker_staging_bytes"] == [2 << 20]
+        done = r.run([Op(i, OP_WRITE, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
+        assert all(c.result == row for c in done.values())
+        primary[:] = bytes(len(primary))
+        got = r.run([Op(100 + i, OP_READ, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
+        assert all(c.result == row for c in got.values())
+        assert bytes(primary) == data
+        assert eng.describe()["staged_bytes"] == 2 * n * row  # every op found a span
+    finally:
+        eng.close()
+        nonces.close()
+        os.close(fd)
+        primary.close()
