@@ -929,10 +929,16 @@ static int io_setup(nvt_worker *w) {
         uint64_t want = e->cfg.staging_bytes < cap2 ? e->cfg.staging_bytes : cap2;
         if (e->sealed) {
             /* A sealed op's span is its whole slot (row and trailer page),
-             * rounded to whole units: as many spans as rows fit in `want`. */
+             * rounded to whole units: as many spans as rows fit in `want`,
+             * but no more than the worker ever holds (qd ops in flight and
+             * qd reads reaped, not yet opened): small rows would otherwise
+             * map many times `want` (4 KiB rows: 16x). */
             uint64_t span = (e->seal.slot_bytes + NVT_STAGE_UNIT_BYTES - 1) / NVT_STAGE_UNIT_BYTES *
                             NVT_STAGE_UNIT_BYTES;
-            want = (want / e->seal.row_bytes + 1) * span;
+            uint64_t spans = want / e->seal.row_bytes + 1;
+            if (spans > 2 * (uint64_t)w->qd)
+                spans = 2 * (uint64_t)w->qd;
+            want = spans * span;
         }
         int sret = stage_open(w, want);
         if (sret < 0)

@@ -392,3 +392,110 @@ def test_a_sealed_op_that_finds_no_arena_span_moves_through_its_bounce_slot(tmp_
         nonces.close()
         os.close(fd)
         primary.close()
+
+
+@pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+def test_a_sealed_arena_of_small_rows_maps_no_more_spans_than_a_worker_holds(tmp_path) -> None:
+    # Every sealed op takes a whole span (its slot, rounded to 64 KiB units):
+    # sized by the rows that fit the byte cap, an arena of small rows mapped
+    # (and faulted in) many times what the plain tier maps (4 KiB rows: 16x).
+    # A worker never holds more than 2 * queue_depth spans (its ops in
+    # flight, and reads reaped but not yet opened), and each of them stages.
+    from nvmetier.engine.uring import UringEngine
+
+    row, slot, qd, n = 4096, 8192, 8, 16
+    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, slot * n)
+    primary = mmap.mmap(-1, row * n)
+    data = os.urandom(row * n)
+    primary[:] = data
+    nonces = crypto.NonceSource.open(str(tmp_path))
+    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=row, slot_bytes=slot)
+    eng = UringEngine(
+        memoryview(primary),
+        [fd],
+        queue_depth=qd,
+        max_inflight_bytes=4 << 20,
+        staging_bytes=8 << 20,
+        sealing=sealing,
+    )
+    r = Rig.__new__(Rig)
+    try:
+        # 2 * qd spans of one 64 KiB unit: one 2 MiB huge page (was 128 MiB)
+        assert eng.describe()["worker_staging_bytes"] == [2 << 20]
+        done = r.run([Op(i, OP_WRITE, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
+        assert all(c.result == row for c in done.values())
+        primary[:] = bytes(len(primary))
+        got = r.run([Op(100 + i, OP_READ, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
+        assert all(c.result == row for c in got.values())
+        assert bytes(primary) == data
+        assert eng.describe()["staged_bytes"] == 2 * n * row  # every op found a span
+    finally:
+        eng.close()
+        nonces.close()
+        os.close(fd)
+        primary.close()
+
+
+@pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
+def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
+    # An arena of one span (a 1 MiB row's slot takes 17 of a huge page's 32
+    # units): after each kind of failure (no nonce, end of file, a slot cut
+    # short, a bad tag, a bad trailer) the next op still stages, and a failed
+    # read never leaves ciphertext in the row as a success.
+    import nvmetier._uring as _uring
+
+    row, slot, n = 1 << 20, (1 << 20) + 4096, 4
+    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, slot * n)
+    primary = mmap.mmap(-1, row * n)
+    data = os.urandom(row * n)
+    primary[:] = data
+    eng = _uring.Engine(
+        primary,
+        [fd],
+        queue_depth=4,
+        workers=1,
+        staging_bytes=4096,
+        sealing=(bytes(range(32)), bytes(8), 1, 2, row, slot),
+    )
+
+    def run(op_id, kind, file_off, seed=5):
+        eng.submit([(op_id, kind, 0, file_off, 0, row, seed, False)])
+        got = []
+        while not got:
+            got += eng.wait(5.0)
+        return got[0][1]
+
+    def staged_by(op_id, kind, file_off):
+        before = eng.worker_stats()[0]["staged_bytes"]
+        result = run(op_id, kind, file_off)
+        return result, eng.worker_stats()[0]["staged_bytes"] - before
+
+    try:
+        assert eng.info()["workers"][0]["staging_bytes"] == 2 << 20
+        assert run(1, OP_WRITE, 0) == -errno.EAGAIN  # no nonce yet
+        assert eng.add_nonces(0, 1000)
+        assert staged_by(2, OP_WRITE, 0) == (row, row)
+        good = os.pread(fd, slot, 0)
+        assert run(3, OP_READ, 10 * slot) == -errno.EIO  # past the end
+        assert staged_by(4, OP_READ, 0) == (row, row)
+        os.pwrite(fd, good[: row + 10], n * slot)  # ends in the trailer
+        assert run(5, OP_READ, n * slot) == -errno.EIO
+        assert staged_by(6, OP_READ, 0) == (row, row)
+        os.pwrite(fd, bytes([good[7] ^ 1]), 7)  # a bad tag
+        assert run(7, OP_READ, 0) == -errno.EBADMSG
+        os.pwrite(fd, good[7:8], 7)
+        assert staged_by(8, OP_READ, 0) == (row, row)
+        os.pwrite(fd, b"XXXX", row)  # a bad trailer
+        primary[:row] = bytes(row)
+        assert run(9, OP_READ, 0) == -errno.EBADMSG
+        assert bytes(primary[:row]) == bytes(row)  # untouched
+        os.pwrite(fd, good[row : row + 4], row)
+        assert run(10, OP_READ, 0, seed=6) == -errno.EBADMSG  # another key's chunk
+        assert staged_by(11, OP_READ, 0) == (row, row)
+        assert bytes(primary[:row]) == data[:row]
+    finally:
+        eng.close()
+        primary.close()
+        os.close(fd)
