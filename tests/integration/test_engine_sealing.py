@@ -299,28 +299,48 @@ def test_key_set_macs_and_mac_then_agree() -> None:
         native.KeyMac(b"k")()
 
 
+class Slots:
+    """A data file of ``n`` slots, a primary of ``n`` random rows, a nonce
+    source and a ``Sealing`` over them (the engines are the test's)."""
+
+    def __init__(self, tmp_path, row: int = ROW, slot: int = SLOT, n: int = ROWS) -> None:
+        self.row, self.slot, self.n = row, slot, n
+        self.fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
+        os.ftruncate(self.fd, slot * n)
+        self.primary = mmap.mmap(-1, row * n)
+        self.data = os.urandom(row * n)
+        self.primary[:] = self.data
+        self.nonces = crypto.NonceSource.open(str(tmp_path))
+        self.sealing = Sealing(
+            crypto.KeySet(bytes(range(32))), 7, self.nonces, row_bytes=row, slot_bytes=slot
+        )
+
+    def ops(self, kind: int, rows: range, base: int = 0, seed: int = 5) -> list[Op]:
+        """One op per row i of ``rows``: row i <-> slot i, op_id base + i."""
+        return [Op(base + i, kind, 0, i * self.slot, i * self.row, self.row, seed) for i in rows]
+
+    def close(self) -> None:
+        self.nonces.close()
+        os.close(self.fd)
+        self.primary.close()
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_sealing_engine_stages_and_its_slots_read_back_either_way(tmp_path, engine) -> None:
     # Staged (slot image in the huge-page arena) and unstaged (bounce slot,
     # open in place) write the same slot format: each reads the other's.
-    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, SLOT * ROWS)
-    primary = mmap.mmap(-1, ROW * ROWS)
-    data = os.urandom(ROW * ROWS)
-    primary[:] = data
-    nonces = crypto.NonceSource.open(str(tmp_path))
-    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=ROW, slot_bytes=SLOT)
+    f = Slots(tmp_path)
     r = Rig.__new__(Rig)
 
     def engine_of(staging: bool):
         return make_engine(
             engine,
-            memoryview(primary),
-            [fd],
+            memoryview(f.primary),
+            [f.fd],
             io_threads=2,
             queue_depth=8,
             staging=staging,
-            sealing=sealing,
+            sealing=f.sealing,
         )
 
     staged, plain = engine_of(True), engine_of(False)
@@ -328,35 +348,27 @@ def test_a_sealing_engine_stages_and_its_slots_read_back_either_way(tmp_path, en
         d = staged.describe()
         assert d["staging"] is True and d["encryption"] == "aes-256-gcm"
         assert plain.describe()["staging"] is False
-        half = ROWS // 2
-        # rows 0..7 written staged, 8..15 unstaged
-        done = r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half)], staged)
-        done.update(
-            r.run([Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half, ROWS)], plain)
-        )
+        first, second = range(ROWS // 2), range(ROWS // 2, ROWS)
+        # the first half written staged, the second unstaged
+        done = r.run(f.ops(OP_WRITE, first), staged)
+        done.update(r.run(f.ops(OP_WRITE, second), plain))
         assert all(c.result == ROW for c in done.values())
-        assert staged.describe()["staged_bytes"] == half * ROW
+        assert staged.describe()["staged_bytes"] == len(first) * ROW
         for i in range(ROWS):
-            assert data[i * ROW : (i + 1) * ROW] not in os.pread(fd, SLOT, i * SLOT)
-        primary[:] = bytes(len(primary))
+            assert f.data[i * ROW : (i + 1) * ROW] not in os.pread(f.fd, SLOT, i * SLOT)
+        f.primary[:] = bytes(len(f.primary))
         # and read back crosswise: the staged engine the unstaged rows, and so on
-        got = r.run(
-            [Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half, ROWS)], staged
-        )
-        got.update(
-            r.run([Op(100 + i, OP_READ, 0, i * SLOT, i * ROW, ROW, 5) for i in range(half)], plain)
-        )
+        got = r.run(f.ops(OP_READ, second, base=100), staged)
+        got.update(r.run(f.ops(OP_READ, first, base=100), plain))
         assert all(got[100 + i].result == ROW for i in range(ROWS))
         assert all(got[100 + i].checksum == done[i].checksum for i in range(ROWS))
-        assert bytes(primary) == data
+        assert bytes(f.primary) == f.data
         assert staged.describe()["staged_bytes"] == ROWS * ROW
         assert plain.describe()["staged_bytes"] == 0
     finally:
         staged.close()
         plain.close()
-        nonces.close()
-        os.close(fd)
-        primary.close()
+        f.close()
 
 
 @pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
@@ -367,31 +379,23 @@ def test_a_sealed_op_that_finds_no_arena_span_moves_through_its_bounce_slot(tmp_
     # still round-trips.
     from nvmetier.engine.uring import UringEngine
 
-    row, slot = 1 << 20, (1 << 20) + 4096
-
-    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, slot * ROWS)
-    primary = mmap.mmap(-1, row * ROWS)
-    data = os.urandom(row * ROWS)
-    primary[:] = data
-    nonces = crypto.NonceSource.open(str(tmp_path))
-    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=row, slot_bytes=slot)
-    eng = UringEngine(memoryview(primary), [fd], queue_depth=8, staging_bytes=4096, sealing=sealing)
+    f = Slots(tmp_path, row=1 << 20, slot=(1 << 20) + 4096)
+    eng = UringEngine(
+        memoryview(f.primary), [f.fd], queue_depth=8, staging_bytes=4096, sealing=f.sealing
+    )
     r = Rig.__new__(Rig)
     try:
-        done = r.run([Op(i, OP_WRITE, 0, i * slot, i * row, row, 5) for i in range(ROWS)], eng)
-        assert all(c.result == row for c in done.values())
-        primary[:] = bytes(len(primary))
-        got = r.run([Op(100 + i, OP_READ, 0, i * slot, i * row, row, 5) for i in range(ROWS)], eng)
-        assert all(c.result == row for c in got.values())
-        assert bytes(primary) == data
+        done = r.run(f.ops(OP_WRITE, range(ROWS)), eng)
+        assert all(c.result == f.row for c in done.values())
+        f.primary[:] = bytes(len(f.primary))
+        got = r.run(f.ops(OP_READ, range(ROWS), base=100), eng)
+        assert all(c.result == f.row for c in got.values())
+        assert bytes(f.primary) == f.data
         staged = eng.describe()["staged_bytes"]
-        assert 0 < staged < 2 * ROWS * row  # both paths were taken
+        assert 0 < staged < 2 * ROWS * f.row  # both paths were taken
     finally:
         eng.close()
-        nonces.close()
-        os.close(fd)
-        primary.close()
+        f.close()
 
 
 @pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
@@ -403,38 +407,29 @@ def test_a_sealed_arena_of_small_rows_maps_no_more_spans_than_a_worker_holds(tmp
     # flight, and reads reaped but not yet opened), and each of them stages.
     from nvmetier.engine.uring import UringEngine
 
-    row, slot, qd, n = 4096, 8192, 8, 16
-    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, slot * n)
-    primary = mmap.mmap(-1, row * n)
-    data = os.urandom(row * n)
-    primary[:] = data
-    nonces = crypto.NonceSource.open(str(tmp_path))
-    sealing = Sealing(crypto.KeySet(bytes(range(32))), 7, nonces, row_bytes=row, slot_bytes=slot)
+    f = Slots(tmp_path, row=4096, slot=8192, n=16)
     eng = UringEngine(
-        memoryview(primary),
-        [fd],
-        queue_depth=qd,
+        memoryview(f.primary),
+        [f.fd],
+        queue_depth=8,
         max_inflight_bytes=4 << 20,
         staging_bytes=8 << 20,
-        sealing=sealing,
+        sealing=f.sealing,
     )
     r = Rig.__new__(Rig)
     try:
         # 2 * qd spans of one 64 KiB unit: one 2 MiB huge page (was 128 MiB)
         assert eng.describe()["worker_staging_bytes"] == [2 << 20]
-        done = r.run([Op(i, OP_WRITE, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
-        assert all(c.result == row for c in done.values())
-        primary[:] = bytes(len(primary))
-        got = r.run([Op(100 + i, OP_READ, 0, i * slot, i * row, row, 5) for i in range(n)], eng)
-        assert all(c.result == row for c in got.values())
-        assert bytes(primary) == data
-        assert eng.describe()["staged_bytes"] == 2 * n * row  # every op found a span
+        done = r.run(f.ops(OP_WRITE, range(f.n)), eng)
+        assert all(c.result == f.row for c in done.values())
+        f.primary[:] = bytes(len(f.primary))
+        got = r.run(f.ops(OP_READ, range(f.n), base=100), eng)
+        assert all(c.result == f.row for c in got.values())
+        assert bytes(f.primary) == f.data
+        assert eng.describe()["staged_bytes"] == 2 * f.n * f.row  # every op found a span
     finally:
         eng.close()
-        nonces.close()
-        os.close(fd)
-        primary.close()
+        f.close()
 
 
 @pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
@@ -445,12 +440,8 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
     # read never leaves ciphertext in the row as a success.
     import nvmetier._uring as _uring
 
-    row, slot, n = 1 << 20, (1 << 20) + 4096, 4
-    fd = os.open(str(tmp_path / "data"), os.O_CREAT | os.O_RDWR, 0o600)
-    os.ftruncate(fd, slot * n)
-    primary = mmap.mmap(-1, row * n)
-    data = os.urandom(row * n)
-    primary[:] = data
+    f = Slots(tmp_path, row=1 << 20, slot=(1 << 20) + 4096, n=4)
+    row, slot, n, fd, primary, data = f.row, f.slot, f.n, f.fd, f.primary, f.data
     eng = _uring.Engine(
         primary,
         [fd],
@@ -497,5 +488,4 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
         assert bytes(primary[:row]) == data[:row]
     finally:
         eng.close()
-        primary.close()
-        os.close(fd)
+        f.close()
