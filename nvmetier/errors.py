@@ -36,6 +36,19 @@ class StoreSpaceError(NvmeTierError):
     """The filesystem has too little free space to preallocate the store."""
 
 
+class StoreIOError(NvmeTierError, OSError):
+    """The store's files could not be opened or created: the filesystem
+    answered with an error (``errno`` and ``filename`` are the OSError's).
+    The message names the store, the file, the error and what to do."""
+
+    def __init__(self, message: str, cause: OSError) -> None:
+        OSError.__init__(self, cause.errno, cause.strerror, cause.filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class EngineUnavailableError(NvmeTierError):
     """The requested I/O engine cannot run on this machine."""
 

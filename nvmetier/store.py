@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -47,6 +48,7 @@ from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes
+from nvmetier.errors import NvmeTierError, StoreIOError
 from nvmetier.files import StoreFiles
 from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
 
@@ -171,6 +173,33 @@ def _key_list(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
+_OPEN_ERROR_HINTS = {
+    errno.EIO: "the drive or its filesystem reports an I/O error (see `dmesg`): "
+    "repair or replace it, or point root_dir at another drive",
+    errno.EROFS: "the filesystem is read-only (ext4 remounts itself read-only "
+    "after errors: see `dmesg`): remount it read-write once it is sound, or point "
+    "root_dir at another drive",
+    errno.ENOSPC: "the filesystem is full: free space or lower capacity_bytes",
+    errno.EDQUOT: "the user's disk quota is used up: raise it or lower capacity_bytes",
+    errno.EACCES: "this process may not use the file: fix its owner or mode, or run "
+    "vLLM as the user that made the store",
+    errno.EPERM: "this process may not use the file: fix its owner or mode, or run "
+    "vLLM as the user that made the store",
+}
+
+
+def open_error_message(root_dir: Any, store_name: str, exc: OSError) -> str:
+    """What a failed store open says: the store, the file, the error, the fix."""
+    where = f" on {exc.filename}" if exc.filename else ""
+    hint = _OPEN_ERROR_HINTS.get(
+        exc.errno or 0, "check the filesystem under root_dir and the path itself"
+    )
+    return (
+        f"cannot open store {store_name!r} under root_dir {root_dir!r}: "
+        f"{exc.strerror or exc} (errno {exc.errno}){where}; {hint}"
+    )
+
+
 class BlockStore:
     """A persistent, bounded, checksummed store of fixed-size chunks, shared
     live with every other process that opens it (``sharing: node``).
@@ -221,22 +250,29 @@ class BlockStore:
             (engine, "forced") if engine else resolve_engine_name(config.io_engine)
         )
         t0 = time.monotonic()
-        self.files = StoreFiles.open(
-            config.root_dir,
-            store_name,
-            capacity_bytes=config.capacity_bytes,
-            chunk_bytes=chunk_bytes,
-            ways=config.ways,
-            identity=identity,
-            o_direct=config.o_direct,
-            capacity_per_path=config.capacity_per_path,
-            sharing=config.sharing,
-            row_bytes=row_bytes,
-            n_rows=self._n_rows,
-            lease_ns=int(LEASE_S * 1e9),
-            watch_timeout_ns=int(WATCH_TIMEOUT_S * 1e9),
-            wipe=not config.persist,
-        )
+        try:
+            self.files = StoreFiles.open(
+                config.root_dir,
+                store_name,
+                capacity_bytes=config.capacity_bytes,
+                chunk_bytes=chunk_bytes,
+                ways=config.ways,
+                identity=identity,
+                o_direct=config.o_direct,
+                capacity_per_path=config.capacity_per_path,
+                sharing=config.sharing,
+                row_bytes=row_bytes,
+                n_rows=self._n_rows,
+                lease_ns=int(LEASE_S * 1e9),
+                watch_timeout_ns=int(WATCH_TIMEOUT_S * 1e9),
+                wipe=not config.persist,
+            )
+        except BaseException as exc:
+            self._buf.release()  # the caller's buffer is not held by a store never opened
+            if isinstance(exc, OSError) and not isinstance(exc, NvmeTierError):
+                msg = open_error_message(config.root_dir, store_name, exc)
+                raise StoreIOError(msg, exc) from exc
+            raise
         self.sb = self.files.sb
         self._table = self.files.table
         self._stats: collections.Counter[str] = collections.Counter()
