@@ -231,7 +231,7 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
  * NVT_STOP_GRACE_MS. Idempotent and safe to call from several threads.
  * Completions stay available to nvt_engine_wait. In a child forked from the
  * engine's process (whose copy has no threads, its rings closed at the fork:
- * see nvt_engine.c), close, submit (-ESHUTDOWN) and wait do nothing.
+ * see nvt_engine_ring.c), close, submit (-ESHUTDOWN) and wait do nothing.
  */
 void nvt_engine_close(nvt_engine *e);
 

@@ -2,7 +2,7 @@
 to seal and open chunks in their own threads, and ``SealingEngine``, the
 same over any ``IoEngine`` that cannot.
 
-The store gives a ``Sealing`` to the io_uring engine (nvt_engine.c seals in
+The store gives a ``Sealing`` to the io_uring engine (nvt_engine_seal.c seals in
 its worker threads before preparing the write, reads the slot straight into
 the primary row plus the trailer page into a small buffer, and opens the row
 in place before publishing the completion) or to the thread engine (the same
