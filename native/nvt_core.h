@@ -3,8 +3,8 @@
  * layout), with no Python in them: a process's view of one table (nvt_core),
  * set locks with their bounds and dead-holder recovery, the ways of a set
  * (find, claim, evict, clear, reclaim), leases, index records, the sharer
- * registry, the rebuild and the sweep. nvt_table.c is the job path and the
- * CPython type over it; the core could be driven from C alone.
+ * registry, the rebuild and the sweep. nvt_jobs.h is the job path over it
+ * and nvt_table_type.h the CPython type; the core could be driven from C alone.
  *
  * Threads: one thread per nvt_core at a time (the caller's). A wait for a
  * set mutex held by another process calls unblock() before and reblock()

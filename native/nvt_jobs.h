@@ -4,6 +4,12 @@
  * the submit/poll path to an engine. Internal to the _table module: it works
  * on the CPython type's object (TableObject) and on the keys and lists vLLM
  * hands over, so it includes Python.h; the table's rules stay in nvt_core.
+ *
+ * Three units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
+ * allocation-failure test hook), nvt_job_submit.c (keys to ops: the store and
+ * load loops, submit_store/submit_load) and nvt_job_complete.c (completions,
+ * job reports, watches, deferred completions, KV events, collect). All run
+ * with the GIL held on the thread that owns the Table (the scheduler thread).
  */
 #ifndef NVT_JOBS_H
 #define NVT_JOBS_H
@@ -125,21 +131,56 @@ typedef struct {
 } TableObject;
 
 /* ------------------------------------------------------------ nvt_jobs.c */
-int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events, PyObject *finished, PyObject **stored, PyObject **removed);
-int nvt_collect(TableObject *self, PyObject *timeout);
-Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
-int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);
-void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
-int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
-int nvt_push_event(TableObject *self, int removed, PyObject *keys);
-int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);
-void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
-PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
-PyObject *nvt_take_list(PyObject **slot);
+int64_t nvt_op_alloc(TableObject *t);
+int64_t nvt_job_alloc(TableObject *t, int64_t job_id, int is_load);
+void nvt_job_fail(job_info *j, uint32_t pos, int kind, int err);
 PyObject *nvt_seq_snapshot(PyObject *obj, const char *msg);
 /* Tests only: after `after` more allocation points of the job path, the
  * next `count` fail as out of memory (count 0: none). Returns the points
  * passed since the previous call. */
 unsigned long long nvt_test_fail_allocs(long long after, long long count);
+/* An allocation point of the job path: 1 when the test hook above says this
+ * one fails (the caller then acts as out of memory). */
+int nvt_alloc_fails(void);
+
+/* Slab entries go back to their free list (both sides of the job path). */
+static inline void op_release(TableObject *t, uint32_t i) {
+    t->ops[i].in_use = 0;
+    t->op_free[t->n_op_free++] = i;
+}
+
+static inline void job_release(TableObject *t, uint32_t i) {
+    Py_CLEAR(t->jobs[i].keys);
+    t->jobs[i].in_use = 0;
+    t->job_free[t->n_job_free++] = i;
+    t->jobs_live--;
+}
+
+/* A KV event key that could not be recorded (out of memory): the op is
+ * applied all the same, and the loss counted (kv_events_lost). */
+static inline void event_lost(TableObject *t) {
+    PyErr_Clear();
+    t->events_lost++;
+}
+
+/* ------------------------------------------------------ nvt_job_submit.c */
+int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
+int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);
+Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
+int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);
+void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
+int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);
+void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
+PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
+
+/* ---------------------------------------------------- nvt_job_complete.c */
+int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject **stored, PyObject **removed);
+void nvt_maybe_finish(TableObject *self, uint32_t ji, PyObject *finished);
+int nvt_defer_reserve(TableObject *self, size_t n);
+void nvt_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms);
+int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events, PyObject *finished, PyObject **stored, PyObject **removed);
+int nvt_push_event(TableObject *self, int removed, PyObject *keys);
+int nvt_collect(TableObject *self, PyObject *timeout);
+PyObject *nvt_take_list(PyObject **slot);
 
 #endif /* NVT_JOBS_H */

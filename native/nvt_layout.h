@@ -2,7 +2,8 @@
  * nvt_layout: the on-disk layout of the process-shared slot table of a store
  * (nvmetier._table): byte offsets, field sizes, the header and its registry.
  * The bottom of the native include order: nvt_core (the rules) includes this
- * file, nvt_jobs the core, nvt_table.c (the CPython type) the jobs; never back.
+ * file, nvt_jobs.h (the job path) the core, nvt_table_type.h (the CPython
+ * type) the jobs; never back.
  *
  * The table lives in the store's `table` file, mapped MAP_SHARED by every
  * process attached to the store, so every sharer reads and writes the same
@@ -67,7 +68,7 @@
  * write still in flight must not land on a reclaimed slot): the locker waits
  * a bounded time for it, and the dying sharer's slots are rechecked at every
  * later look. A mutex is waited for a
- * bounded time (SET_LOCK_WAIT_MS in nvt_table.c): a holder that is stopped
+ * bounded time (SET_LOCK_WAIT_MS in nvt_core.h): a holder that is stopped
  * (SIGSTOP, a frozen cgroup) costs a miss or a dropped store, never a hang. Sharer liveness is an OFD byte lock
  * on the store's lock file at NVT_REGISTRY_LOCK_BASE + registry index, which
  * the kernel drops when the process dies (F_OFD_GETLK tells). Counters in the

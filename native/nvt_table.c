@@ -1,10 +1,15 @@
 /*
- * nvmetier._table: the CPython type `Table` and the module's functions
- * (argument parsing, tuples, the GIL hooks). The job path over the shared
- * table (ops, jobs, watches, completions, submit/poll) is nvt_jobs.c; the
- * table's rules (set locks, ways, leases, records, sharers, rebuild, sweep)
- * are nvt_core.c, with no Python in them; nvt_layout.h has the shared layout
- * and its lock rules.
+ * nvmetier._table: the CPython type `Table` (argument parsing, tuples, the
+ * GIL hooks): its life (new, attach, detach, dealloc, the fork and thread
+ * guards), its data path (lookup, store/load ops, completions, submit/poll,
+ * KV events, leases, invalidation), its method table and the module's init.
+ * Its methods off the data path (rebuild, sweep, retention, purge, counters,
+ * gauges) are nvt_table_admin.c and the module's functions nvt_table_module.c
+ * (nvt_table_type.h joins them). The job path over the shared table (ops,
+ * jobs, watches, completions, submit/poll) is nvt_jobs.c, nvt_job_submit.c
+ * and nvt_job_complete.c (nvt_jobs.h); the table's rules (set locks, ways,
+ * leases, records, sharers, rebuild, sweep) are nvt_core.c, with no Python in
+ * them; nvt_layout.h has the shared layout and its lock rules.
  *
  * Owns, per process (a `Table` object): an nvt_core (this process's view of
  * the table: its registry entry and counters), the in-flight op slab and job
@@ -29,7 +34,7 @@
  * buffer, and applies an array of nvt_completion in one call: no Python
  * object per chunk on the caller's thread beyond the keys vLLM hands us.
  */
-#include "nvt_jobs.h"
+#include "nvt_table_type.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -71,7 +76,7 @@ static void gil_restore(void *state) { PyEval_RestoreThread(state); }
 
 /* A record's key as bytes, appended to `list` (created when NULL); errors
  * are left set for the caller to report. -1 on error. */
-static int append_record_key(PyObject **list, const unsigned char *rec) {
+int nvt_append_record_key(PyObject **list, const unsigned char *rec) {
     uint8_t kl = rec[5] <= REC_KEY_MAX ? rec[5] : REC_KEY_MAX;
     if (!*list && !(*list = PyList_New(0)))
         return -1;
@@ -85,16 +90,16 @@ static int append_record_key(PyObject **list, const unsigned char *rec) {
  * Out of memory loses the event, never the clear. */
 static void expired_event(void *ctx, const unsigned char *rec) {
     TableObject *self = ctx;
-    if (self->events_on && append_record_key(&self->expired, rec) < 0)
+    if (self->events_on && nvt_append_record_key(&self->expired, rec) < 0)
         PyErr_Clear();
 }
 
 /* Forks of this process so far, counted in the child (pthread_atfork). */
-static unsigned nvt_forks;
+unsigned nvt_forks;
 
 static void count_fork_in_child(void) { nvt_forks++; }
 
-static PyObject *table_forked(void) {
+PyObject *nvt_table_forked(void) {
     PyErr_SetString(PyExc_RuntimeError,
                     "nvmetier Table inherited through fork(): it would act as the parent's sharer "
                     "(its registry entry and lock); open the store again in the child");
@@ -105,7 +110,7 @@ static PyObject *table_forked(void) {
  * its calls waits for another process with the GIL released, another thread
  * could run Python and call in: refuse that, since the slabs and the set
  * being worked on are mid-change (it would corrupt them). */
-static PyObject *table_busy(void) {
+PyObject *nvt_table_busy(void) {
     PyErr_SetString(PyExc_RuntimeError,
                     "nvmetier Table used from two threads at once (a call of another thread is "
                     "waiting for a set lock); a Table belongs to one thread at a time");
@@ -118,27 +123,12 @@ static PyObject *table_busy(void) {
  * another process's registry entry, and be reclaimed under a write still in
  * flight. Those calls are refused; the rebuild (load), the last closer's
  * sweep and the read-only counters stay allowed. */
-static PyObject *table_detached(void) {
+PyObject *nvt_table_detached(void) {
     PyErr_SetString(PyExc_RuntimeError,
                     "nvmetier Table is not attached to the store's sharer registry (call attach() "
                     "first; after detach() the store is closed: open it again)");
     return NULL;
 }
-
-#define GUARD(self)                                                                                            \
-    do {                                                                                                       \
-        if ((self)->core.waiting)                                                                              \
-            return table_busy();                                                                               \
-        if ((self)->fork_gen != nvt_forks)                                                                     \
-            return table_forked();                                                                             \
-    } while (0)
-
-#define GUARD_ATTACHED(self)                                                                                   \
-    do {                                                                                                       \
-        GUARD(self);                                                                                           \
-        if ((self)->core.me < 0)                                                                               \
-            return table_detached();                                                                           \
-    } while (0)
 
 static PyObject *Table_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"table", "index", "lock_fd", "n_paths", "slot_bytes", "row_bytes",
@@ -550,141 +540,6 @@ static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignore
     return nvt_take_list(&self->events);
 }
 
-PyDoc_STRVAR(set_retention_doc,
-             "set_retention(retention_ns)\n\n"
-             "This process's retention (0: off): a READY chunk whose record was stored\n"
-             "longer ago than this (wall clock) is a miss (counted in retention_expired), its\n"
-             "slot freed unless leased (a removal event when events are on) and evicted\n"
-             "first. Also written to the table header (seconds) for nvmetier info.");
-
-static PyObject *Table_set_retention(TableObject *self, PyObject *arg) {
-    GUARD(self);
-    unsigned long long ns = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
-    self->core.retention_ns = ns;
-    unsigned long long secs = (ns + 999999999ULL) / 1000000000ULL;
-    __atomic_store_n(&self->core.hdr->retention_s, secs > UINT32_MAX ? UINT32_MAX : (uint32_t)secs,
-                     __ATOMIC_RELAXED);
-    Py_RETURN_NONE;
-}
-
-/* Purge's removed-record callback: the key joins the list in ctx. */
-static void purge_removed(void *ctx, const unsigned char *rec) {
-    PyObject **list = ctx;
-    if (*list && append_record_key(list, rec) < 0) {
-        PyErr_Clear();
-        Py_CLEAR(*list); /* out of memory: the caller reports the keys as unknown */
-    }
-}
-
-PyDoc_STRVAR(purge_doc,
-             "purge(older_than_ns, all, sets=None) -> (keys, cleared, writing_marked, writing_skipped, busy)\n\n"
-             "Clear every READY or BAD slot stored older_than_ns ago or longer (wall clock),\n"
-             "or every one when all, in the given sets (None: every set), leased or not (a\n"
-             "load in flight fails by its generation). With all, WRITING slots are marked so\n"
-             "their writes are never published. Each set's lock is taken with the bounded\n"
-             "wait; busy lists the sets that could not be locked (a stopped holder). keys:\n"
-             "the removed keys (None if out of memory).");
-
-static PyObject *Table_purge(TableObject *self, PyObject *args) {
-    GUARD(self);
-    unsigned long long older;
-    int all;
-    PyObject *sets_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "Kp|O", &older, &all, &sets_obj))
-        return NULL;
-    PyObject *seq = NULL;
-    Py_ssize_t m = (Py_ssize_t)self->core.n_sets;
-    if (sets_obj != Py_None) {
-        if (!(seq = nvt_seq_snapshot(sets_obj, "sets must be a sequence of set numbers")))
-            return NULL;
-        m = PySequence_Fast_GET_SIZE(seq);
-    }
-    PyObject *keys = PyList_New(0), *busy = PyList_New(0);
-    nvt_purge_counts n = {0, 0, 0};
-    if (!keys || !busy)
-        goto fail;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint64_t set = (uint64_t)i;
-        if (seq) {
-            set = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
-            if (PyErr_Occurred())
-                goto fail;
-            if (set >= self->core.n_sets) {
-                PyErr_SetString(PyExc_ValueError, "no such set");
-                goto fail;
-            }
-        }
-        if (nvt_set_lock(&self->core, set) != 0) {
-            PyObject *v = PyLong_FromUnsignedLongLong(set);
-            int rc = v ? PyList_Append(busy, v) : -1;
-            Py_XDECREF(v);
-            if (rc < 0)
-                goto fail;
-            continue;
-        }
-        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, &keys);
-        set_unlock(&self->core, set);
-    }
-    publish_counts(&self->core);
-    Py_XDECREF(seq);
-    PyObject *out = Py_BuildValue("(OKKKO)", keys ? keys : Py_None, (unsigned long long)n.cleared,
-                                  (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy);
-    Py_XDECREF(keys);
-    Py_DECREF(busy);
-    return out;
-fail:
-    publish_counts(&self->core);
-    Py_XDECREF(seq);
-    Py_XDECREF(keys);
-    Py_XDECREF(busy);
-    return NULL;
-}
-
-PyDoc_STRVAR(purge_generation_doc, "purge_generation() -> (purge_gen, purge_events_gen)\n\n"
-                                   "Purges logged so far, and the latest whose removal events a sharer took.");
-
-static PyObject *Table_purge_generation(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    return Py_BuildValue("(II)", __atomic_load_n(&self->core.hdr->purge_gen, __ATOMIC_ACQUIRE),
-                         __atomic_load_n(&self->core.hdr->purge_events_gen, __ATOMIC_ACQUIRE));
-}
-
-PyDoc_STRVAR(bump_purge_doc, "bump_purge() -> int\n\n"
-                             "A purge's removals are logged: advance purge_gen (returns the new value).");
-
-static PyObject *Table_bump_purge(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    return PyLong_FromUnsignedLong(__atomic_add_fetch(&self->core.hdr->purge_gen, 1, __ATOMIC_ACQ_REL));
-}
-
-PyDoc_STRVAR(claim_purge_events_doc,
-             "claim_purge_events() -> int or None\n\n"
-             "Take the purges whose removal events no sharer took yet: purge_events_gen moves\n"
-             "to purge_gen (compare-and-swap: one sharer wins each). Returns the previous\n"
-             "purge_events_gen (the purges after it are this caller's to emit), or None.");
-
-static PyObject *Table_claim_purge_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    uint32_t gen = __atomic_load_n(&self->core.hdr->purge_gen, __ATOMIC_ACQUIRE);
-    uint32_t seen = __atomic_load_n(&self->core.hdr->purge_events_gen, __ATOMIC_ACQUIRE);
-    while (seen != gen) {
-        if (__atomic_compare_exchange_n(&self->core.hdr->purge_events_gen, &seen, gen, 0, __ATOMIC_ACQ_REL,
-                                        __ATOMIC_ACQUIRE))
-            return PyLong_FromUnsignedLong(seen);
-    }
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(inflight_doc, "inflight() -> (ops_outstanding, jobs_in_flight)\n\n"
-                           "Ops handed to the engine and not yet collected; jobs not yet finished.");
-
-static PyObject *Table_inflight(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    return Py_BuildValue("(II)", self->outstanding, self->jobs_live);
-}
-
 PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
                                  "End of a step: drop the leases of this step's lookup hits that no\n"
                                  "load (and no other sharer) extended since.");
@@ -737,118 +592,9 @@ static PyObject *Table_invalidate(TableObject *self, PyObject *key) {
     return PyBool_FromLong(done);
 }
 
-PyDoc_STRVAR(sweep_doc, "sweep() -> int\n\n"
-                        "Reclaim the WRITING slots of sharers that are gone, in every set, and\n"
-                        "recount the used/ready gauges. Returns the slots reclaimed.");
-
-static PyObject *Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    return PyLong_FromLongLong(nvt_sweep(&self->core));
-}
-
-PyDoc_STRVAR(load_doc,
-             "load(slots, unverified)\n\n"
-             "Rebuild: mark READY every slot of `slots` (int64 buffer) whose record the\n"
-             "caller proved valid, with its fingerprint from the record's key; `slots` in\n"
-             "the order of the records' store times, oldest first (the recency order).\n"
-             "unverified: the store was not closed cleanly (a crash or a power loss may have\n"
-             "left a record over another key's bytes): every loaded slot is checked at its\n"
-             "next load, whatever verify_checksums says. Only while no other sharer is attached.");
-
-static PyObject *Table_load(TableObject *self, PyObject *args) {
-    GUARD(self);
-    PyObject *arg;
-    int unverified;
-    if (!PyArg_ParseTuple(args, "Op", &arg, &unverified))
-        return NULL;
-    Py_buffer v;
-    if (PyObject_GetBuffer(arg, &v, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (v.itemsize != 8) {
-        PyBuffer_Release(&v);
-        PyErr_SetString(PyExc_ValueError, "slots must be an int64 buffer");
-        return NULL;
-    }
-    nvt_rebuild(&self->core, v.buf, (size_t)(v.len / 8), unverified);
-    PyBuffer_Release(&v);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(counters_doc, "counters() -> dict\n\nThis process's cumulative counters.");
-
-static PyObject *Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    nvt_counters *c = &self->core.c;
-    return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
-        c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
-        "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
-        c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
-        "stores_dropped_queue_full", c->stores_dropped_queue_full, "load_keys_missing",
-        c->load_keys_missing, "ops_written", c->ops_written, "ops_read", c->ops_read, "bytes_written",
-        c->bytes_written, "bytes_read", c->bytes_read, "dead_slots_reclaimed", c->dead_reclaimed,
-        "lock_recoveries", c->lock_recoveries, "load_jobs_failed", c->load_jobs_failed,
-        "store_jobs_failed", c->store_jobs_failed, "loads_cancelled", c->loads_cancelled,
-        "loads_verified_unverified", c->loads_verified_unverified,
-        "stores_dropped_watch_timeout", c->stores_dropped_watch_timeout, "stores_dropped_watch_failed",
-        c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
-        c->completions_deferred, "completions_abandoned", c->completions_abandoned, "kv_events_lost",
-        self->events_lost, "retention_expired", c->retention_expired, "stores_purged", c->stores_purged,
-        "auth_failures", c->auth_failures);
-}
-
-PyDoc_STRVAR(usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
-                        "Slots holding a key and READY slots over all sharers (gauges), and this\n"
-                        "process's stores waiting for another write of their key, and jobs in flight.");
-
-static PyObject *Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored)) {
-    GUARD(self);
-    publish_counts(&self->core);
-    int64_t used = __atomic_load_n(&self->core.hdr->used, __ATOMIC_RELAXED);
-    int64_t ready = __atomic_load_n(&self->core.hdr->ready, __ATOMIC_RELAXED);
-    return Py_BuildValue("(LLII)", (long long)(used < 0 ? 0 : used), (long long)(ready < 0 ? 0 : ready),
-                         (unsigned int)self->n_watches, self->jobs_live);
-}
-
-PyDoc_STRVAR(hold_set_doc, "_hold_set(set) -> bool\n\n"
-                           "Tests only: take a set's mutex and keep it (as a sharer stopped or\n"
-                           "killed inside a critical section would). False when not taken.");
-
-/* A set index argument (tests' hold/release): 0, or -1 with an exception. */
-static int set_arg(TableObject *self, PyObject *arg, uint64_t *set) {
-    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
-    if (PyErr_Occurred())
-        return -1;
-    if (v >= self->core.n_sets) {
-        PyErr_SetString(PyExc_ValueError, "no such set");
-        return -1;
-    }
-    *set = v;
-    return 0;
-}
-
-static PyObject *Table_hold_set(TableObject *self, PyObject *arg) {
-    GUARD(self);
-    uint64_t set;
-    if (set_arg(self, arg, &set) < 0)
-        return NULL;
-    return PyBool_FromLong(nvt_set_lock(&self->core, set) == 0);
-}
-
-PyDoc_STRVAR(release_set_doc, "_release_set(set)\n\nTests only: release a mutex _hold_set took.");
-
-static PyObject *Table_release_set(TableObject *self, PyObject *arg) {
-    GUARD(self);
-    uint64_t set;
-    if (set_arg(self, arg, &set) < 0)
-        return NULL;
-    set_unlock(&self->core, set);
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef Table_methods[] = {
-    {"_hold_set", (PyCFunction)Table_hold_set, METH_O, hold_set_doc},
-    {"_release_set", (PyCFunction)Table_release_set, METH_O, release_set_doc},
+    {"_hold_set", (PyCFunction)nvt_Table_hold_set, METH_O, nvt_hold_set_doc},
+    {"_release_set", (PyCFunction)nvt_Table_release_set, METH_O, nvt_release_set_doc},
     {"attach", (PyCFunction)Table_attach, METH_NOARGS, attach_doc},
     {"detach", (PyCFunction)Table_detach, METH_NOARGS, detach_doc},
     {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
@@ -860,22 +606,22 @@ static PyMethodDef Table_methods[] = {
     {"complete", (PyCFunction)Table_complete, METH_VARARGS, complete_doc},
     {"invalidate", (PyCFunction)Table_invalidate, METH_O, invalidate_doc},
     {"release_leases", (PyCFunction)Table_release_leases, METH_NOARGS, release_leases_doc},
-    {"sweep", (PyCFunction)Table_sweep, METH_NOARGS, sweep_doc},
-    {"load", (PyCFunction)Table_load, METH_VARARGS, load_doc},
-    {"counters", (PyCFunction)Table_counters, METH_NOARGS, counters_doc},
-    {"usage", (PyCFunction)Table_usage, METH_NOARGS, usage_doc},
+    {"sweep", (PyCFunction)nvt_Table_sweep, METH_NOARGS, nvt_sweep_doc},
+    {"load", (PyCFunction)nvt_Table_load, METH_VARARGS, nvt_load_doc},
+    {"counters", (PyCFunction)nvt_Table_counters, METH_NOARGS, nvt_counters_doc},
+    {"usage", (PyCFunction)nvt_Table_usage, METH_NOARGS, nvt_usage_doc},
     {"bind", (PyCFunction)Table_bind, METH_VARARGS, bind_doc},
     {"submit_store", (PyCFunction)Table_submit_store, METH_VARARGS, submit_store_doc},
     {"submit_load", (PyCFunction)Table_submit_load, METH_VARARGS, submit_load_doc},
     {"poll", (PyCFunction)Table_poll, METH_NOARGS, poll_doc},
     {"collect", (PyCFunction)Table_collect, METH_O, collect_doc},
     {"take_events", (PyCFunction)Table_take_events, METH_NOARGS, take_events_doc},
-    {"inflight", (PyCFunction)Table_inflight, METH_NOARGS, inflight_doc},
-    {"set_retention", (PyCFunction)Table_set_retention, METH_O, set_retention_doc},
-    {"purge", (PyCFunction)Table_purge, METH_VARARGS, purge_doc},
-    {"purge_generation", (PyCFunction)Table_purge_generation, METH_NOARGS, purge_generation_doc},
-    {"bump_purge", (PyCFunction)Table_bump_purge, METH_NOARGS, bump_purge_doc},
-    {"claim_purge_events", (PyCFunction)Table_claim_purge_events, METH_NOARGS, claim_purge_events_doc},
+    {"inflight", (PyCFunction)nvt_Table_inflight, METH_NOARGS, nvt_inflight_doc},
+    {"set_retention", (PyCFunction)nvt_Table_set_retention, METH_O, nvt_set_retention_doc},
+    {"purge", (PyCFunction)nvt_Table_purge, METH_VARARGS, nvt_purge_doc},
+    {"purge_generation", (PyCFunction)nvt_Table_purge_generation, METH_NOARGS, nvt_purge_generation_doc},
+    {"bump_purge", (PyCFunction)nvt_Table_bump_purge, METH_NOARGS, nvt_bump_purge_doc},
+    {"claim_purge_events", (PyCFunction)nvt_Table_claim_purge_events, METH_NOARGS, nvt_claim_purge_events_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -889,164 +635,8 @@ static PyTypeObject TableType = {
     .tp_methods = Table_methods,
 };
 
-/* ------------------------------------------------------------------ module */
-PyDoc_STRVAR(table_bytes_doc, "table_bytes(n_slots, ways) -> int\n\nSize of the table file.");
-
-static PyObject *py_table_bytes(PyObject *m, PyObject *args) {
-    unsigned long long n_slots;
-    unsigned int ways;
-    if (!PyArg_ParseTuple(args, "KI", &n_slots, &ways))
-        return NULL;
-    const char *why = nvt_bad_geometry(n_slots, ways);
-    if (why) {
-        PyErr_SetString(PyExc_ValueError, why);
-        return NULL;
-    }
-    return PyLong_FromUnsignedLongLong(nvt_table_bytes(n_slots, ways));
-}
-
-PyDoc_STRVAR(format_doc,
-             "format(table, n_slots, ways)\n\n"
-             "Zero the table, write its header and initialize every set's mutex (the\n"
-             "first process to attach, before load()). Only while no other process is\n"
-             "attached.");
-
-static PyObject *py_format(PyObject *m, PyObject *args) {
-    Py_buffer v;
-    unsigned long long n_slots;
-    unsigned int ways;
-    if (!PyArg_ParseTuple(args, "w*KI", &v, &n_slots, &ways))
-        return NULL;
-    const char *why = nvt_format(v.buf, (uint64_t)v.len, n_slots, ways);
-    PyBuffer_Release(&v);
-    if (why) {
-        PyErr_SetString(strncmp(why, "pthread", 7) ? PyExc_ValueError : PyExc_OSError, why);
-        return NULL;
-    }
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(header_doc, "header(table) -> dict\n\nThe table header (for open checks, info, fsck).");
-
-static PyObject *py_header(PyObject *m, PyObject *arg) {
-    Py_buffer v;
-    if (PyObject_GetBuffer(arg, &v, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (v.len < NVT_TABLE_HEADER_BYTES) {
-        PyBuffer_Release(&v);
-        PyErr_SetString(PyExc_ValueError, "table shorter than its header");
-        return NULL;
-    }
-    nvt_table_header h;
-    memcpy(&h, v.buf, sizeof(h));
-    const char *why = nvt_bad_header(&h, (uint64_t)v.len);
-    PyBuffer_Release(&v);
-    return Py_BuildValue("{sKsIsKsIsLsLsOszsIsIsI}", "magic", (unsigned long long)h.magic, "version", h.version,
-                         "n_slots", (unsigned long long)h.n_slots, "ways", h.ways, "used", (long long)h.used,
-                         "ready", (long long)h.ready, "valid", why ? Py_False : Py_True, "problem", why,
-                         "retention_s", h.retention_s, "purge_gen", h.purge_gen, "purge_events_gen",
-                         h.purge_events_gen);
-}
-
-PyDoc_STRVAR(sharers_doc, "sharers(table, lock_fd) -> list[(index, pid, attached_ns)]\n\n"
-                          "Registry entries whose OFD lock is held by a live process (another\n"
-                          "open file description than lock_fd's).");
-
-static PyObject *py_sharers(PyObject *m, PyObject *args) {
-    Py_buffer v;
-    int fd;
-    if (!PyArg_ParseTuple(args, "y*i", &v, &fd))
-        return NULL;
-    if (v.len < NVT_TABLE_HEADER_BYTES) {
-        PyBuffer_Release(&v);
-        return PyList_New(0);
-    }
-    PyObject *out = PyList_New(0);
-    const nvt_sharer *sh = (const nvt_sharer *)((const char *)v.buf + NVT_SHARERS_OFFSET);
-    for (int i = 0; out && i < NVT_MAX_SHARERS; i++) {
-        if (!sh[i].pid)
-            continue; /* never used, or detached */
-        if (!nvt_sharer_live(fd, i))
-            continue;
-        PyObject *t = Py_BuildValue("(iIK)", i, sh[i].pid, (unsigned long long)sh[i].attached_ns);
-        if (!t || PyList_Append(out, t) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(t);
-    }
-    PyBuffer_Release(&v);
-    return out;
-}
-
-PyDoc_STRVAR(set_clock_offset_doc, "_set_clock_offset_ns(ns)\n\n"
-                                    "Tests only: add ns to this process's table clock (leases, claim\n"
-                                    "stamps, watch deadlines), so a lease or a watch runs out without\n"
-                                    "waiting, or the clock stands days after boot.");
-
-static PyObject *py_set_clock_offset(PyObject *m, PyObject *arg) {
-    long long ns = PyLong_AsLongLong(arg);
-    if (ns == -1 && PyErr_Occurred())
-        return NULL;
-    nvt_set_clock_offset_ns(ns);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(set_dying_wait_doc, "_set_dying_wait_ms(ms) -> int\n\n"
-                                 "Tests only: how long a locker that saw a sharer die waits for its lock\n"
-                                 "file to close (DYING_WAIT_MS by default). Returns the previous value.");
-
-static PyObject *py_set_dying_wait(PyObject *m, PyObject *arg) {
-    unsigned long ms = PyLong_AsUnsignedLong(arg);
-    if (PyErr_Occurred())
-        return NULL;
-    if (ms > 600000UL) {
-        PyErr_SetString(PyExc_ValueError, "the dying wait is at most 600000 ms (a wait must stay bounded)");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong(nvt_set_dying_wait_ms((uint32_t)ms));
-}
-
-PyDoc_STRVAR(fail_allocs_doc,
-             "_fail_allocs(after, count) -> int\n\n"
-             "Tests only: after `after` more allocation points of the job path (slabs, lists,\n"
-             "reports, deferrals), the next `count` fail as out of memory (count 0: none).\n"
-             "Returns the points passed since the previous call.");
-
-static PyObject *py_fail_allocs(PyObject *m, PyObject *args) {
-    long long after, count;
-    if (!PyArg_ParseTuple(args, "LL", &after, &count))
-        return NULL;
-    return PyLong_FromUnsignedLongLong(nvt_test_fail_allocs(after, count));
-}
-
-PyDoc_STRVAR(set_wall_offset_doc, "_set_wall_clock_offset_ns(ns)\n\n"
-                                   "Tests only: add ns to this process's wall clock for record stamps and\n"
-                                   "retention (a chunk ages without waiting, or the clock steps back).");
-
-static PyObject *py_set_wall_offset(PyObject *m, PyObject *arg) {
-    long long ns = PyLong_AsLongLong(arg);
-    if (ns == -1 && PyErr_Occurred())
-        return NULL;
-    nvt_set_wall_offset_ns(ns);
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef module_methods[] = {
-    {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
-    {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
-    {"_set_wall_clock_offset_ns", py_set_wall_offset, METH_O, set_wall_offset_doc},
-    {"_set_dying_wait_ms", py_set_dying_wait, METH_O, set_dying_wait_doc},
-    {"table_bytes", py_table_bytes, METH_VARARGS, table_bytes_doc},
-    {"format", py_format, METH_VARARGS, format_doc},
-    {"header", py_header, METH_O, header_doc},
-    {"sharers", py_sharers, METH_VARARGS, sharers_doc},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef table_module = {
-    PyModuleDef_HEAD_INIT, "nvmetier._table",
-    "The process-shared slot table of an nvmetier store (see nvt_layout.h).", -1, module_methods,
-};
-
+/* ------------------------------------------------------------- module init */
+/* The module's functions are nvt_table_module.c. */
 PyMODINIT_FUNC PyInit__table(void) {
     static int atfork_done;
     if (PyType_Ready(&TableType) < 0)
@@ -1062,7 +652,7 @@ PyMODINIT_FUNC PyInit__table(void) {
         return NULL;
     if (!py_empty_tuple && !(py_empty_tuple = PyTuple_New(0)))
         return NULL;
-    PyObject *m = PyModule_Create(&table_module);
+    PyObject *m = PyModule_Create(&nvt_table_module);
     if (!m)
         return NULL;
     Py_INCREF(&TableType);

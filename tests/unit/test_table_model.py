@@ -861,8 +861,8 @@ for op_id in range(1, 1024):  # inside the slab, never handed out
 
 
 def test_completion_with_an_op_id_never_handed_out_is_ignored(tmp_path: pathlib.Path) -> None:
-    """apply_one ignores a completion whose op is not in use ("a stale
-    completion"). Was a bug, now fixed: op_alloc grows the op slab with PyMem_Realloc
+    """nvt_apply_one ignores a completion whose op is not in use ("a stale
+    completion"). Was a bug, now fixed: nvt_op_alloc grows the op slab with PyMem_Realloc
     and never clears `in_use` of the new entries, so an id inside the slab that
     was never handed out reads uninitialized memory: a wild set index
     (SIGSEGV in set_lock), or a garbage op applied to a real slot and job.

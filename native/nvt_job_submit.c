@@ -1,0 +1,575 @@
+/*
+ * nvt_job_submit: the submit side of the job path (see nvt_jobs.h): a job's
+ * keys to fingerprints and sets, its rows, the store and load loops that claim
+ * or lease a slot and build one nvt_op per key (and undo a loop that failed),
+ * and submit_store/submit_load, which hand those ops to the bound engine as
+ * one job. What the engine completes comes back through nvt_job_complete.c.
+ * Called by the CPython type (nvt_table.c) with the GIL held, on the
+ * scheduler thread; a set wait releases the GIL (nvt_core.c).
+ */
+#include "nvt_jobs.h"
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "nvt_hash.h"
+
+/* ------------------------------------------------------------------ helpers */
+
+static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "a key must be bytes, not %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    *p = PyBytes_AS_STRING(key);
+    *n = PyBytes_GET_SIZE(key);
+    return 0;
+}
+
+/* Fingerprints of a job's keys (into `local` when they fit, else a new
+ * array: free it with free_fps), with the sets of the first keys prefetched.
+ * NULL with an exception set on a bad key or out of memory. */
+static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
+                         int scan) {
+    uint64_t *fps = m <= n_local ? local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(uint64_t));
+    if (!fps) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const char *k;
+        Py_ssize_t n;
+        if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
+            if (fps != local)
+                PyMem_Free(fps);
+            return NULL;
+        }
+        fps[i] = nvt_xxh3(k, (size_t)n, 0);
+        if (i < PREFETCH_AHEAD)
+            prefetch_set(&t->core, fps[i] % t->core.n_sets, scan);
+    }
+    return fps;
+}
+
+static inline void free_fps(uint64_t *fps, uint64_t *local) {
+    if (fps && fps != local)
+        PyMem_Free(fps);
+}
+
+
+/* Parse `key`, lock its set and find the key in the states of `mask`.
+ * Returns 0 with the set locked (*w: the way, or -1), 1 when the set could not
+ * be locked (*w = -1, nothing held), or -1 with an exception set. */
+int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w) {
+    const char *k;
+    Py_ssize_t n;
+    if (key_arg(key, &k, &n) < 0)
+        return -1;
+    uint64_t fp = nvt_xxh3(k, (size_t)n, 0);
+    *set = fp % t->core.n_sets;
+    *w = -1;
+    if (nvt_set_lock(&t->core, *set) != 0)
+        return 1;
+    *w = nvt_find_way(&t->core, *set, fp, k, n, mask);
+    return 0;
+}
+
+/* Rows: a C-contiguous buffer of int32 or int64 (vLLM's chunk_ids, read in
+ * place), or else any sequence of ints (copied into an int64 array that the
+ * view then owns, so PyBuffer_Release frees it like any view). */
+static int rows_arg(PyObject *obj, Py_buffer *view, Py_ssize_t n) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view->format ? view->format : "";
+        char c = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
+        if ((view->itemsize == 4 || view->itemsize == 8) && view->len / view->itemsize == n && c &&
+            strchr("iqlIQL", c))
+            return 0;
+        PyBuffer_Release(view);
+    }
+    PyErr_Clear();
+    PyObject *seq = nvt_seq_snapshot(obj, "rows must be a sequence of ints");
+    if (!seq)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "rows must be %zd ints, one per key", n);
+        return -1;
+    }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, (n ? n : 1) * 8);
+    if (!packed) {
+        Py_DECREF(seq);
+        return -1;
+    }
+    int64_t *out = (int64_t *)PyBytes_AS_STRING(packed);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            Py_DECREF(packed);
+            return -1;
+        }
+        out[i] = v;
+    }
+    Py_DECREF(seq);
+    int rc = PyObject_GetBuffer(packed, view, PyBUF_SIMPLE);
+    Py_DECREF(packed); /* the view holds it */
+    if (rc < 0)
+        return -1;
+    view->itemsize = 8;
+    view->len = n * 8;
+    return 0;
+}
+
+static inline int64_t row_at(Py_buffer *v, Py_ssize_t i) {
+    return v->itemsize == 4 ? (int64_t)((int32_t *)v->buf)[i] : ((int64_t *)v->buf)[i];
+}
+
+static int append_pos(PyObject **list, Py_ssize_t pos) {
+    if (nvt_alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (!*list && !(*list = PyList_New(0)))
+        return -1;
+    PyObject *v = PyLong_FromSsize_t(pos);
+    if (!v)
+        return -1;
+    int r = PyList_Append(*list, v);
+    Py_DECREF(v);
+    return r;
+}
+
+int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n) {
+    if (nvt_alloc_fails()) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (!*list && !(*list = PyList_New(0)))
+        return -1;
+    PyObject *v = PyBytes_FromStringAndSize(key, n);
+    if (!v)
+        return -1;
+    int r = PyList_Append(*list, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, int64_t row, int kind,
+                    uint64_t seed, int checksum) {
+    op->op_id = (void *)(uintptr_t)op_idx;
+    op->file_idx = (int64_t)(slot % (uint64_t)t->n_paths);
+    op->file_offset = (int64_t)(slot / (uint64_t)t->n_paths) * t->slot_bytes;
+    op->buf_offset = row * t->row_bytes;
+    op->length = t->row_bytes;
+    op->seed = seed;
+    op->kind = kind;
+    op->checksum = checksum;
+}
+
+
+/* The common arguments of a job: keys as a fast sequence, rows as an int
+ * buffer of as many, and an output buffer for one op per key. Returns the key
+ * count, or -1 with an exception set and nothing held. */
+Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
+                           PyObject **out) {
+    *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
+    if (!*seq)
+        return -1;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(*seq);
+    if (rows_arg(rows_obj, rows, m) < 0) {
+        Py_DECREF(*seq);
+        return -1;
+    }
+    *out = PyBytes_FromStringAndSize(NULL, (m ? m : 1) * (Py_ssize_t)sizeof(nvt_op));
+    if (!*out) {
+        PyBuffer_Release(rows);
+        Py_DECREF(*seq);
+        return -1;
+    }
+    return m;
+}
+
+/* Key `i` of a job fails for `kind`: to `*list` as a position (store_ops,
+ * load_ops: the model test's primitives) or into the job (submit_store,
+ * submit_load). Used for bad arguments, keys missing from a load, and keys
+ * of a store left out for lack of resources (a full queue, a set whose ways
+ * are all busy or leased, a set lock not taken in its bound: DROPPED, quiet,
+ * no error text). -1 with an exception set on out of memory. */
+static int key_failed(TableObject *self, int64_t job, Py_ssize_t i, PyObject **list, int kind) {
+    if (list)
+        return append_pos(list, i);
+    nvt_job_fail(&self->jobs[job], (uint32_t)i, kind, 0);
+    return 0;
+}
+
+/* Claim a slot and build an op for every key of a store job (store_ops and
+ * submit_store). `*job` is the job (-1: allocated here at the first op or
+ * watch). Keys with a bad length or row go to `*failed` (store_ops), or fail
+ * in the job when `failed` is NULL (submit_store). Positions whose `skip`
+ * byte is set are left out (success). Returns 0, or -1 with an exception set
+ * (unwind with store_unwind). */
+int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
+                      long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io,
+                      int64_t *job_io, PyObject **failed, PyObject **evicted) {
+    Py_ssize_t n_ops = *n_ops_io;
+    int64_t job = *job_io;
+    int rc = 0;
+    uint64_t now = nvt_now_ms();
+    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
+    if (!fps)
+        goto error;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + PREFETCH_AHEAD < m)
+            prefetch_set(&self->core, fps[i + PREFETCH_AHEAD] % self->core.n_sets, 1);
+        if (skip && skip[i])
+            continue;
+        const char *k = NULL;
+        Py_ssize_t n = 0;
+        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked in the first pass */
+        int64_t row = row_at(rows, i);
+        if (n > REC_KEY_MAX || row < 0 || row >= self->n_rows) {
+            if (key_failed(self, job, i, failed, FAIL_BADARG) < 0)
+                goto error;
+            continue;
+        }
+        if (n_ops >= max_ops) {
+            self->core.c.stores_dropped_queue_full++;
+            if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
+                goto error;
+            continue;
+        }
+        uint64_t fp = fps[i], set = fp % self->core.n_sets;
+        if (nvt_set_lock(&self->core, set) != 0) {
+            self->core.c.stores_dropped_set_busy++;
+            if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
+                goto error;
+            continue;
+        }
+        int evict;
+        int w = nvt_claim_way(&self->core, set, fp, k, n, now, &evict);
+        if (w <= -3) { /* being written: finish this job only once that write is done */
+            uint32_t ww = (uint32_t)(-3 - w);
+            uint32_t gen = *slot_at(&self->core, set, ww).gen;
+            set_unlock(&self->core, set);
+            self->core.c.stores_skipped_present++;
+            if (job < 0 && (job = nvt_job_alloc(self, job_id, 0)) < 0) {
+                PyErr_NoMemory();
+                goto error;
+            }
+            if (self->n_watches == self->cap_watches) {
+                size_t cap = self->cap_watches ? self->cap_watches * 2 : 64;
+                struct watch *wl = nvt_alloc_fails() ? NULL : PyMem_Realloc(self->watches, cap * sizeof(struct watch));
+                if (!wl) {
+                    PyErr_NoMemory();
+                    goto error;
+                }
+                self->watches = wl;
+                self->cap_watches = cap;
+            }
+            struct watch *wt = &self->watches[self->n_watches++];
+            wt->slot = (uint32_t)(set * self->core.ways + ww);
+            wt->gen = gen;
+            wt->job = (uint32_t)job;
+            wt->pos = (uint32_t)i;
+            wt->deadline_ms = now + self->core.watch_timeout_ms;
+            self->jobs[job].remaining++;
+            continue;
+        }
+        if (w < 0) {
+            set_unlock(&self->core, set);
+            if (w == -2) {
+                self->core.c.stores_skipped_present++;
+            } else {
+                self->core.c.stores_dropped_set_busy++;
+                if (key_failed(self, job, i, failed, FAIL_DROPPED) < 0)
+                    goto error;
+            }
+            continue;
+        }
+        uint64_t slot = set * self->core.ways + (uint64_t)w;
+        slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+        if (evict) {
+            self->core.c.evictions++;
+            const unsigned char *r = record(&self->core, slot);
+            if (events && r[5] <= REC_KEY_MAX && nvt_record_has_key(&self->core, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
+                nvt_append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
+                set_unlock(&self->core, set);
+                goto error;
+            }
+        }
+        if (job < 0 && (job = nvt_job_alloc(self, job_id, 0)) < 0) {
+            set_unlock(&self->core, set);
+            PyErr_NoMemory();
+            goto error;
+        }
+        int64_t oi = nvt_op_alloc(self);
+        if (oi < 0) {
+            set_unlock(&self->core, set);
+            PyErr_NoMemory();
+            goto error;
+        }
+        /* Mark the slot ours before its record changes: a death from here on
+         * leaves a WRITING slot of a dead sharer, which is reclaimed. */
+        uint8_t old = *s.state;
+        if (old == NVT_EMPTY)
+            self->core.d_used++;
+        else if (old == NVT_READY)
+            self->core.d_ready--;
+        *s.owner = (uint8_t)(self->core.me < 0 ? 0 : self->core.me);
+        *s.owner_inc = (uint16_t)self->core.my_inc;
+        *s.stamp = now;
+        *s.pins = 0; /* an evicted slot's lease had ended */
+        (*s.epoch)++;
+        (*s.gen)++;
+        *s.fp = fp;
+        *s.tag = tag_of(fp);
+        __atomic_store_n(s.state, NVT_WRITING, __ATOMIC_RELEASE);
+        /* The old record stops being visible before the data changes. An
+         * EMPTY slot has none: every way to EMPTY zeroes the record first
+         * (clear_slot_locked; the rebuild zeroes every record it does not
+         * load), so a fresh claim leaves the index page alone. */
+        if (old != NVT_EMPTY)
+            zero_record(&self->core, slot);
+        op_info *o = &self->ops[oi];
+        o->slot = (uint32_t)slot;
+        o->gen = *s.gen;
+        set_unlock(&self->core, set);
+        o->expected = 0;
+        o->job = (uint32_t)job;
+        o->pos = (uint32_t)i;
+        o->kind = NVT_OP_WRITE;
+        o->key_len = (uint8_t)n;
+        memcpy(o->key, k, (size_t)n);
+        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_WRITE, fp, 1);
+        self->jobs[job].remaining++;
+    }
+    goto done;
+error:
+    rc = -1;
+done:
+    free_fps(fps, fps_local);
+    publish_counts(&self->core);
+    *n_ops_io = n_ops;
+    *job_io = job;
+    return rc;
+}
+
+/* Undo a store_loop that failed: ops already claimed stay claimed until
+ * their WRITING slots are released here; the job and its watches go. */
+void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
+    for (Py_ssize_t i = 0; i < n_ops; i++) {
+        uint32_t oi = (uint32_t)(uintptr_t)ops[i].op_id;
+        op_info *o = &self->ops[oi];
+        uint64_t set = o->slot / self->core.ways;
+        if (nvt_set_lock(&self->core, set) == 0) {
+            slot_ref s = slot_at(&self->core, set, o->slot % self->core.ways);
+            if (*s.state == NVT_WRITING && *s.gen == o->gen)
+                nvt_clear_slot_locked(&self->core, s, o->slot);
+            set_unlock(&self->core, set);
+        }
+        op_release(self, oi);
+    }
+    if (job >= 0) {
+        size_t keep = 0;
+        for (size_t i = 0; i < self->n_watches; i++)
+            if (self->watches[i].job != (uint32_t)job)
+                self->watches[keep++] = self->watches[i];
+        self->n_watches = keep;
+        job_release(self, (uint32_t)job);
+    }
+    publish_counts(&self->core);
+}
+
+/* Lease every READY key of a load job and build its read op (load_ops and
+ * submit_load). Keys not READY (or with a bad row) go to `*missing`
+ * (load_ops), or fail in the job as MISSING when `missing` is NULL
+ * (submit_load). Returns 0, or -1 with an exception set (unwind with
+ * load_unwind). */
+int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
+                     int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
+    Py_ssize_t n_ops = *n_ops_io;
+    int64_t job = *job_io;
+    int rc = 0;
+    uint64_t now = nvt_now_ms(), until = now + self->core.lease_ms;
+    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
+    if (!fps)
+        goto error;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + PREFETCH_AHEAD < m)
+            prefetch_set(&self->core, fps[i + PREFETCH_AHEAD] % self->core.n_sets, 0);
+        const char *k = NULL;
+        Py_ssize_t n = 0;
+        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
+        int64_t row = row_at(rows, i);
+        uint64_t fp = fps[i], set = fp % self->core.n_sets;
+        int w = -1, leased = 0, check = verify;
+        uint32_t gen = 0, epoch = 0;
+        uint64_t expected = 0;
+        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && nvt_set_lock(&self->core, set) == 0) {
+            w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
+            if (w >= 0) {
+                slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+                leased = lease_grant(s, now, until, &epoch); /* released at its completion */
+                check |= (*s.flags & NVT_FLAG_UNVERIFIED) != 0;
+                *s.last = tick(&self->core, set);
+                gen = *s.gen;
+                expected = record_payload(&self->core, set * self->core.ways + (uint64_t)w);
+            }
+            set_unlock(&self->core, set);
+        }
+        if (w < 0) {
+            self->core.c.load_keys_missing++;
+            if (key_failed(self, job, i, missing, FAIL_MISSING) < 0)
+                goto error;
+            continue;
+        }
+        if (job < 0 && (job = nvt_job_alloc(self, job_id, 1)) < 0) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        int64_t oi = nvt_op_alloc(self);
+        if (oi < 0) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        uint64_t slot = set * self->core.ways + (uint64_t)w;
+        op_info *o = &self->ops[oi];
+        o->slot = (uint32_t)slot;
+        o->gen = gen;
+        o->expected = expected;
+        o->epoch = epoch;
+        o->leased = (uint8_t)leased;
+        o->verify = (uint8_t)check;
+        o->job = (uint32_t)job;
+        o->pos = (uint32_t)i;
+        o->kind = NVT_OP_READ;
+        o->key_len = 0;
+        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, check);
+        self->jobs[job].remaining++;
+    }
+    goto done;
+error:
+    rc = -1;
+done:
+    free_fps(fps, fps_local);
+    *n_ops_io = n_ops;
+    *job_io = job;
+    return rc;
+}
+
+/* Undo a load_loop that failed (its leases run out on their own). */
+void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
+    for (Py_ssize_t i = 0; i < n_ops; i++)
+        op_release(self, (uint32_t)(uintptr_t)ops[i].op_id);
+    if (job >= 0)
+        job_release(self, (uint32_t)job);
+}
+
+/* submit_store / submit_load: see their docs. */
+PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
+    long long job_id;
+    PyObject *keys, *rows_obj, *skip_obj = Py_None;
+    if (!PyArg_ParseTuple(args, is_load ? "LOO" : "LOO|O", &job_id, &keys, &rows_obj, &skip_obj))
+        return NULL;
+    if (!self->eng_submit) {
+        PyErr_SetString(PyExc_RuntimeError, "no engine bound to the table (bind() first)");
+        return NULL;
+    }
+    PyObject *seq, *out;
+    Py_buffer rows;
+    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
+    if (m < 0)
+        return NULL;
+    const char *skip = NULL;
+    if (skip_obj != Py_None) {
+        if (!PyBytes_Check(skip_obj) || PyBytes_GET_SIZE(skip_obj) != m) {
+            PyErr_Format(PyExc_ValueError, "skip must be None or %zd bytes", m);
+            goto fail_args;
+        }
+        skip = PyBytes_AS_STRING(skip_obj);
+    }
+    int64_t job = nvt_job_alloc(self, job_id, is_load);
+    if (job < 0) {
+        PyErr_NoMemory();
+        goto fail_args;
+    }
+    self->jobs[job].keys = Py_NewRef(seq);
+    self->jobs[job].start_ns = now_mono_ns();
+    nvt_op *ops = (nvt_op *)PyBytes_AS_STRING(out);
+    Py_ssize_t n_ops = 0;
+    PyObject *evicted = NULL;
+    int rc;
+    if (is_load) {
+        rc = nvt_load_loop(self, job_id, seq, m, &rows, self->verify, ops, &n_ops, &job, NULL);
+    } else {
+        long long room = (long long)self->max_queued_ops - (long long)self->outstanding;
+        rc = nvt_store_loop(self, job_id, seq, m, &rows, room > 0 ? room : 0, self->events_on, skip, ops, &n_ops,
+                        &job, NULL, &evicted);
+    }
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    if (rc == 0 && evicted && nvt_push_event(self, 1, evicted) < 0)
+        event_lost(self); /* the evictions happened: the store goes on */
+    Py_XDECREF(evicted);
+    /* Room to defer every op, should the engine refuse them (below). */
+    if (rc == 0 && n_ops && nvt_defer_reserve(self, self->n_deferred + (size_t)n_ops) < 0)
+        rc = -1;
+    if (rc < 0) {
+        if (is_load)
+            nvt_load_unwind(self, ops, n_ops, job);
+        else
+            nvt_store_unwind(self, ops, n_ops, job);
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyObject *err = Py_None;
+    Py_INCREF(err);
+    if (n_ops) {
+        /* The engine takes exactly this job's ops: `out` itself when every key
+         * got one, else a copy of the used part (out stays, so a failed copy
+         * can still be unwound). */
+        Py_ssize_t used = n_ops * (Py_ssize_t)sizeof(nvt_op);
+        PyObject *batch = used == PyBytes_GET_SIZE(out) ? Py_NewRef(out)
+                                                        : PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), used);
+        PyObject *r = batch ? PyObject_CallOneArg(self->eng_submit, batch) : NULL;
+        Py_XDECREF(batch);
+        if (r) {
+            Py_DECREF(r);
+            self->outstanding += (uint32_t)n_ops;
+        } else {
+            /* The engine refused (closed), or no memory for the copy: the job
+             * fails, never the caller; its slots are released at once. */
+            PyObject *type, *value, *tb;
+            PyErr_Fetch(&type, &value, &tb);
+            for (Py_ssize_t i = 0; i < n_ops; i++) {
+                nvt_completion c = {ops[i].op_id, -ECANCELED, 0};
+                if (nvt_apply_one(self, &c, 0, NULL, NULL) > 0)
+                    nvt_defer(self, &c, 0);
+            }
+            publish_counts(&self->core);
+            Py_DECREF(err);
+            err = value ? PyObject_Str(value) : NULL;
+            if (!err) {
+                PyErr_Clear();
+                err = PyUnicode_FromString("engine refused the ops");
+            }
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            if (!err) { /* out of memory: the job fails all the same, untold why */
+                PyErr_Clear();
+                err = Py_NewRef(Py_None);
+            }
+        }
+    }
+    Py_DECREF(out);
+    /* The job is accepted from here on: reported by a poll, now or later. */
+    nvt_maybe_finish(self, (uint32_t)job, NULL);
+    return err;
+fail_args:
+    PyBuffer_Release(&rows);
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
