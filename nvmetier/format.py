@@ -54,7 +54,7 @@ EMPTY_RECORD = bytes(RECORD_BYTES)
 
 # --- shared slot table (native/nvt_layout.h holds the same layout) ------------
 TABLE_HEADER_BYTES = 8192
-TABLE_VERSION = 3  # native/nvt_table.h NVT_TABLE_VERSION
+TABLE_VERSION = 3  # native/nvt_layout.h NVT_TABLE_VERSION
 TABLE_SET_HEAD_BYTES = 64
 # Slot numbers are 32-bit in the table's ops and watches (NVT_MAX_SLOTS).
 MAX_SLOTS = 2**32 - 1

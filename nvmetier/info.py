@@ -113,7 +113,7 @@ _RETENTION_LABELS = {
 # A record stamped further ahead of now than this (or than the retention)
 # has no known age: the table treats it as past retention (nvt_core.c).
 _CLOCK_HORIZON_NS = 3600 * 10**9
-# The table header's magic, version and retention_s (native/nvt_table.h).
+# The table header's magic, version and retention_s (native/nvt_layout.h).
 _TABLE_HEAD = struct.Struct("<8sI52xI")
 _KEY_FP_OFFSET = 72  # the latest sealed opener's key fingerprint (nvt_table.h)
 
