@@ -173,6 +173,10 @@ def _key_list(keys: Iterable[bytes]) -> Sequence[bytes]:
     return keys if isinstance(keys, (list, tuple)) else list(keys)
 
 
+_NO_ACCESS = (
+    "this process may not use the file: fix its owner or mode, or run vLLM as the "
+    "user that made the store"
+)
 _OPEN_ERROR_HINTS = {
     errno.EIO: "the drive or its filesystem reports an I/O error (see `dmesg`): "
     "repair or replace it, or point root_dir at another drive",
@@ -181,10 +185,8 @@ _OPEN_ERROR_HINTS = {
     "root_dir at another drive",
     errno.ENOSPC: "the filesystem is full: free space or lower capacity_bytes",
     errno.EDQUOT: "the user's disk quota is used up: raise it or lower capacity_bytes",
-    errno.EACCES: "this process may not use the file: fix its owner or mode, or run "
-    "vLLM as the user that made the store",
-    errno.EPERM: "this process may not use the file: fix its owner or mode, or run "
-    "vLLM as the user that made the store",
+    errno.EACCES: _NO_ACCESS,
+    errno.EPERM: _NO_ACCESS,
 }
 
 

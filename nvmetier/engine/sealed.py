@@ -3,12 +3,15 @@ to seal and open chunks in their own threads, and ``SealingEngine``, the
 same over any ``IoEngine`` that cannot.
 
 The store gives a ``Sealing`` to the io_uring engine (nvt_engine_seal.c seals in
-its worker threads before preparing the write, reads the slot straight into
-the primary row plus the trailer page into a small buffer, and opens the row
-in place before publishing the completion) or to the thread engine (the same
-in its Python workers, libcrypto with the GIL released). No bounce copy on
-loads, no thread hop. ``Sealing`` owns the nonce reservations: the thread
-engine's workers take nonces from it; for the io_uring engine a refill
+its worker threads before preparing the write and opens after the read,
+before publishing the completion) or to the thread engine (the same in its
+Python workers, libcrypto with the GIL released). With staging the slot
+image is a span of the worker's huge-page arena: sealed into it from the
+row, read into it whole and opened from it into the row; without, a write
+goes through a bounce slot and a load reads the row plus the trailer page and
+opens the row in place. No copy beyond the seal and the open, no thread
+hop. ``Sealing`` owns the nonce reservations: the thread engine's workers
+take nonces from it; for the io_uring engine a refill
 thread (``nvmetier-nonce``) keeps a reserved range spare in the engine.
 
 SealingEngine (below) remains for any other inner engine:
