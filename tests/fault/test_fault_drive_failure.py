@@ -93,3 +93,26 @@ def test_an_open_error_names_the_store_the_file_the_error_and_the_fix(
         assert f"errno {code}" in msg and os.strerror(code) in msg and where in msg
         assert fix in msg
         assert info.value.errno == code
+
+
+@pytest.mark.skipif(check_can_make_drives() is not None, reason=check_can_make_drives() or "")
+def test_retention_drops_on_a_dead_drive_touch_only_memory(buf) -> None:
+    # The index is a shared mapping: chunks that expire after the drive
+    # failed are dropped (their records zeroed in the mapping, their index
+    # pages written back clean before the failure) without a fault, and the
+    # store still closes.
+    import time
+
+    with loop_drives(1, 96 << 20, lambda _m: None) as (mnt,):
+        store = open_store(os.path.join(mnt, "kv"), buf, retention="2s")
+        try:
+            keys = [key(i) for i in range(32)]
+            assert store_keys(store, buf, keys).success
+            os.sync()  # the index pages are clean: a new write must fault them in
+            _shut_down(mnt)
+            time.sleep(2.2)
+            assert not any(store.lookup(k) for k in keys)
+            stats = store.stats()
+            assert stats["retention_expired"] == len(keys) and stats["slots_used"] == 0
+        finally:
+            store.close()
