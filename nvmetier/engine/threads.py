@@ -314,7 +314,7 @@ class ThreadEngine(IoEngine):
                     for rest in batch[1:]:
                         self._ops.put(rest)
                     op = batch[0]
-                comp = self._run(op) if stage is None else self._run_staged(op, stage)
+                comp = self._run(op, stage)
             except BaseException as exc:  # a dead worker would strand its op
                 comp = self._unexpected(op, exc)
                 if comp is None:
@@ -352,7 +352,9 @@ class ThreadEngine(IoEngine):
         except BaseException:
             return None
 
-    def _run(self, op: Op) -> Completion:
+    def _run(self, op: Op, stage: _Stage | None = None) -> Completion:
+        """Check ``op`` and run it: sealed, through ``stage`` (the worker's
+        arena, when staging), or straight between the buffer and the file."""
         # One unpack instead of a property lookup per field use: this runs per
         # op on a Python thread that competes with vLLM's for the GIL.
         op_id, kind, file_idx, file_off, buf_off, length, seed, want_sum = op
@@ -362,7 +364,11 @@ class ThreadEngine(IoEngine):
             return Completion(op_id, bad, 0)
         end = buf_off + length
         if self._sealing is not None:
-            return self._run_sealed(op_id, kind, fds[file_idx], file_off, buf_off, length, seed)
+            return self._run_sealed(
+                op_id, kind, fds[file_idx], file_off, buf_off, length, seed, stage
+            )
+        if stage is not None and length:
+            return self._run_staged(op, stage)
         view = self._buf[buf_off:end]
         try:
             checksum = 0
@@ -383,19 +389,11 @@ class ThreadEngine(IoEngine):
             view.release()
 
     def _run_staged(self, op: Op, stage: _Stage) -> Completion:
-        """``_run`` through the worker's staging arena (same checks, same results)."""
+        """A checked, plaintext op of some bytes through the worker's staging
+        arena (``_run`` checked it; same results as the direct path)."""
         op_id, kind, file_idx, file_off, buf_off, length, seed, want_sum = op
         fds = self._fds
-        bad = _op_error(kind, len(fds), self._buf_len, file_idx, file_off, buf_off, length)
-        if bad:
-            return Completion(op_id, bad, 0)
         end = buf_off + length
-        if self._sealing is not None:
-            return self._run_sealed(
-                op_id, kind, fds[file_idx], file_off, buf_off, length, seed, stage
-            )
-        if not length:
-            return self._run(op)
         stage.ensure(length)
         assert stage.view is not None
         tmp = stage.view[:length]
