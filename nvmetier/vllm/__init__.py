@@ -608,8 +608,8 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._guard.note_loaded(job_metadata.keys)
         job_id = job_metadata.job_id
+        self._guard.note_load_job(job_id, job_metadata.keys, job_metadata.req_context)
         error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:
             log_refused_job(job_id, error)
@@ -624,6 +624,8 @@ class NvmeTierManager(SecondaryTierManager):
             job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
+            if is_load:  # the guard pins what landed for requests waiting on it
+                self._guard.load_finished(job_id, success, ok_keys)
             if not success and not is_load and not compat.REPORTS_STORE_FAILURES:
                 self._report_store_failed()
             out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
