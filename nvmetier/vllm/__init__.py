@@ -617,10 +617,14 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
+        # Every chunk announced stored is announced removed when it leaves the
+        # disk (eviction, invalidation, retention, purge), so vLLM may keep
+        # its block hashes until then (removal_expected). The ownership is
+        # the tier label: unique per tier of an engine, so two nvmetier tiers
+        # do not end each other's copies in vLLM's tracking.
+        locality, owner = self.locality, self.tier_label
         for removed, keys in self.store.take_events():
-            yield OffloadingEvent(
-                keys=list(keys), medium=Medium.STORAGE, removed=removed, locality=self.locality
-            )
+            yield compat.offloading_event(list(keys), Medium.STORAGE, removed, locality, owner)
 
     @override
     def shutdown(self) -> None:

@@ -12,6 +12,9 @@ the rest of ``nvmetier.vllm`` imports from here and never tests a version:
   its failed store jobs to the detector itself.
 - ``ensure_manager_lock``: 0.33's managers have a ``lock`` to hold around
   every call; 0.32's are entered from the scheduler thread only and have none.
+- ``offloading_event``: an ``OffloadingEvent`` with ``ownership`` and
+  ``removal_expected`` where the installed vLLM's event has them (0.32.0 and
+  0.33 do; an older 0.32 build without them gets the event it accepts).
 - ``FailureCountingMixin``: 0.33's failure-streak logic of
   ``EMABackpressureDetector`` (``failure_threshold``), for 0.32's detector that
   lacks it.
@@ -22,11 +25,13 @@ Import-time only; no threads, never blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 
 try:  # vLLM >= 0.33
@@ -54,6 +59,41 @@ DEFAULT_FAILURE_THRESHOLD: int = int(
 # watermark, enough for ThrottledDropPolicy to drop every store until idle
 # decay lets a probe store through.
 _FAILURE_EMA_FACTOR: float = float(getattr(EMABackpressureDetector, "_FAILURE_EMA_FACTOR", 4.0))
+
+
+# The OffloadingEvent fields this vLLM accepts (a dataclass in 0.32 and 0.33).
+_EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(OffloadingEvent))
+# Whether vLLM's events pipeline can track a secondary tier's own copy of a
+# chunk (OffloadingEventsTracker keeps a chunk's block hashes until the last
+# tier that announced removal_expected removes it).
+EVENTS_TRACK_TIER_COPIES: bool = {"ownership", "removal_expected"} <= _EVENT_FIELDS
+
+
+def offloading_event(
+    keys: list[OffloadKey],
+    medium: Medium,
+    removed: bool,
+    locality: Locality | None,
+    ownership: str,
+) -> OffloadingEvent:
+    """An ``OffloadingEvent`` of a tier that announces every removal of what
+    it announced stored (``removal_expected``), under ``ownership``.
+
+    vLLM keeps a chunk's block hashes (self-describing events) while a
+    (medium, ownership) pair that set ``removal_expected`` still holds it, so
+    a removal names every block hash of the chunk however long after the CPU
+    tier dropped it. Where the event lacks these fields, it is built without.
+    """
+    if EVENTS_TRACK_TIER_COPIES:
+        return OffloadingEvent(
+            keys=keys,
+            medium=medium,
+            removed=removed,
+            locality=locality,
+            ownership=ownership,
+            removal_expected=True,
+        )
+    return OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)
 
 
 def ensure_manager_lock(manager: Any) -> Any:
