@@ -15,6 +15,10 @@ the rest of ``nvmetier.vllm`` imports from here and never tests a version:
 - ``offloading_event``: an ``OffloadingEvent`` with ``ownership`` and
   ``removal_expected`` where the installed vLLM's event has them (0.32.0 and
   0.33 do; an older 0.32 build without them gets the event it accepts).
+- ``refuse_unsupported_failure_threshold``: on 0.32, whose
+  ``EMABackpressureDetector`` has no ``failure_threshold``, a backpressure
+  section that sets it stops start-up with a ``ConfigError`` naming the vLLM
+  version and the fix (instead of a ``TypeError`` from deep in vLLM's factory).
 - ``FailureCountingMixin``: 0.33's failure-streak logic of
   ``EMABackpressureDetector`` (``failure_threshold``), for 0.32's detector that
   lacks it.
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
 import time
 from collections.abc import Mapping
 from importlib import metadata
@@ -33,6 +39,8 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+
+from nvmetier.errors import ConfigError
 
 try:  # vLLM >= 0.33
     from vllm.v1.kv_offload.base import ConfigInfoMapping
@@ -50,6 +58,11 @@ SUPPORTED = ">=0.32,<0.34"
 # 0.33's orchestrator calls detector.on_store_failed() for a failed store job;
 # 0.32's calls the detector for successful stores only.
 REPORTS_STORE_FAILURES: bool = hasattr(EMABackpressureDetector, "on_store_failed")
+
+# 0.33's EMABackpressureDetector takes failure_threshold; 0.32's does not.
+DETECTOR_TAKES_FAILURE_THRESHOLD: bool = (
+    "failure_threshold" in inspect.signature(EMABackpressureDetector.__init__).parameters
+)
 
 # 0.33's default failure streak for storage tiers (fs, obj); 0.32 has none.
 DEFAULT_FAILURE_THRESHOLD: int = int(
@@ -118,6 +131,43 @@ def vllm_version() -> str:
     import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
+
+
+def refuse_unsupported_failure_threshold() -> None:
+    """Make vLLM 0.32's ``EMABackpressureDetector`` refuse ``failure_threshold``
+    with a ``ConfigError`` that names the vLLM version and the fix.
+
+    vLLM's factory builds a tier's detector from its ``backpressure`` section
+    (or the top-level one it merges in) before the tier exists; on 0.32 a
+    ``failure_threshold`` there is a ``TypeError`` about an unexpected
+    keyword argument, and the documented default of 3 failed stores does not
+    hold. Called when ``nvmetier.vllm`` is imported, which vLLM's factory
+    does before it builds the detector. Only a call with ``failure_threshold``
+    changes (it raised already); nothing on 0.33, where vLLM honours it. Our
+    own detectors (``FailureCountingMixin``) keep the keyword to themselves.
+    Idempotent.
+    """
+    if DETECTOR_TAKES_FAILURE_THRESHOLD:
+        return
+    original = EMABackpressureDetector.__init__
+    if getattr(original, "_nvmetier_refuses_failure_threshold", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "failure_threshold" in kwargs:
+            raise ConfigError(
+                f"backpressure: failure_threshold={kwargs['failure_threshold']!r} is not "
+                f"supported by vLLM {vllm_version()}'s EMABackpressureDetector (vLLM 0.33 "
+                'added it). Use "backpressure_cls": '
+                '"nvmetier.vllm.StorageBackpressureDetector" in the nvmetier tier\'s '
+                "backpressure section (vLLM's detector plus the failure threshold, on "
+                "every supported vLLM), remove failure_threshold, or upgrade to vLLM 0.33"
+            )
+        original(self, *args, **kwargs)
+
+    __init__._nvmetier_refuses_failure_threshold = True  # type: ignore[attr-defined]
+    EMABackpressureDetector.__init__ = __init__  # type: ignore[method-assign]
 
 
 class FailureCountingMixin:
