@@ -172,8 +172,11 @@ class TierConfig:
         admit_after_lookups: store a chunk only once it was looked up this
             many times (0: store everything).
         persist: keep the store at shutdown (False removes it).
-        locality: ``LOCAL``/``REMOTE``, any case (read by vLLM for tier
-            filters and its backpressure watermarks).
+        locality: ``LOCAL`` (the default; null means the default) or
+            ``REMOTE``, any case. vLLM reads it for per-request tier filters
+            (a request that asks for REMOTE tiers skips a LOCAL one; a tier
+            with no locality would match every filter) and for its
+            backpressure watermarks.
         default_backpressure: with no ``backpressure`` section in the tier
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
@@ -210,7 +213,7 @@ class TierConfig:
     max_queued_bytes: int = 1 << 30
     admit_after_lookups: int = 0
     persist: bool = True
-    locality: str | None = None
+    locality: str = "LOCAL"
     default_backpressure: bool = True
     sharing: str = "node"
     promotion_guard: bool = True
@@ -267,6 +270,8 @@ class TierConfig:
                 values[key] = parse_size(raw[key], key)
         if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):
             values["encryption"] = dict(raw["encryption"])
+        if "locality" in raw and raw["locality"] is None:
+            del values["locality"]  # null: the default (LOCAL)
         if raw.get("retention") is not None:
             values["retention"] = parse_duration(raw["retention"], "retention")
         cfg = cls(**values)
@@ -343,9 +348,7 @@ class TierConfig:
                 f"sharing={self.sharing!r} is not a sharing mode; use 'node' (one store shared by "
                 "every process on this machine) or 'process' (an exclusive store per process)"
             )
-        if self.locality is not None and (
-            not isinstance(self.locality, str) or self.locality.upper() not in LOCALITIES
-        ):
+        if not isinstance(self.locality, str) or self.locality.upper() not in LOCALITIES:
             # A ValueError (ConfigError is one), as vLLM's Locality() raises.
             raise ConfigError(
                 f"locality={self.locality!r} is not a valid Locality; accepted values: "
