@@ -192,6 +192,13 @@ class TierConfig:
             under a key derived from the 32-byte file at PATH (readable by its
             owner only; checked when the store opens) and name chunks in the
             index by a keyed MAC of their offload key. None: plaintext.
+        recency_refresh_chunks: vLLM's tier: at most this many chunks of each
+            finished request refresh their recency on disk (those the disk
+            holds; the prompt's head first), whichever tier or the GPU prefix
+            cache served them, so prefixes hot in the CPU tier or on the GPU
+            are not the first the disk evicts (``nvmetier.vllm.recency``).
+            ~50 ns of vLLM's scheduler thread per chunk. 0: off (the disk
+            sees only its own stores and loads).
         retention: seconds (given as a number or a string such as ``"24h"``):
             a chunk stored longer ago than this (wall clock) is never served
             (a miss, counted in ``retention_expired``) and its slot is reused
@@ -221,6 +228,7 @@ class TierConfig:
     capacity_per_path: tuple[int, ...] | None = None
     retention: float | None = None
     encryption: dict[str, str] | None = None
+    recency_refresh_chunks: int = 4096
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -287,6 +295,7 @@ class TierConfig:
             ("io_threads", 1, 256),
             ("queue_depth", 1, 4096),
             ("admit_after_lookups", 0, 1 << 20),
+            ("recency_refresh_chunks", 0, 1 << 20),
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:

@@ -57,7 +57,7 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
-from nvmetier.vllm import compat
+from nvmetier.vllm import compat, recency
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 from nvmetier.vllm.cpu_view import PrimaryView, connector_groups, find_primary
 from nvmetier.vllm.promotion import (
@@ -177,6 +177,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "kv_events_lost": (
         "counter",
         "KV cache events not recorded for lack of memory (the chunks were stored or removed).",
+    ),
+    "chunks_touched": (
+        "counter",
+        "Chunks on disk whose recency a finished request refreshed: it used them, served by "
+        "any tier or the GPU prefix cache (recency_refresh_chunks).",
     ),
     # The promotion guard's counters (nvmetier.vllm.promotion).
     "hits_not_loaded": (
@@ -645,6 +650,16 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._guard.finish(req_context.req_id)
+        # vLLM never asks the disk about chunks the GPU or the CPU tier served,
+        # nor calls touch: refresh the disk's recency of every chunk the
+        # request used, here, once per request (nvmetier.vllm.recency).
+        max_chunks = self.config.recency_refresh_chunks
+        if max_chunks:
+            keys = recency.request_keys(req_context, max_chunks)
+            if keys:
+                if not self._seed_checked:
+                    self._check_seed()
+                self.store.touch(keys)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
