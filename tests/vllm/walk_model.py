@@ -200,6 +200,11 @@ class Request:
     loaded_tokens: int | None = None  # tokens its (first) load brought
     loads: list[list[bytes]] = field(default_factory=list)
     baseline: int | None = None  # what the CPU tier alone gave its first walk
+    first_walk_step: int | None = None
+    # What the CPU tier alone gave the walk that scheduled it (the answer with
+    # no disk tier, had vLLM's own stores evicted part of ``baseline`` while
+    # it waited for GPU memory: those evictions happen without a disk tier too).
+    baseline_at_schedule: int | None = None
     stored: bool = False
     finished: bool = False
     preempted: bool = False
@@ -275,6 +280,7 @@ class WalkModel:
         self._being_loaded: set[bytes] = set()
         self._external_pins: list[tuple[int, ReqContext, list[bytes]]] = []
         self._preempted_now: list[str] = []
+        self.store_evictions: list[tuple[int, bytes]] = []  # (step, key) by vLLM's stores
 
     # ------------------------------------------------------------ requests
     def add(
@@ -353,6 +359,21 @@ class WalkModel:
             return None
         return num_hit
 
+    def required_tokens(self, r: Request) -> int:
+        """What the request must load at least: what the CPU tier alone gave
+        its first walk, unless vLLM's own stores evicted part of that before
+        vLLM scheduled it (they would without a disk tier too); then what the
+        CPU tier alone gave the walk that scheduled it, if less."""
+        assert r.baseline is not None and r.first_walk_step is not None
+        keys = set(self.load_keys(r, r.baseline)) if r.baseline else set()
+        last = r.scheduled_step if r.scheduled_step is not None else self.step_no
+        lost = any(
+            r.first_walk_step <= step < last and key in keys for step, key in self.store_evictions
+        )
+        if lost and r.baseline_at_schedule is not None:
+            return min(r.baseline, r.baseline_at_schedule)
+        return r.baseline
+
     def load_keys(self, r: Request, hit: int) -> list[bytes]:
         """What ``update_state_after_alloc`` loads for a hit of ``hit`` tokens."""
         end = r.computed + hit
@@ -390,9 +411,10 @@ class WalkModel:
                 if not queue_open:
                     still.append(r)
                     continue
+                base = self.walk(r, self.cpu_only) or 0
                 if r.baseline is None:
-                    base = self.walk(r, self.cpu_only)
-                    r.baseline = base or 0
+                    r.baseline = base
+                    r.first_walk_step = self.step_no
                 hit = self.walk(r, lambda k, r=r: m.lookup(k, r.ctx))
                 if hit is None:
                     still.append(r)
@@ -403,6 +425,7 @@ class WalkModel:
                     continue
                 if r.scheduled_step is None:
                     new_ids.append(r.req_id)
+                    r.baseline_at_schedule = base
                 r.scheduled_step = self.step_no
                 if r.loaded_tokens is None:
                     r.loaded_tokens = hit
@@ -426,6 +449,8 @@ class WalkModel:
                     continue
                 offer = [k for g in self.groups for k in self._store_keys(r, g)]
                 out = m.prepare_store(offer, r.ctx)
+                if out is not None:
+                    self.store_evictions.extend((self.step_no, k) for k in out.evicted_keys)
                 if out is not None and out.keys_to_store:
                     stores.append((r, list(out.keys_to_store)))
                 r.stored = True
