@@ -226,8 +226,15 @@ class WalkModel:
         p_preempt: float = 0.0,
         p_pin: float = 0.0,
         chunk_bytes: int = 4096,
+        reads_land_in_step: bool = False,
+        store_whole_windows: bool = False,
     ) -> None:
         self.groups = tuple(groups)
+        self.reads_land_in_step = reads_land_in_step
+        # vLLM stores a sliding-window group's chunks near the prompt's end
+        # only (or every --prefix-cache-retention-interval tokens); True
+        # stores them all, as a retention interval of one chunk would.
+        self.store_whole_windows = store_whole_windows
         self.rng = rng
         self.p_unschedulable = p_unschedulable
         self.p_preempt = p_preempt
@@ -270,9 +277,7 @@ class WalkModel:
         self.spec = TieringOffloadingSpec(offload_config)
         self.manager = compat.ensure_manager_lock(self.spec.get_manager())
         self.primary = self.manager.primary_tier
-        self.tier: MemoryTier | None = (
-            self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
-        )
+        self.tier: Any = self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
         self.step_no = 0
         self.waiting: list[Request] = []
         self.requests: list[Request] = []
@@ -393,7 +398,8 @@ class WalkModel:
         counts as a hit (what the request would load once it lands), a
         promotion in flight does not (no disk tier, no promotion)."""
         result = self.primary.lookup(key, _PROBE)
-        if result is HIT_PENDING and self.tier is not None and key in self.tier.loading():
+        loading = getattr(self.tier, "loading", None)
+        if result is HIT_PENDING and loading is not None and key in loading():
             return MISS
         return HIT if result in (HIT, HIT_PENDING) else MISS
 
@@ -461,6 +467,8 @@ class WalkModel:
                 r for r in self.requests if r.scheduled_step == self.step_no
             ]
             m.on_schedule_end(ScheduleEndContext(tuple(new_ids), tuple(preempted)))
+        if self.reads_land_in_step and hasattr(self.tier, "store"):
+            self.tier.store.wait_idle(timeout_s=10.0)  # a real tier's reads land
         with m.lock:
             for r in loads:
                 m.complete_load(r.loading, r.ctx)
@@ -476,7 +484,9 @@ class WalkModel:
     def _store_keys(self, r: Request, g: GroupConfig) -> list[bytes]:
         keys = r.keys[g.group_idx]
         window = g.sliding_window_size_in_chunks
-        return keys if window is None else keys[max(0, len(keys) - window - 1) :]
+        if window is None or self.store_whole_windows:
+            return keys
+        return keys[max(0, len(keys) - window - 1) :]
 
     def _maybe_pin_external(self) -> None:
         """Another request's load pins a few ready chunks for 1-2 steps."""
