@@ -289,15 +289,6 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
         }
         uint64_t slot = set * self->core.ways + (uint64_t)w;
         slot_ref s = slot_at(&self->core, set, (uint32_t)w);
-        if (evict) {
-            self->core.c.evictions++;
-            const unsigned char *r = record(&self->core, slot);
-            if (events && r[5] <= REC_KEY_MAX && nvt_record_has_key(&self->core, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
-                nvt_append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
-                set_unlock(&self->core, set);
-                goto error;
-            }
-        }
         if (job < 0 && (job = nvt_job_alloc(self, job_id, 0)) < 0) {
             set_unlock(&self->core, set);
             PyErr_NoMemory();
@@ -308,6 +299,19 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
             set_unlock(&self->core, set);
             PyErr_NoMemory();
             goto error;
+        }
+        if (evict) {
+            /* Its removal event last, after every step that can fail: a key
+             * in `evicted` is one this loop did evict (the caller announces
+             * them even when the loop fails: unwinding frees those slots). */
+            const unsigned char *r = record(&self->core, slot);
+            if (events && r[5] <= REC_KEY_MAX && nvt_record_has_key(&self->core, slot, (const char *)r + REC_KEY_OFFSET, r[5]) &&
+                nvt_append_key(evicted, (const char *)r + REC_KEY_OFFSET, r[5]) < 0) {
+                set_unlock(&self->core, set);
+                op_release(self, (uint32_t)oi);
+                goto error;
+            }
+            self->core.c.evictions++;
         }
         /* Mark the slot ours before its record changes: a death from here on
          * leaves a WRITING slot of a dead sharer, which is reclaimed. */
@@ -509,8 +513,18 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
     }
     PyBuffer_Release(&rows);
     Py_DECREF(seq);
-    if (rc == 0 && evicted && nvt_push_event(self, 1, evicted) < 0)
-        event_lost(self); /* the evictions happened: the store goes on */
+    if (evicted && PyList_GET_SIZE(evicted)) {
+        /* The evictions happened, whether or not the loop then failed (its
+         * unwinding frees those slots): their removals are announced all
+         * the same, the loop's exception kept for the caller. */
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        if (nvt_push_event(self, 1, evicted) < 0) {
+            PyErr_Clear();
+            self->events_lost += (unsigned long long)PyList_GET_SIZE(evicted);
+        }
+        PyErr_Restore(et, ev, tb);
+    }
     Py_XDECREF(evicted);
     /* The job's one stored event takes its place now, after every removal
      * that came before its claims (this submit's evictions, keys expired so

@@ -623,14 +623,21 @@ class BlockStore:
     ) -> list[tuple[bool, list[bytes]]]:
         """The table's events name key MACs: the keys this process knows
         (it submitted them) are reported, a removal of one it never saw
-        (another process's chunk) cannot be named and is left out."""
+        (another process's chunk) cannot be named and is left out. A removal
+        does not forget the key: a submit of it may already have been made
+        again (its MAC remembered then), and that job's stored event, handed
+        out after the removal, must still name it. The key moves to the
+        newest end instead (``_macs`` drops the oldest past the bound), as
+        it did when a removal forgot it and the next submit remembered it."""
         known = self._known
         out = []
         for removed, macs in events:
             keys = [k for k in map(known.get, macs) if k is not None]
             if removed:
                 for m in macs:
-                    known.pop(m, None)
+                    k = known.pop(m, None)
+                    if k is not None:
+                        known[m] = k
             if keys:
                 out.append((removed, keys))
         return out
