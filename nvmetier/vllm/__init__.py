@@ -59,10 +59,11 @@ from nvmetier.files import private_store_name, reclaim_private_stores, stores_of
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
 from nvmetier.vllm import compat
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
+from nvmetier.vllm.cpu_view import PrimaryView, connector_groups, find_primary
 from nvmetier.vllm.promotion import (
     PromotionGuard,
     check_cpu_tier_size,
-    group_chunking,
+    kv_groups,
     longest_request_chunks,
 )
 
@@ -451,7 +452,9 @@ class NvmeTierManager(SecondaryTierManager):
         self.reports_store_gauges = not (
             self.config.sharing == "node" and parallel.data_parallel_index != 0
         )
+        self._spec = offloading_spec
         self._guard = self._build_guard(offloading_spec, primary_kv_view)
+        self._guard_wired = False
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -478,17 +481,38 @@ class NvmeTierManager(SecondaryTierManager):
         shape = view.shape
         cpu_chunks = shape[0] if shape and len(shape) >= 2 else view.nbytes // self.block_size_bytes
         chunk_bytes = int(getattr(spec, "kv_bytes_per_chunk", 0) or self.block_size_bytes)
-        longest = longest_request_chunks(spec)
+        # vLLM's connector is building this tier: its groups carry the windows
+        # that 0.32's offloading config lacks.
+        walked = connector_groups()
+        longest = longest_request_chunks(spec, walked)
         check_cpu_tier_size(longest, cpu_chunks, chunk_bytes, self.tier_label)
+        groups = kv_groups(spec, walked)
         return PromotionGuard(
             cpu_chunks,
             self.config.promotion_fraction,
             longest_request_chunks=longest,
             chunk_bytes=chunk_bytes,
             tier_label=self.tier_label,
-            group_chunking=group_chunking(spec),
+            group_chunking=tuple((tpc, w) for _g, tpc, w in groups),
             enabled=self.config.promotion_guard,
+            groups=groups,
         )
+
+    def _wire_guard(self) -> None:
+        """First lookup: the orchestrator exists now; give the guard its view
+        of the CPU tier (plans stay per-request budgets without one)."""
+        self._guard_wired = True
+        primary = find_primary(self._spec, self)
+        if primary is None:
+            logger.info(
+                "nvmetier[%s]: no CPU primary tier found beside this tier; the promotion "
+                "guard bounds each request by its budget alone",
+                self.tier_label,
+            )
+            return
+        # The plan asks the disk without leasing a slot: only the walk's own
+        # lookups (of the keys the plan answers HIT for) lease.
+        self._guard.attach(PrimaryView(primary), lambda key: self.store.contains(key))
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -537,6 +561,8 @@ class NvmeTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self._seed_checked:
             self._check_seed()
+        if not self._guard_wired:
+            self._wire_guard()
         guard = self._guard
         # Only as many HITs per request as its CPU slots can take, in one step
         # (nvmetier.vllm.promotion says why: otherwise a read storm).
@@ -553,6 +579,7 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._guard.track(req_context)
         return RequestOffloadingContext()
 
     @override
@@ -564,7 +591,10 @@ class NvmeTierManager(SecondaryTierManager):
         # Promotions of this step were submitted before this hook runs; a HIT
         # that was not promoted (primary full) stops protecting its slot.
         self._release()
-        self._guard.end_step()  # counts this step's HITs that were not loaded
+        # Counts this step's HITs that were not loaded, drops the pins of the
+        # requests vLLM scheduled (their own prepare_load holds the chunks)
+        # or preempted, and pins the promotions that landed.
+        self._guard.end_step(context.new_req_ids, context.preempted_req_ids)
 
     # ------------------------------------------------------------ transfers
     @override
@@ -612,6 +642,9 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def drain_jobs(self) -> None:
+        # vLLM drains the tiers before it resets the CPU tier: the guard's
+        # pins go first, while the chunks they hold still exist.
+        self._guard.release_all()
         while not self.store.wait_idle(timeout_s=5.0):
             logger.warning("nvmetier: drain_jobs still waiting for in-flight I/O after 5 s")
 
@@ -624,6 +657,7 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
+        self._guard.release_all()
         self.store.close()
 
     # ------------------------------------------------------------ metrics

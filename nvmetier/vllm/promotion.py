@@ -1,73 +1,70 @@
 """Which disk hits vLLM is told about: the promotion guard and the CPU tier check.
 
-Owns ``PromotionGuard`` (per request, how many of its chunks the tier answers
-HIT for, and the count of HITs vLLM did not load) and
-``check_cpu_tier_size`` (the start-up warning when one longest request's
-chunks do not fit in the CPU tier).
+Owns ``PromotionGuard`` (per request, which of its chunks the tier answers
+HIT for, the CPU tier chunks it holds for the request while its promotions
+land, and the count of HITs vLLM did not load) and ``check_cpu_tier_size``
+(the warning when one longest request's chunks do not fit in the CPU tier).
 
 Threads: every method runs on vLLM's scheduler thread under the
 orchestrator's lock (through ``NvmeTierManager``); nothing blocks, nothing
 does I/O.
 
-Why a guard. vLLM's ``TieringOffloadingManager.lookup`` promotes a chunk we
-answer HIT for by reserving a CPU slot at once (``prepare_write``, evicting
-the least recently used unpinned chunk) and answers the connector
-HIT_PENDING; with no slot free it answers MISS. The connector's prefix walk
-(``OffloadingConnectorScheduler._maximal_prefix_lookup``) looks every key of
-the request up until the first MISS, and defers the request (asks again next
-step) while any key was HIT_PENDING. Promoted chunks are evictable once their
-read lands and until the request pins them (``prepare_load``), which happens
-only when a walk finds no pending key. So for a request with more chunks on
-disk than the CPU tier holds, every step goes:
+Why a guard. vLLM loads a disk hit through the CPU tier: a HIT makes the
+orchestrator reserve a CPU slot at once (``prepare_write``, evicting the least
+recently used unpinned chunk) and answer the connector HIT_PENDING; the
+connector then defers the request until a walk over its keys finds every one
+in the CPU tier, and only that walk pins them (``prepare_load``). Everything a
+request will load must therefore be in the CPU tier at once, and nothing pins
+it while the request waits. Answering HIT for every chunk on disk (vLLM's own
+tiers do) lets a request's promotions evict its own earlier chunks, another
+waiting request's chunks, or the chunks it promoted the step before: a read
+storm that loads nothing (issue 21), or fewer tokens than no disk tier.
 
-1. the walk reaches the chunks it promoted last step (now HIT in the CPU tier),
-2. then asks us for the next ones, and each of our HITs evicts one of (1),
-3. until the CPU tier has no evictable slot: that lookup is a MISS, the walk
-   stops, the request is deferred because of (2),
+The plan (per request, made at the first lookup of the request that reaches
+the tier, from the CPU tier's state at that moment):
 
-and the next step starts again at the chunks (2) evicted: a CPU tier's worth
-of disk reads per step, nothing ever loaded. It ends only when a walk finds
-no slot at its very first disk chunk (every slot still in flight), and the
-request is recomputed from there; where the reads always land within a step,
-it never ends. Under ``vllm serve`` (13-chunk CPU tier, 39-chunk prompts) that
-read 0.4 to 8.3 GB per run, loaded nothing, and doubled the time to first
-token (issue 21).
+- The walk's start is where the request's CPU-resident run ends before that
+  key (vLLM passes the start to no tier; a head in the GPU prefix cache that
+  the CPU tier also holds is counted as the CPU's: a smaller plan, never a
+  loss). The request's keys by KV group and chunk come from the positions
+  vLLM's connector records (``cpu_view.request_keys``).
+- For every end position T past the start, what a load at T needs, group by
+  group exactly as vLLM's walk and ``update_state_after_alloc`` take it: a
+  full-attention group every chunk from the start to T, a sliding-window
+  group (Mamba counts as a window of 1) only its window before T. A T is
+  possible when each of those chunks is in the CPU tier or on disk, and
+  affordable when the disk-only ones (the promotions) fit in the request's
+  budget (``promotion_fraction`` of the CPU tier) and in what the CPU tier can
+  give without evicting anything the plan keeps: free plus evictable chunks,
+  less the needed chunks it pins. The plan is the largest affordable T; if it
+  loads no more than the CPU tier alone (no disk tier's answer), the request
+  gets no HIT and loads that at once.
+- The tier then answers HIT for exactly the plan's promotions (everything
+  else of the request is a MISS), and pins the plan's chunks that are in the
+  CPU tier (``prepare_read``, as a cascade does), and each promoted chunk as
+  soon as it lands: nothing the request will load can be evicted by other
+  requests' promotions or by stores, and its promotions evict only chunks no
+  plan keeps. The request loads the whole plan at its first walk that finds
+  it all in the CPU tier.
+- The pins go when vLLM schedules the request (``ScheduleEndContext.
+  new_req_ids``: its own ``prepare_load`` holds the chunks now), when it is
+  preempted (``preempted_req_ids``: its next walk plans afresh) or finished,
+  before vLLM resets the CPU tier (``drain_jobs``), or after ``HOLD_STEPS``
+  steps with every promotion landed and the request still not scheduled (it
+  waits for GPU memory, or was resumed after a preemption, which vLLM does
+  not report as new): the round then ends and later lookups are MISS.
+- A request whose walk in a later step reaches the tier with a key of its
+  plan (a promotion failed, or the walk ended elsewhere than planned) plans
+  again from what the CPU tier now holds, at most ``MAX_PLANS`` times; other
+  keys are MISS. Over its life a request promotes at most its budget.
 
-The policy (per request, by ``req_id``):
+A HIT whose key is in no ``submit_load`` by the end of the step (``note_loaded``
+never saw it) is a chunk vLLM found no CPU slot for: counted in
+``hits_not_loaded`` and logged (at most once a minute) with what to do.
 
-- **One promotion round.** The tier answers HIT for a request's chunks only in
-  the step of its first HIT (the step whose walk promotes them). From the next
-  step on, every lookup of that request that reaches the tier (a chunk the CPU
-  tier does not hold: one never promoted, or one evicted since) is answered
-  MISS. The walk then stops at the first chunk the CPU tier lost, the request
-  is no longer deferred once its reads land, and it loads that prefix in one
-  go and recomputes the rest.
-- **A budget.** Within that step, at most ``budget`` HITs (``fraction`` of the
-  CPU tier's chunk count, at least 1), less the chunks of the request that come
-  before its first disk hit: the rest of the walk gets MISS, so the request
-  never evicts its own promoted chunks in the same step, nor the chunks it
-  already has in the CPU tier (the CPU tier's lookups do not refresh their
-  recency, so a request's older chunks are the first a promotion would evict,
-  and it would then load nothing, a loss against no disk tier). Where those
-  chunks are in vLLM's GPU prefix cache instead (the tier cannot tell; vLLM
-  passes the walk's start to no tier), the budget is smaller than it could be:
-  the request recomputes more, never worse than with no disk tier. The
-  chunk's place comes from ``ReqContext.get_offload_key_position`` (the end
-  token vLLM's connector records for every key); without it, only the
-  fraction bounds the round.
-- Hence a request reads at most ``budget`` chunks from disk over its life
-  (at most the CPU tier's size), is deferred by the tier at most until its
-  one round of reads lands (a read that fails or is cancelled completes the
-  job too), and loads a prefix or nothing. Requests that never got a HIT are
-  untouched. The state of a request goes with ``on_request_finished``.
-
-A HIT whose key is in no ``submit_load`` by the end of the step
-(``note_loaded`` never saw it) is a chunk vLLM found no CPU slot for: counted
-in ``hits_not_loaded`` and logged (at most once a minute) with what to do.
-
-Not covered: a request preempted after its load is recomputed past what the
-CPU tier still holds (its round is spent); sliding-window groups (scanned from
-the end) share the same budget, so a hybrid model may load less than fits.
+Without a view of the CPU tier (a tier built outside vLLM's tiering spec), the
+guard keeps its earlier rule: one promotion round per request, in the step of
+its first HIT, at most the budget less the request's chunks before the key.
 """
 
 from __future__ import annotations
@@ -75,43 +72,75 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from nvmetier.config import format_size
+from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView, request_keys
+
+# A chunk neither in the CPU tier nor on disk (``_plan``'s classification).
+NOWHERE = -1
 
 logger = logging.getLogger("nvmetier.vllm")
 
-# Seconds between two "hits not loaded" warnings (the count in between is summed).
+# Seconds between two "hits not loaded" (or "request larger than the CPU
+# tier") warnings; the count in between is summed.
 NOT_LOADED_LOG_INTERVAL_S = 60.0
+# Steps a request keeps its pins once all its promotions landed and it is
+# still not scheduled.
+HOLD_STEPS = 8
+# Plans one request may make (the first and the re-plans after a lost key).
+MAX_PLANS = 3
 
 
 @dataclass
 class _Round:
     """One request's promotion round."""
 
-    step: int  # the step of its first HIT; HITs are answered in this step only
-    budget: int  # HITs it may get in that step
-    hits: int = 0  # HITs answered in that step
+    ctx: Any
+    step: int  # the step of its last plan (or, without a plan, of its first HIT)
+    budget: int = 0  # without a plan: HITs it may get in that step
+    hits: int = 0  # HITs answered (every round)
     closed: bool = False
+    plans: int = 0
+    planned: set[Any] = field(default_factory=set)  # keys to answer HIT
+    needed: set[Any] = field(default_factory=set)  # keys the planned load takes
+    pinned: set[Any] = field(default_factory=set)  # keys this round pinned
+    landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
+    generation: int = 0  # the CPU tier's generation of the pins
+    idle_steps: int = 0
+    target_tokens: int = 0
+    protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One KV group of a request: its chunk size, window and keys by chunk."""
+
+    index: int
+    tokens_per_chunk: int
+    window: int | None
+    keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
 
 
 class PromotionGuard:
-    """Bounds the disk hits of each request to what the CPU tier can take.
+    """Answers HIT only for the disk hits vLLM will promote and load.
 
     Args:
         cpu_chunks: chunks of the CPU primary tier.
-        fraction: share of them one request may promote in its round (0, 1].
+        fraction: share of them one request may promote over its life (0, 1].
         longest_request_chunks: chunks of one ``max_model_len`` request, for
             the warning (0 when unknown).
-        chunk_bytes: bytes of one CPU tier chunk (for the warning).
-        tier_label: the tier's metric label (for the warning).
+        chunk_bytes: bytes of one CPU tier chunk (for the warnings).
+        tier_label: the tier's metric label (for the warnings).
         group_chunking: per KV group, ``(tokens per chunk, sliding window in
-            chunks or None)``: how many chunks a request holds before a token
-            position (empty: unknown, the fraction alone bounds a round).
-        enabled: bound each request's HITs (False: every chunk on disk is a
+            chunks or None)``, in group order (empty: unknown).
+        enabled: plan each request's HITs (False: every chunk on disk is a
             HIT, vLLM's own behaviour; HITs not loaded are still counted).
+        groups: per KV group, ``(group index, tokens per chunk, window or
+            None)``: the layout the plans use (default: ``group_chunking``
+            numbered in order).
     """
 
     def __init__(
@@ -124,16 +153,21 @@ class PromotionGuard:
         tier_label: str = "",
         group_chunking: tuple[tuple[int, int | None], ...] = (),
         enabled: bool = True,
+        groups: tuple[tuple[int, int, int | None], ...] = (),
     ) -> None:
         self.enabled = enabled
         self.cpu_chunks = cpu_chunks
         self.budget = max(1, int(cpu_chunks * fraction))
         self.hits_not_loaded = 0
         self.lookups_withheld = 0
+        self.requests_larger_than_cpu_tier = 0
         self._longest = longest_request_chunks
         self._chunk_bytes = chunk_bytes
         self._tier_label = tier_label
         self._groups = tuple((tpc, w) for tpc, w in group_chunking if tpc > 0)
+        if not groups:
+            groups = tuple((i, tpc, w) for i, (tpc, w) in enumerate(self._groups))
+        self._layout = {g: (tpc, w) for g, tpc, w in groups if tpc > 0}
         self._step = 0
         self._rounds: dict[str, _Round] = {}
         # HITs answered this step that no submit_load took yet: key -> req_id.
@@ -141,7 +175,429 @@ class PromotionGuard:
         self._last_log = -math.inf
         self._not_logged = 0
         self._not_logged_reqs = 0
+        self._last_size_log = -math.inf
+        self._view: PrimaryView | None = None
+        self._on_disk: Callable[[Any], bool] | None = None
+        self._pinned_step = -1
+        # Requests vLLM has not scheduled yet (on_new_request, and again when
+        # preempted): req_id -> context. Their CPU chunks are protected before
+        # any promotion of a step (``_protect_waiting``).
+        self._waiting: dict[str, Any] = {}
+        self._protected_step = -1
+        self._protect_spent: set[str] = set()
 
+    # ------------------------------------------------------------ wiring
+    def attach(self, view: PrimaryView, on_disk: Callable[[Any], bool]) -> None:
+        """Plan from now on against the CPU tier ``view``; ``on_disk(key)``
+        says whether the tier holds a key (no I/O)."""
+        self._view = view
+        self._on_disk = on_disk
+
+    @property
+    def attached(self) -> bool:
+        return self._view is not None
+
+    # ------------------------------------------------------------ lookups
+    def admits(self, key: Any, ctx: Any) -> bool:
+        """Whether a lookup of ``key`` for request ``ctx`` may be answered HIT
+        (if on disk).
+
+        False (counted in ``lookups_withheld``) for every key outside the
+        request's plan; the tier then answers MISS without asking the disk.
+        """
+        if not self.enabled:
+            return True
+        if self._view is None:
+            return self._admits_unplanned(key, ctx)
+        if self._pinned_step != self._step:
+            # First lookup of the step: vLLM has applied the completions it
+            # polled, so promotions that landed are pinned before any HIT
+            # of this step can evict them.
+            self._pinned_step = self._step
+            self._pin_landed()
+        rnd = self._rounds.get(ctx.req_id)
+        if rnd is not None and rnd.protect_only:
+            # Its walk reaches the tier now: a plan of its own, keeping the pins.
+            rnd.protect_only = False
+            rnd.plans = 0
+            rnd.step = -1
+            if not self._plan(rnd, key):
+                rnd.protect_only = True
+                return self._admits_unplanned(key, ctx)
+        elif rnd is None:
+            if not ctx.get_offload_key_position(key):
+                return self._admits_unplanned(key, ctx)  # no positions: no plan
+            rnd = self._rounds[ctx.req_id] = _Round(ctx, self._step)
+            if not self._plan(rnd, key):
+                del self._rounds[ctx.req_id]
+                return self._admits_unplanned(key, ctx)
+        elif not rnd.plans:
+            return self._admits_unplanned(key, ctx)
+        elif (
+            not rnd.closed
+            and rnd.step != self._step
+            and rnd.plans < MAX_PLANS
+            and (key in rnd.needed or not rnd.needed)
+        ):
+            self._plan(rnd, key)
+        if key in rnd.planned:
+            return True
+        self.lookups_withheld += 1
+        return False
+
+    def note_hit(self, key: Any, ctx: Any) -> None:
+        """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
+        req_id = ctx.req_id
+        if self._unloaded.get(key) == req_id:  # a key looked up twice counts once
+            return
+        self._unloaded[key] = req_id
+        if not self.enabled:
+            return
+        rnd = self._rounds.get(req_id)
+        if rnd is None:
+            rnd = self._rounds[req_id] = _Round(ctx, self._step, self._request_budget(key, ctx))
+        rnd.hits += 1
+        if key in rnd.planned:
+            rnd.planned.discard(key)
+            rnd.landing.add(key)
+
+    def note_loaded(self, keys: Iterable[Any]) -> None:
+        """vLLM submitted a load (promotion) of ``keys``."""
+        if self._unloaded:
+            pop = self._unloaded.pop
+            for key in keys:
+                pop(key, None)
+
+    def track(self, ctx: Any) -> None:
+        """A new request (``on_new_request``): waiting until vLLM schedules it."""
+        self._waiting[ctx.req_id] = ctx
+
+    # ------------------------------------------------------------ steps
+    def end_step(
+        self, new_req_ids: Collection[str] = (), preempted_req_ids: Collection[str] = ()
+    ) -> None:
+        """End of a scheduler step (after vLLM submitted its promotions and
+        pinned the loads of the requests it scheduled)."""
+        self._step += 1
+        rounds = self._rounds
+        waiting = self._waiting
+        for req_id in preempted_req_ids:
+            rnd = rounds.pop(req_id, None)
+            if rnd is not None:
+                waiting[req_id] = rnd.ctx  # it walks again, from scratch
+                self._release(rnd)
+            self._protect_spent.discard(req_id)
+        for req_id in new_req_ids:
+            waiting.pop(req_id, None)
+            self._protect_spent.discard(req_id)
+            rnd = rounds.get(req_id)
+            if rnd is not None:  # its own prepare_load holds its chunks now
+                if rnd.protect_only:
+                    del rounds[req_id]
+                    self._release(rnd)
+                else:
+                    self._close(rnd)
+        if rounds and self._view is not None:
+            self._pin_landed()
+            self._expire_idle()
+        if not self._unloaded:
+            return
+        n = len(self._unloaded)
+        reqs = set(self._unloaded.values())
+        self._unloaded.clear()
+        self.hits_not_loaded += n
+        self._not_logged += n
+        self._not_logged_reqs += len(reqs)
+        if self._view is None:
+            for req_id in reqs:
+                rnd = rounds.get(req_id)
+                if rnd is not None:
+                    rnd.closed = True
+        now = time.monotonic()
+        if now - self._last_log >= NOT_LOADED_LOG_INTERVAL_S:
+            self._last_log = now
+            self._warn_not_loaded()
+
+    def finish(self, req_id: str) -> None:
+        """The request finished: drop its pins and forget its round."""
+        self._waiting.pop(req_id, None)
+        self._protect_spent.discard(req_id)
+        rnd = self._rounds.pop(req_id, None)
+        if rnd is not None:
+            self._release(rnd)
+
+    def release_all(self) -> None:
+        """Drop every pin and round (before vLLM resets the CPU tier, or at
+        shutdown): requests plan afresh at their next lookup."""
+        for rnd in self._rounds.values():
+            self._release(rnd)
+        self._rounds.clear()
+
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for the tier's metrics."""
+        return {
+            "hits_not_loaded": self.hits_not_loaded,
+            "lookups_withheld": self.lookups_withheld,
+            "requests_larger_than_cpu_tier": self.requests_larger_than_cpu_tier,
+            "promotion_pins": sum(len(r.pinned) for r in self._rounds.values()),
+        }
+
+    # ------------------------------------------------------------ plans
+    def _layout_of(self, ctx: Any) -> list[_Group]:
+        """The request's KV groups, full attention first (vLLM's walk order),
+        each with its chunk keys from the start; empty when unknown."""
+        by_group = request_keys(ctx)
+        out: list[_Group] = []
+        for index, ends in sorted(by_group.items()):
+            tpc, window = self._layout.get(index, (0, None))
+            if tpc <= 0:
+                tpc = _gcd_of(ends)
+                if tpc <= 0:
+                    return []
+            keys: list[Any] = []
+            while (len(keys) + 1) * tpc in ends:
+                keys.append(ends[(len(keys) + 1) * tpc])
+            out.append(_Group(index, tpc, window, keys))
+        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.index))
+        return out
+
+    def _protect_waiting(self, planning: str) -> None:
+        """Before the step's first promotion: pin the CPU chunks each waiting
+        request would load from the CPU tier alone (requests whose walk has not
+        reached the tier: deferred by vLLM, or waiting for GPU memory), so that
+        no promotion evicts them. Once per request while it waits, for at most
+        ``HOLD_STEPS`` steps; released when vLLM schedules it."""
+        self._protected_step = self._step
+        for req_id, ctx in self._waiting.items():
+            if req_id == planning or req_id in self._rounds or req_id in self._protect_spent:
+                continue
+            groups = self._layout_of(ctx)
+            if not groups:
+                continue  # not walked yet: nothing of it is known
+            anchor = _protect_anchor(groups, self._view)
+            if anchor is None:
+                continue
+            rnd = _Round(ctx, self._step, protect_only=True)
+            if self._plan(rnd, anchor, promote=False) and rnd.pinned:
+                self._rounds[req_id] = rnd
+
+    def _plan(self, rnd: _Round, first_key: Any, *, promote: bool = True) -> bool:
+        """Choose the request's load end and its promotions (see the module
+        docstring); pin what the plan keeps that is in the CPU tier now.
+        False (nothing planned) when the request's keys are unknown."""
+        view = self._view
+        on_disk = self._on_disk
+        assert view is not None and on_disk is not None
+        groups = self._layout_of(rnd.ctx)
+        position = rnd.ctx.get_offload_key_position(first_key)
+        if not groups or not position:
+            return False
+        if promote and self._protected_step != self._step and self._waiting:
+            self._protect_waiting(rnd.ctx.req_id)
+        rnd.plans += 1
+        rnd.step = self._step
+        rnd.planned = set()
+        state = view.state
+        start = self._walk_start(groups, first_key, int(position), state, on_disk)
+        step = _lcm_bounded([g.tokens_per_chunk for g in groups])
+        end_tokens = min(len(g.keys) * g.tokens_per_chunk for g in groups)
+        budget = self.budget - rnd.hits
+        room = view.room()
+        if room is None:
+            room = self.cpu_chunks
+        known: dict[Any, int] = {}  # key -> READY / PENDING / ABSENT, or NOWHERE
+
+        def classify(key: Any) -> int:
+            got = known.get(key)
+            if got is None:
+                got = state(key)
+                if got == ABSENT and not on_disk(key):
+                    got = NOWHERE
+                known[key] = got
+            return got
+
+        def pins_new(key: Any) -> int:
+            return int(key not in rnd.pinned and view.evictable(key))
+
+        # Full groups accumulate from the start (counted once, O(prompt));
+        # windows are counted afresh per end (O(window) each).
+        full = [g for g in groups if g.window is None]
+        windows = [g for g in groups if g.window is not None]
+        full_next = {g.index: start // g.tokens_per_chunk for g in full}
+        full_need = full_promos = full_pins = 0
+        best_end = no_disk_end = 0
+        need_most = 0
+        t = (start // step + 1) * step
+        while t <= end_tokens:
+            blocked = False
+            for g in full:
+                stop = t // g.tokens_per_chunk
+                i = full_next[g.index]
+                while i < stop:
+                    where = classify(g.keys[i])
+                    if where == NOWHERE:
+                        blocked = True
+                        break
+                    full_need += 1
+                    if where == ABSENT:
+                        full_promos += 1
+                    elif where == READY:
+                        full_pins += pins_new(g.keys[i])
+                    i += 1
+                full_next[g.index] = i
+                if blocked:
+                    break
+            if blocked:  # a full group's chunk is nowhere: no end past it
+                break
+            need, promos, pins = full_need, full_promos, full_pins
+            for g in windows:
+                for key in _window_keys(g, start, t):
+                    where = classify(key)
+                    if where == NOWHERE:
+                        need = -1
+                        break
+                    need += 1
+                    if where == ABSENT:
+                        promos += 1
+                    elif where == READY:
+                        pins += pins_new(key)
+                if need < 0:
+                    break
+            if need >= 0:
+                need_most = need
+                if not promos:
+                    no_disk_end = t
+                elif promote and promos <= budget and promos + pins <= room:
+                    best_end = t
+            t += step
+        if need_most > self.cpu_chunks:
+            self._warn_request_larger(need_most)
+        if best_end <= no_disk_end:
+            # The CPU tier alone serves as much: no HIT, the request loads
+            # that now (its chunks pinned in case vLLM cannot schedule it yet).
+            best_end = no_disk_end
+        rnd.target_tokens = best_end
+        needed = [
+            key
+            for g in groups
+            for key in (
+                g.keys[start // g.tokens_per_chunk : best_end // g.tokens_per_chunk]
+                if g.window is None
+                else _window_keys(g, start, best_end)
+            )
+        ]
+        rnd.needed = set(needed)
+        rnd.planned = {k for k in needed if known[k] == ABSENT}
+        generation = view.generation()
+        if rnd.pinned and rnd.generation != generation:
+            rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
+        rnd.generation = generation
+        to_pin = [k for k in rnd.needed if known[k] == READY and k not in rnd.pinned]
+        if to_pin:
+            view.pin(to_pin, rnd.ctx)
+            rnd.pinned.update(to_pin)
+        rnd.landing.update(k for k in rnd.needed if known[k] != READY and k not in rnd.pinned)
+        return True
+
+    @staticmethod
+    def _walk_start(
+        groups: list[_Group],
+        first_key: Any,
+        position: int,
+        state: Callable[[Any], int],
+        on_disk: Callable[[Any], bool],
+    ) -> int:
+        """The token where the request's walk started (vLLM tells no tier).
+
+        With a full-attention group: where the CPU tier's run of its chunks
+        ends just before ``first_key`` starts (the walk found them all).
+        Sliding windows only (scanned from the end): where the last run of
+        chunks the CPU tier or the disk holds, up to ``first_key``, starts (no
+        window reaches past a chunk held nowhere; the walk clips a window at
+        its start, so a head in the GPU prefix cache is counted as held).
+        """
+        full = next((g for g in groups if g.window is None), None)
+        if full is None:
+            group = next(g for g in groups if first_key in g.keys) if groups else None
+            if group is None:
+                return 0
+            keys = group.keys
+
+            def held(j: int) -> bool:
+                return state(keys[j]) != ABSENT or bool(on_disk(keys[j]))
+
+            # The scan runs from the end: skip the chunks held nowhere at and
+            # before the first key it asked about, then take the held run.
+            i = keys.index(first_key) + 1
+            while i > 0 and not held(i - 1):
+                i -= 1
+            while i > 0 and held(i - 1):
+                i -= 1
+            return i * group.tokens_per_chunk
+        tpc = full.tokens_per_chunk
+        if first_key in full.keys:
+            i = position // tpc - 1  # the first chunk the CPU tier did not have
+        else:  # a later group's key: the full group's walk passed this chunk
+            i = min(len(full.keys), -(-position // tpc))
+        while i > 0 and state(full.keys[i - 1]) != ABSENT:
+            i -= 1
+        return i * tpc
+
+    def _pin_landed(self) -> None:
+        """Pin the planned chunks that became ready since (landed promotions,
+        finished writes); forget those that are gone (a failed read)."""
+        view = self._view
+        if view is None:
+            return
+        generation = view.generation()
+        for rnd in self._rounds.values():
+            if not rnd.landing:
+                continue
+            if rnd.generation != generation:
+                rnd.pinned.clear()
+                rnd.landing.clear()
+                continue
+            ready = []
+            for key in list(rnd.landing):
+                where = view.state(key)
+                if where == READY:
+                    ready.append(key)
+                    rnd.landing.discard(key)
+                elif where == ABSENT:
+                    rnd.landing.discard(key)
+            if ready:
+                view.pin(ready, rnd.ctx)
+                rnd.pinned.update(ready)
+
+    def _expire_idle(self) -> None:
+        """End the rounds whose request stays unscheduled with every
+        promotion landed, so their pins do not hold the CPU tier for good."""
+        for req_id, rnd in list(self._rounds.items()):
+            if rnd.closed or not rnd.pinned or rnd.landing:
+                continue
+            rnd.idle_steps += 1
+            if rnd.idle_steps <= HOLD_STEPS:
+                continue
+            if rnd.protect_only:  # never planned: its walk may still plan
+                del self._rounds[req_id]
+                self._release(rnd)
+                self._protect_spent.add(req_id)
+            else:
+                self._close(rnd)
+
+    def _close(self, rnd: _Round) -> None:
+        self._release(rnd)
+        rnd.closed = True
+        rnd.planned = set()
+
+    def _release(self, rnd: _Round) -> None:
+        view = self._view
+        if rnd.pinned and view is not None and view.generation() == rnd.generation:
+            view.unpin(rnd.pinned, rnd.ctx)
+        rnd.pinned = set()
+        rnd.landing = set()
+
+    # ------------------------------------------------------------ no CPU tier view
     def _chunks_before(self, position: int) -> int:
         """Chunks of a request before the chunk ending at token ``position``."""
         total = 0
@@ -159,23 +615,16 @@ class PromotionGuard:
             return self.budget
         return min(self.budget, self.cpu_chunks - self._chunks_before(int(position)))
 
-    def admits(self, key: Any, ctx: Any) -> bool:
-        """Whether a lookup of ``key`` for request ``ctx`` may be answered HIT
-        (if on disk).
-
-        False (counted in ``lookups_withheld``) once the request's round is
-        over or its budget is spent, or when its chunks before ``key`` leave
-        no room; the tier then answers MISS without asking the disk.
-        """
-        if not self.enabled:
-            return True
+    def _admits_unplanned(self, key: Any, ctx: Any) -> bool:
+        """Without a CPU tier view: HITs only in the step of the request's
+        first HIT, at most its budget."""
         req_id = ctx.req_id
         rnd = self._rounds.get(req_id)
         if rnd is None:  # no HIT yet: a round starts here if there is room
             budget = self._request_budget(key, ctx)
             if budget > 0:
                 return True
-            self._rounds[req_id] = _Round(self._step, budget, closed=True)
+            self._rounds[req_id] = _Round(ctx, self._step, budget, closed=True)
             self.lookups_withheld += 1
             return False
         if not rnd.closed and rnd.step == self._step and rnd.hits < rnd.budget:
@@ -184,44 +633,26 @@ class PromotionGuard:
         self.lookups_withheld += 1
         return False
 
-    def note_hit(self, key: Any, ctx: Any) -> None:
-        """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
-        req_id = ctx.req_id
-        if self._unloaded.get(key) == req_id:  # a key looked up twice counts once
-            return
-        self._unloaded[key] = req_id
-        if self.enabled:
-            rnd = self._rounds.get(req_id)
-            if rnd is None:
-                rnd = self._rounds[req_id] = _Round(self._step, self._request_budget(key, ctx))
-            rnd.hits += 1
-
-    def note_loaded(self, keys: Iterable[Any]) -> None:
-        """vLLM submitted a load (promotion) of ``keys``."""
-        if self._unloaded:
-            pop = self._unloaded.pop
-            for key in keys:
-                pop(key, None)
-
-    def end_step(self) -> None:
-        """End of a scheduler step (after vLLM submitted its promotions)."""
-        self._step += 1
-        if not self._unloaded:
-            return
-        n = len(self._unloaded)
-        reqs = set(self._unloaded.values())
-        self._unloaded.clear()
-        self.hits_not_loaded += n
-        self._not_logged += n
-        self._not_logged_reqs += len(reqs)
-        for req_id in reqs:
-            rnd = self._rounds.get(req_id)
-            if rnd is not None:
-                rnd.closed = True
+    # ------------------------------------------------------------ warnings
+    def _warn_request_larger(self, need: int) -> None:
+        """A request needs more CPU tier chunks than there are: warn (at
+        most once a minute) with the ``cpu_bytes_to_use`` that fits it."""
+        self.requests_larger_than_cpu_tier += 1
         now = time.monotonic()
-        if now - self._last_log >= NOT_LOADED_LOG_INTERVAL_S:
-            self._last_log = now
-            self._warn_not_loaded()
+        if now - self._last_size_log < NOT_LOADED_LOG_INTERVAL_S:
+            return
+        self._last_size_log = now
+        fits = f" (cpu_bytes_to_use >= {need * self._chunk_bytes})" if self._chunk_bytes else ""
+        logger.warning(
+            "nvmetier[%s]: a request needs %d CPU tier chunks to load its disk hits, but vLLM's "
+            "CPU tier holds %d: it loads part of them and recomputes the rest (counted in "
+            "vllm:nvmetier_requests_larger_than_cpu_tier). Raise cpu_bytes_to_use to fit the "
+            "longest prompts%s (docs/vllm.md, 'Sizing the CPU tier')",
+            self._tier_label,
+            need,
+            self.cpu_chunks,
+            fits,
+        )
 
     def _warn_not_loaded(self) -> None:
         need = ""
@@ -244,35 +675,94 @@ class PromotionGuard:
         self._not_logged = 0
         self._not_logged_reqs = 0
 
-    def finish(self, req_id: str) -> None:
-        """The request finished: forget its round."""
-        self._rounds.pop(req_id, None)
 
-    def stats(self) -> dict[str, int]:
-        """Counters for the tier's metrics."""
-        return {
-            "hits_not_loaded": self.hits_not_loaded,
-            "lookups_withheld": self.lookups_withheld,
-        }
+def _protect_anchor(groups: list[_Group], view: Any) -> Any:
+    """The key a waiting request's walk would first ask the tier about, had
+    it reached it: its first full-attention chunk the CPU tier does not hold
+    (its last chunk when it holds them all), or, with sliding windows only,
+    the last chunk of the first group (scanned from the end)."""
+    full = next((g for g in groups if g.window is None), None)
+    if full is None:
+        return groups[0].keys[-1] if groups[0].keys else None
+    if not full.keys:
+        return None
+    for key in full.keys:
+        if view.state(key) == ABSENT:
+            return key
+    return full.keys[-1]
 
 
-def group_chunking(spec: Any) -> tuple[tuple[int, int | None], ...]:
-    """Per KV group of ``spec``: (tokens per chunk, sliding window in chunks
-    or None for full attention); empty when the spec does not say."""
+def _window_keys(group: _Group, start: int, end: int) -> list[Any]:
+    """The keys of a sliding-window group that a load ending at token ``end``
+    takes: its window's chunks before ``end``, none before ``start``."""
+    assert group.window is not None
+    stop = end // group.tokens_per_chunk
+    lo = max(start // group.tokens_per_chunk, stop - group.window)
+    return group.keys[lo:stop]
+
+
+def _gcd_of(ends: dict[int, Any]) -> int:
+    """Tokens per chunk of a group whose layout is unknown: the gcd of its
+    chunk keys' end tokens."""
+    out = 0
+    for end in ends:
+        out = math.gcd(out, end)
+    return out
+
+
+def _lcm_bounded(sizes: list[int]) -> int:
+    """The end positions a plan tries: multiples of every group's chunk
+    (their lcm), or of the largest chunk when the lcm is unreasonably large."""
+    out = 1
+    for size in sizes:
+        out = out * size // math.gcd(out, size)
+    largest = max(sizes)
+    return out if out <= 8 * largest else largest
+
+
+def kv_groups(
+    spec: Any, connector: tuple[tuple[int, int, int | None], ...] = ()
+) -> tuple[tuple[int, int, int | None], ...]:
+    """Per KV group of ``spec``: ``(group index, tokens per chunk, sliding
+    window in chunks or None for full attention)``; empty when the spec does
+    not say.
+
+    vLLM 0.33's offloading config gives each group's window; 0.32's has none,
+    so there the window comes from ``connector`` (``cpu_view.
+    connector_groups``: the groups as vLLM's connector walks them), and a
+    group neither names is taken as full attention (a plan that loads less,
+    never one vLLM cannot load).
+    """
     config = getattr(spec, "config", None)
     groups = getattr(config, "groups", None) or ()
     blocks_per_chunk = int(getattr(spec, "blocks_per_chunk", 0) or 0)
+    walked = {index: (tpc, window) for index, tpc, window in connector}
     out = []
-    for group in groups:
+    for i, group in enumerate(groups):
+        index = int(getattr(group, "group_id", i))
         tokens_per_chunk = int(getattr(group, "tokens_per_block", 0) or 0) * blocks_per_chunk
         if tokens_per_chunk <= 0:
-            return ()
-        window = getattr(group, "sliding_window_size_in_chunks", None)
-        out.append((tokens_per_chunk, None if window is None else int(window)))
-    return tuple(out)
+            return tuple(connector)
+        if hasattr(group, "sliding_window_size_in_chunks"):
+            window = group.sliding_window_size_in_chunks
+        else:
+            window = walked.get(index, (0, None))[1]
+        out.append((index, tokens_per_chunk, None if window is None else int(window)))
+    return tuple(out) or tuple(connector)
 
 
-def longest_request_chunks(spec: Any) -> int:
+def group_chunking(
+    spec: Any, connector: tuple[tuple[int, int, int | None], ...] = ()
+) -> tuple[tuple[int, int | None], ...]:
+    """Per KV group of ``spec``: (tokens per chunk, sliding window in chunks
+    or None for full attention); empty when the spec does not say. See
+    ``kv_groups`` for where the windows come from."""
+    return tuple((tpc, window) for _index, tpc, window in kv_groups(spec, connector))
+
+
+def longest_request_chunks(
+    spec: Any, connector: tuple[tuple[int, int, int | None], ...] = ()
+) -> int:
     """CPU tier chunks one ``max_model_len`` request occupies (0: unknown).
 
     A full-attention group needs one chunk per ``tokens_per_block *
@@ -284,7 +774,7 @@ def longest_request_chunks(spec: Any) -> int:
     max_len = int(getattr(getattr(config, "model", None), "max_model_len", 0) or 0)
     if max_len <= 0:
         max_len = _current_max_model_len()
-    groups = group_chunking(spec)
+    groups = group_chunking(spec, connector)
     if max_len <= 0 or not groups:
         return 0
     total = 0

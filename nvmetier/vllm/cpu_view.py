@@ -1,0 +1,165 @@
+"""What the promotion guard reads of vLLM: the CPU primary tier, a request's
+keys and the KV cache groups' windows.
+
+Owns every access the guard makes to vLLM objects that no tier interface
+passes it, so ``nvmetier.vllm.promotion`` stays pure logic over small
+protocols and the private names of vLLM are read in one place:
+
+- ``PrimaryView``: the CPU primary tier (``CPUPrimaryTierOffloadingManager``)
+  of the orchestrator this tier belongs to: whether a chunk is in it (ready or
+  being written), how many chunks a promotion could take now (free plus
+  evictable), and pins (``prepare_read`` / ``complete_load``, the same pair the
+  orchestrator uses for a cascade) that keep a chunk a request will load from
+  being evicted while the request waits for its promotions.
+- ``request_keys``: a request's offload keys by KV group and chunk index, from
+  the end token vLLM's connector records for every key
+  (``ReqContext.set_offload_key_position``).
+- ``connector_groups``: the KV groups as vLLM's connector walks them (tokens
+  per chunk and sliding window in chunks), read from the connector scheduler
+  that is building this tier (vLLM 0.32's offloading config has no window).
+
+Threads: the scheduler thread, under the orchestrator's lock; nothing blocks.
+Each accessor degrades to "unknown" (None or empty) when a vLLM build lacks
+what it reads; the guard then falls back to its per-request budget alone.
+Tested on vLLM 0.32 and 0.33 (tests/vllm run in both environments).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+# Residency of a chunk in the CPU tier (``PrimaryView.state``).
+ABSENT, PENDING, READY = 0, 1, 2
+
+
+class PrimaryView:
+    """The CPU primary tier, as the guard sees it.
+
+    Args:
+        primary: vLLM's ``CPUPrimaryTierOffloadingManager``.
+    """
+
+    def __init__(self, primary: Any) -> None:
+        self._primary = primary
+        self._policy = getattr(primary, "_policy", None)
+        self._pin = primary.prepare_read
+        self._unpin = primary.complete_load
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+        self._hit = LookupResult.HIT
+        self._pending = LookupResult.HIT_PENDING
+        # The CPU tier's lookup ignores its context; one serves every call.
+        self._ctx = ReqContext(req_id="nvmetier-promotion-guard")
+
+    def state(self, key: Any) -> int:
+        """``READY``, ``PENDING`` (a write in flight) or ``ABSENT``."""
+        result = self._primary.lookup(key, self._ctx)
+        if result is self._hit:
+            return READY
+        return PENDING if result is self._pending else ABSENT
+
+    def room(self) -> int | None:
+        """Chunks a promotion can take now: free plus evictable (None: unknown)."""
+        free = getattr(self._primary, "_get_num_free_chunks", None)
+        evictable = getattr(self._primary, "_num_evictable_cache_chunks", None)
+        if free is None or not isinstance(evictable, int):
+            return None
+        return int(free()) + evictable
+
+    def evictable(self, key: Any) -> bool:
+        """Whether a ready chunk is unpinned (True when unknown: the
+        conservative answer, pinning it then costs a slot of room)."""
+        chunk = self._policy.get(key) if self._policy is not None else None
+        ref_cnt = getattr(chunk, "ref_cnt", None)
+        return ref_cnt is None or ref_cnt == 0
+
+    def generation(self) -> int:
+        """Changes when vLLM resets the CPU tier (pins taken before are void)."""
+        return int(getattr(self._primary, "_cache_generation", 0))
+
+    def pin(self, keys: list[Any], ctx: Any) -> None:
+        """Pin ready chunks (ref_cnt + 1), as a cascade read does."""
+        self._pin(keys, ctx)
+
+    def unpin(self, keys: Iterable[Any], ctx: Any) -> int:
+        """Drop one pin of each chunk still held; returns how many."""
+        held = []
+        policy = self._policy
+        for key in keys:
+            chunk = policy.get(key) if policy is not None else None
+            if chunk is not None and getattr(chunk, "ref_cnt", 0) > 0:
+                held.append(key)
+        if held:
+            self._unpin(held, ctx)
+        return len(held)
+
+
+def find_primary(offloading_spec: Any, tier: Any) -> Any:
+    """The CPU primary tier of the orchestrator that holds ``tier``, or None.
+
+    vLLM's ``TieringOffloadingSpec`` builds the tiers, then the orchestrator,
+    and keeps it; by a tier's first lookup it is there.
+    """
+    manager = getattr(offloading_spec, "_manager", None)
+    tiers = getattr(manager, "secondary_tiers", None) or ()
+    if not any(t is tier for t in tiers):
+        return None
+    primary = getattr(manager, "primary_tier", None)
+    needed = ("lookup", "prepare_read", "complete_load")
+    if primary is None or not all(hasattr(primary, n) for n in needed):
+        return None
+    return primary
+
+
+def request_keys(ctx: Any) -> dict[int, dict[int, Any]]:
+    """A request's keys: ``{group index: {end token: key}}`` (empty: unknown).
+
+    Partial-tail keys (an end token inside a chunk) are included; the caller
+    keeps the chunk-aligned ones.
+    """
+    positions = getattr(ctx, "_offload_key_positions", None)
+    if not isinstance(positions, dict):
+        return {}
+    out: dict[int, dict[int, Any]] = {}
+    for key, end in positions.items():
+        try:
+            group = int.from_bytes(key[-4:], "big", signed=False)
+        except TypeError:
+            continue
+        out.setdefault(group, {})[int(end)] = key
+    return out
+
+
+def connector_groups(max_depth: int = 16) -> tuple[tuple[int, int, int | None], ...]:
+    """The KV groups of the connector scheduler building this tier:
+    ``(group index, tokens per chunk, sliding window in chunks or None)``.
+
+    vLLM's ``OffloadingConnectorScheduler.__init__`` sets its config (one
+    ``GroupOffloadConfig`` per group, windows included, on 0.32 and 0.33)
+    before it asks the spec for the manager, which builds this tier: the
+    config is read from that caller's frame. Empty when the tier is built
+    another way (a test harness, a future vLLM).
+    """
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        configs = getattr(getattr(owner, "config", None), "kv_group_configs", None)
+        if configs:
+            out = []
+            for cfg in configs:
+                window = getattr(cfg, "sliding_window_size_in_chunks", None)
+                out.append(
+                    (
+                        int(cfg.group_idx),
+                        int(cfg.tokens_per_chunk),
+                        None if window is None else int(window),
+                    )
+                )
+            return tuple(out)
+        frame = frame.f_back
+    return ()
