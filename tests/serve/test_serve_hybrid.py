@@ -6,21 +6,27 @@ Gemma 3 whose 4 layers alternate a 64-token sliding window and full attention.
 vLLM keeps its hybrid KV cache manager on (the OffloadingConnector supports
 it) and makes two KV cache groups of 32-token blocks: group 0 the window
 layers (0 and 2), group 1 the full-attention layers (1 and 3). The connector
-offloads one chunk per block and group: every full-attention block of a
-prompt, and the window group's last 2 blocks (the window; vLLM frees the
-earlier ones), so a prompt of 31 blocks + 8 tokens stores 33 chunks of
-64 KiB. On a load, the connector walks the full group from the start, then
-the window group back from the end: a hit at position ``p`` needs the ``p``
-full chunks before it and the 2 window chunks ending there (docs/vllm.md,
-"Hybrid models").
+offloads one 64 KiB chunk per block and group: every full-attention block of
+a prompt, but of the window group only the 2 blocks of a window ending where a
+later request could resume: by default the prompt's end alone, and with
+``--prefix-cache-retention-interval 256`` (every server here) also every 8
+blocks. A prompt of 31 blocks + 8 tokens stores 31 + 4 x 2 = 39 chunks.
+
+A load ending at block ``p`` needs, in vLLM's CPU tier at once, the ``p``
+full-attention chunks before it and the window's 2 chunks ending there (the
+connector walks the full group from the start, then the window group back
+from that end). So with the default interval a load from disk is all of a
+prompt or nothing (33 chunks here), and a CPU tier smaller than that loads
+nothing; with windows every 8 blocks a 28-chunk CPU tier loads blocks 0-23
+(26 chunks) and computes the rest (docs/vllm.md, "Hybrid models").
 
 Three server starts, shared by every test of the module. A server without
 offloading (the reference tokens, and the TTFT of a full prefill) and a first
 server with nvmetier (a roomy CPU tier; it stores the prompts) start together.
 After the first is stopped, a restarted server on the same ``root_dir``,
-whose CPU tier holds 24 chunks (fewer than the 33 of one prompt), answers the
-prompts again: each streamed request gives both its TTFT and its tokens, so
-the tokens checked are those computed on the KV loaded from disk.
+whose CPU tier holds 28 chunks, answers the prompts again: each streamed
+request gives both its TTFT and its tokens, so the tokens checked are those
+computed on the KV loaded from disk.
 
 Tokens: the reference server answers each prompt cold (full prefill), then
 again from vLLM's own prefix cache; the two must agree (as in test_serve.py),
@@ -45,9 +51,18 @@ from .test_serve import nvme, wait_stored
 BLOCK = 32  # --block-size; one offloaded chunk per block and KV cache group
 PROMPT_BLOCKS = 31  # full blocks per prompt: 31 * 32 + 8 = 1000 tokens
 WINDOW_CHUNKS = 2  # the 64-token window in 32-token chunks
-CHUNKS_PER_PROMPT = PROMPT_BLOCKS + WINDOW_CHUNKS  # what one prompt stores
+# --prefix-cache-retention-interval: vLLM keeps, and the connector stores, the
+# window ending every 8 blocks, besides the one at the prompt's end.
+STEP_BLOCKS = 8
+WINDOW_ENDS = [8, 16, 24, 31]  # the blocks where a stored window ends
+RETENTION_ARGS = ("--prefix-cache-retention-interval", str(STEP_BLOCKS * BLOCK))
+CHUNKS_PER_PROMPT = PROMPT_BLOCKS + WINDOW_CHUNKS * len(WINDOW_ENDS)  # 39 stored
 CHUNK_BYTES = BLOCK * 2 * 2 * 2 * 64 * 4  # tokens x layers x (K, V) x heads x head x fp32
-SMALL_CPU_CHUNKS = 24  # the restarted server's CPU tier: smaller than a prompt
+# The restarted server's CPU tier: fewer chunks than one prompt stores (39)
+# and than loading all of it takes (31 + 2 = 33). The largest load that fits
+# ends at block 24: 24 full-attention chunks and the window's 2.
+SMALL_CPU_CHUNKS = 28
+FITTING_LOAD_CHUNKS = 24 + WINDOW_CHUNKS
 MAX_MODEL_LEN = 1024
 MAX_TOKENS = 8  # never completes a block: 8 + 8 < 32
 VOCAB = 512
@@ -91,8 +106,12 @@ def hybrid_starts(hybrid_servers: Servers, hybrid_root: str) -> dict[str, Server
     """The reference server and the first server with nvmetier, started at once."""
     t0 = time.monotonic()
     out = {
-        "reference": hybrid_servers.start(None, name="hybrid-reference", wait=False),
-        "first": hybrid_servers.start("nvme", hybrid_root, name="hybrid-first", wait=False),
+        "reference": hybrid_servers.start(
+            None, extra=RETENTION_ARGS, name="hybrid-reference", wait=False
+        ),
+        "first": hybrid_servers.start(
+            "nvme", hybrid_root, extra=RETENTION_ARGS, name="hybrid-first", wait=False
+        ),
     }
     for server in out.values():
         server.wait_ready()
@@ -144,7 +163,11 @@ def hybrid_restarted(
     bytes vLLM loaded (``CPU_to_GPU``)."""
     t0 = time.monotonic()
     server = hybrid_servers.start(
-        "nvme", hybrid_root, name="hybrid-restarted", cpu_bytes=SMALL_CPU_CHUNKS * CHUNK_BYTES
+        "nvme",
+        hybrid_root,
+        extra=RETENTION_ARGS,
+        name="hybrid-restarted",
+        cpu_bytes=SMALL_CPU_CHUNKS * CHUNK_BYTES,
     )
     print(f"hybrid: restarted server ready in {time.monotonic() - t0:.1f} s")
     try:
@@ -172,7 +195,8 @@ def test_hybrid_kv_cache_manager_stays_on_and_offloads_both_groups(
     # for a connector without HMA support; the OffloadingConnector has it.
     assert "Turning off hybrid kv cache manager" not in log
     assert "kv cache group sizes (32, 32)" in log, "expected two KV cache groups of 32 tokens"
-    # Each prompt: its 31 full-attention chunks and the window group's last 2.
+    # Each prompt: its 31 full-attention chunks and, per prefill step, the
+    # window group's 2 chunks ending there.
     assert hybrid_first_run["written"] == len(SEEDS) * CHUNKS_PER_PROMPT
 
 
@@ -183,17 +207,18 @@ def test_hybrid_tokens_identical_with_and_without_tier(
         assert hybrid_first_run["tokens"][s] == hybrid_reference["tokens"][s], f"prompt {s}"
 
 
-def test_hybrid_warm_restart_with_cpu_tier_smaller_than_a_prompt_loads_from_disk(
+def test_hybrid_warm_restart_with_cpu_tier_smaller_than_a_prompt_loads_what_fits(
     hybrid_restarted: dict[str, Any], hybrid_reference: dict[str, Any]
 ) -> None:
     assert f"primary tier (lru, {SMALL_CPU_CHUNKS} chunks)" in hybrid_restarted["log"]
     for s in SEEDS:
         assert hybrid_restarted["tokens"][s] == hybrid_reference["tokens"][s], f"prompt {s}"
-    loaded = hybrid_restarted["loaded"]
-    assert all(loaded[s] > 0 for s in SEEDS), f"bytes loaded per prompt: {loaded}"
-    # Through a CPU tier of 24 chunks, a prompt loads at most 24.
-    assert all(loaded[s] <= SMALL_CPU_CHUNKS * CHUNK_BYTES for s in SEEDS), loaded
-    assert hybrid_restarted["reads"] > 0
+    # Each prompt loads the longest stored prefix whose chunks fit in the CPU
+    # tier at once (blocks 0-23 and the window ending at block 24), and
+    # reads nothing it does not load.
+    loaded = {s: hybrid_restarted["loaded"][s] / CHUNK_BYTES for s in SEEDS}
+    assert loaded == {s: FITTING_LOAD_CHUNKS for s in SEEDS}, f"chunks loaded: {loaded}"
+    assert hybrid_restarted["reads"] == len(SEEDS) * FITTING_LOAD_CHUNKS
 
 
 def test_hybrid_warm_ttft_below_no_offloading(
