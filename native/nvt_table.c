@@ -47,6 +47,7 @@ static void Table_dealloc(TableObject *self) {
         for (uint32_t i = 0; i < self->n_jobs_cap; i++) {
             PyMem_Free(self->jobs[i].failed);
             Py_XDECREF(self->jobs[i].keys);
+            Py_XDECREF(self->jobs[i].stored);
         }
     }
     Py_XDECREF(self->eng_submit);
@@ -288,14 +289,17 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
     return PyLong_FromLongLong(slot);
 }
 
-PyDoc_STRVAR(touch_doc, "touch(keys)\n\nMark READY keys most recently used.");
+PyDoc_STRVAR(touch_doc, "touch(keys) -> int\n\n"
+                        "Mark READY keys most recently used, in order (within a set, the last key\n"
+                        "touched is the most recent). Returns how many keys were READY and touched;\n"
+                        "a key that is not READY (absent, being written, bad) is left alone.");
 
 static PyObject *Table_touch(TableObject *self, PyObject *keys) {
     GUARD_ATTACHED(self);
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq), touched = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         uint64_t set;
         int w, r = nvt_locate(self, PySequence_Fast_GET_ITEM(seq, i), 1u << NVT_READY, &set, &w);
@@ -305,12 +309,14 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         }
         if (r)
             continue;
-        if (w >= 0)
+        if (w >= 0) {
             *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
+            touched++;
+        }
         set_unlock(&self->core, set);
     }
     Py_DECREF(seq);
-    Py_RETURN_NONE;
+    return PyLong_FromSsize_t(touched);
 }
 
 PyDoc_STRVAR(store_ops_doc,

@@ -172,8 +172,11 @@ class TierConfig:
         admit_after_lookups: store a chunk only once it was looked up this
             many times (0: store everything).
         persist: keep the store at shutdown (False removes it).
-        locality: ``LOCAL``/``REMOTE``, any case (read by vLLM for tier
-            filters and its backpressure watermarks).
+        locality: ``LOCAL`` (the default; null means the default) or
+            ``REMOTE``, any case. vLLM reads it for per-request tier filters
+            (a request that asks for REMOTE tiers skips a LOCAL one; a tier
+            with no locality would match every filter) and for its
+            backpressure watermarks.
         default_backpressure: with no ``backpressure`` section in the tier
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
@@ -189,6 +192,13 @@ class TierConfig:
             under a key derived from the 32-byte file at PATH (readable by its
             owner only; checked when the store opens) and name chunks in the
             index by a keyed MAC of their offload key. None: plaintext.
+        recency_refresh_chunks: vLLM's tier: at most this many chunks of each
+            finished request refresh their recency on disk (those the disk
+            holds; the prompt's head first), whichever tier or the GPU prefix
+            cache served them, so prefixes hot in the CPU tier or on the GPU
+            are not the first the disk evicts (``nvmetier.vllm.recency``).
+            ~50 ns of vLLM's scheduler thread per chunk. 0: off (the disk
+            sees only its own stores and loads).
         retention: seconds (given as a number or a string such as ``"24h"``):
             a chunk stored longer ago than this (wall clock) is never served
             (a miss, counted in ``retention_expired``) and its slot is reused
@@ -210,7 +220,7 @@ class TierConfig:
     max_queued_bytes: int = 1 << 30
     admit_after_lookups: int = 0
     persist: bool = True
-    locality: str | None = None
+    locality: str = "LOCAL"
     default_backpressure: bool = True
     sharing: str = "node"
     promotion_guard: bool = True
@@ -218,6 +228,7 @@ class TierConfig:
     capacity_per_path: tuple[int, ...] | None = None
     retention: float | None = None
     encryption: dict[str, str] | None = None
+    recency_refresh_chunks: int = 4096
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -267,6 +278,8 @@ class TierConfig:
                 values[key] = parse_size(raw[key], key)
         if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):
             values["encryption"] = dict(raw["encryption"])
+        if "locality" in raw and raw["locality"] is None:
+            del values["locality"]  # null: the default (LOCAL)
         if raw.get("retention") is not None:
             values["retention"] = parse_duration(raw["retention"], "retention")
         cfg = cls(**values)
@@ -282,6 +295,7 @@ class TierConfig:
             ("io_threads", 1, 256),
             ("queue_depth", 1, 4096),
             ("admit_after_lookups", 0, 1 << 20),
+            ("recency_refresh_chunks", 0, 1 << 20),
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
@@ -343,9 +357,7 @@ class TierConfig:
                 f"sharing={self.sharing!r} is not a sharing mode; use 'node' (one store shared by "
                 "every process on this machine) or 'process' (an exclusive store per process)"
             )
-        if self.locality is not None and (
-            not isinstance(self.locality, str) or self.locality.upper() not in LOCALITIES
-        ):
+        if not isinstance(self.locality, str) or self.locality.upper() not in LOCALITIES:
             # A ValueError (ConfigError is one), as vLLM's Locality() raises.
             raise ConfigError(
                 f"locality={self.locality!r} is not a valid Locality; accepted values: "

@@ -121,6 +121,9 @@ COUNTERS = (
     # Encrypted chunks whose AES-GCM tag did not verify (also counted in
     # checksum_failures: a miss, the slot freed).
     "auth_failures",
+    # READY chunks whose recency a touch refreshed (vLLM's tier: the chunks a
+    # finished request used, whichever tier or the GPU served them).
+    "chunks_touched",
 )
 
 
@@ -484,8 +487,20 @@ class BlockStore:
         if self._table is not None:
             self._table.release_leases()
 
-    def touch(self, keys: Iterable[bytes]) -> None:
-        self._table.touch(self._macs(keys) if self._keys else _key_list(keys))
+    def touch(self, keys: Iterable[bytes]) -> int:
+        """Mark the READY ones of ``keys`` most recently used, in order (of
+        two keys in one set, the later ends up the more recent); the others
+        are left alone. One native call (a sealed store's first maps the keys
+        to their MACs, not remembered: a touch emits no event). Never blocks
+        on disk: the recency lives in the mapped table (a set lock wait is
+        bounded, and a set not taken is skipped). Returns how many were READY
+        (counted in ``chunks_touched``)."""
+        key_list = _key_list(keys)
+        if self._keys is not None:
+            key_list = self._keys.key_macs(key_list)
+        touched: int = self._table.touch(key_list)
+        self._stats["chunks_touched"] += touched
+        return touched
 
     def submit_store(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray

@@ -15,6 +15,7 @@ Runs on the calling thread; every call blocks, each wait bounded.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -45,6 +46,12 @@ DEFAULT_CPU_BYTES = 64 << 20
 # Environment of every server. PYTHONHASHSEED: vLLM's block hashes, hence
 # the tier's keys, are then the same in every process and after a restart
 # (docs/vllm.md). VLLM_CPU_KVCACHE_SPACE: the CPU "GPU" KV cache, in GiB.
+# Python's multiprocessing.shared_memory segments (vLLM's shared-memory
+# message queues between the API server, engine core and workers). Their
+# creator's resource tracker unlinks them at exit; a SIGKILL of the whole
+# process group kills the tracker too, and each run left ~400 MB behind.
+SHM_SEGMENT_GLOB = "/dev/shm/psm_*"
+
 SERVE_ENV = {"PYTHONHASHSEED": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -182,6 +189,30 @@ def metric_sum(
     )
 
 
+def shm_in_use() -> set[str]:
+    """``/dev/shm`` paths some live process maps or holds open (every
+    process this one may inspect; others' are not seen)."""
+    used: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with (
+            contextlib.suppress(OSError),
+            open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps,
+        ):
+            for line in maps:
+                i = line.find("/dev/shm/")
+                if i >= 0:
+                    used.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("/dev/shm/"):
+                        used.add(target)
+    return used
+
+
 @dataclass
 class ServerProcess:
     """One ``vllm serve`` in its own process group, stopped by that group.
@@ -198,6 +229,9 @@ class ServerProcess:
     port: int = 0
     proc: subprocess.Popen[bytes] | None = None
     model: str = ""
+    # The shared-memory segments that existed when this server started:
+    # any other one seen after it is gone may be its.
+    shm_before: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.port:
@@ -213,6 +247,7 @@ class ServerProcess:
         env = dict(os.environ)
         env.update(SERVE_ENV)
         env.update(self.env)
+        self.shm_before = frozenset(glob.glob(SHM_SEGMENT_GLOB))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv,
@@ -280,14 +315,35 @@ class ServerProcess:
         return self.kill()
 
     def kill(self) -> int | None:
-        """SIGKILL the whole group at once; waits (bounded) for the API server."""
+        """SIGKILL the whole group at once; waits (bounded) for the API server,
+        then removes the shared-memory segments the group left
+        (``remove_shared_memory_left``)."""
         if self.proc is None:
             return None
         self._signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
         self._wait_group_gone(30.0)
+        self.remove_shared_memory_left()
         return self.proc.returncode
+
+    def shared_memory_left(self) -> list[str]:
+        """Shared-memory segments (``/dev/shm/psm_*``) that appeared since this
+        server started and that no live process maps or holds open: what its
+        killed processes left (another live server's segments are in use)."""
+        new = set(glob.glob(SHM_SEGMENT_GLOB)) - self.shm_before
+        if not new:
+            return []
+        return sorted(new - shm_in_use())
+
+    def remove_shared_memory_left(self) -> list[str]:
+        """Unlink ``shared_memory_left()``; returns what was removed."""
+        removed = []
+        for path in self.shared_memory_left():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(path)
+        return removed
 
     def _wait_group_gone(self, timeout_s: float) -> None:
         """Wait until no process of the group is left (engine cores, workers)."""

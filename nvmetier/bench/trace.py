@@ -77,6 +77,9 @@ __all__ = [
 
 # Kept small so that a probe costs little disk: the probe only compares names.
 _PROBE_CHUNKS = 64
+# Tokens per chunk of the harness's KV group (make_config: 16-token blocks, one
+# block a chunk): the unit of the end-token positions the connector records.
+_HARNESS_CHUNK_TOKENS = 16
 
 
 # -------------------------------------------------------------------- sizes
@@ -258,6 +261,11 @@ def _serve_request(
     chunk_bytes = eng.chunk_bytes
     keys = [key_of(i) for i in ids]
     ctx = ReqContext(req_id=req_id)
+    # update_offload_keys: the connector records every key's end token, which
+    # vLLM's CPU LRU orders by and the tier's recency refresh reads at
+    # on_request_finished (--tier-option recency_refresh_chunks=0: off).
+    for j, key in enumerate(keys, 1):
+        ctx.set_offload_key_position(key, j * _HARNESS_CHUNK_TOKENS)
     idle_end = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
     scheduled = ScheduleEndContext(new_req_ids=(req_id,), preempted_req_ids=())
     HIT, PENDING, RETRY = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.RETRY
@@ -412,6 +420,7 @@ def _replica_main(conn: Any, spec: dict[str, Any]) -> None:
                     "checksum_failures",
                     "read_errors",
                     "write_errors",
+                    "chunks_touched",
                 )
             },
             "slots_used": int(stats1.get("slots_used", 0)),

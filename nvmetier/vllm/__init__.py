@@ -57,7 +57,7 @@ from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
-from nvmetier.vllm import compat
+from nvmetier.vllm import compat, recency
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 from nvmetier.vllm.cpu_view import PrimaryView, connector_groups, find_primary
 from nvmetier.vllm.promotion import (
@@ -178,6 +178,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "KV cache events not recorded for lack of memory (the chunks were stored or removed).",
     ),
+    "chunks_touched": (
+        "counter",
+        "Chunks on disk whose recency a finished request refreshed: it used them, served by "
+        "any tier or the GPU prefix cache (recency_refresh_chunks).",
+    ),
     # The promotion guard's counters (nvmetier.vllm.promotion).
     "hits_not_loaded": (
         "counter",
@@ -212,6 +217,31 @@ TIER_TYPES = ("nvme", "NvmeTierManager")
 _storage_types = getattr(EMABackpressureDetector, "_STORAGE_TIER_TYPES", None)
 if isinstance(_storage_types, frozenset):
     EMABackpressureDetector._STORAGE_TIER_TYPES = _storage_types | frozenset(TIER_TYPES)
+
+
+compat.refuse_unsupported_failure_threshold()
+
+
+class StorageBackpressureDetector(compat.FailureCountingMixin, EMABackpressureDetector):
+    """vLLM's EMA detector with a storage tier's failure threshold, on every
+    supported vLLM.
+
+    For a user-written ``backpressure`` section::
+
+        {"backpressure_cls": "nvmetier.vllm.StorageBackpressureDetector",
+         "failure_threshold": 5}
+
+    Judges store latency as vLLM's ``EMABackpressureDetector`` does, and
+    ``failure_threshold`` consecutive failed store jobs (default 3) put the
+    tier under pressure: on 0.33 by vLLM itself, on 0.32 (whose detector has
+    no failure threshold) by ``compat.FailureCountingMixin``.
+    """
+
+    @classmethod
+    def default_config(cls, tier_type: str, *, locality: str | None = None) -> dict[str, Any]:
+        config = dict(EMABackpressureDetector.default_config(tier_type, locality=locality) or {})
+        config.setdefault("failure_threshold", compat.DEFAULT_FAILURE_THRESHOLD)
+        return config
 
 
 class FailureBackpressureDetector(compat.FailureCountingMixin, EMABackpressureDetector):
@@ -250,6 +280,39 @@ def default_backpressure_detector(tier_type: str, locality: str | None) -> Backp
     config = EMABackpressureDetector.default_config(tier_type, locality=locality)
     config.setdefault("failure_threshold", compat.DEFAULT_FAILURE_THRESHOLD)
     return FailureBackpressureDetector(**config)
+
+
+# Offloading specs whose top-level backpressure section was warned about.
+_warned_top_level_backpressure: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def warn_top_level_backpressure(offloading_spec: Any, tier_label: str) -> None:
+    """Warn, once per engine, that a top-level ``backpressure`` section of
+    ``kv_connector_extra_config`` reaches this tier.
+
+    vLLM merges that section into every secondary tier's config, so this tier
+    gets vLLM's latency-judging detector instead of nvmetier's failure-only
+    default (``FailureBackpressureDetector``), which the step-bound latency
+    vLLM measures for this tier would put under pressure with healthy stores.
+    """
+    extra = getattr(offloading_spec, "extra_config", None)
+    if not isinstance(extra, dict) or extra.get("backpressure") is None:
+        return
+    try:
+        if offloading_spec in _warned_top_level_backpressure:
+            return
+        _warned_top_level_backpressure.add(offloading_spec)
+    except TypeError:  # not weak-referenceable: warn every time
+        pass
+    logger.warning(
+        "nvmetier: kv_connector_extra_config has a top-level 'backpressure' section, which "
+        "vLLM merges into every secondary tier: tier %s judges store latency with it instead "
+        "of nvmetier's failure-only default, and the latency vLLM sees for this tier is mostly "
+        "the scheduler step, so healthy stores can be dropped. Move the section into the "
+        "tiers that need it (secondary_tiers[i].backpressure); for the nvmetier tier, leave "
+        "it out to keep the default, or write one on the tier itself to judge latency",
+        tier_label,
+    )
 
 
 # Tier labels handed out per offloading spec (vLLM's index of each tier), and
@@ -398,9 +461,11 @@ class NvmeTierManager(SecondaryTierManager):
             backpressure_detector = default_backpressure_detector(tier_type, config.locality)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.config = config
-        if self.config.locality is not None:
-            self.locality = Locality(self.config.locality.upper())
+        # Always set (LOCAL by default): vLLM matches a tier with no locality
+        # against every per-request tier filter, REMOTE-only ones included.
+        self.locality = Locality(self.config.locality.upper())
         self.tier_label = tier_label(offloading_spec, tier_type, tier_config)
+        warn_top_level_backpressure(offloading_spec, self.tier_label)
         self._labels = (self.tier_label,)
         chunk_bytes = self.block_size_bytes
         if chunk_bytes % fmt.ALIGN_BYTES:
@@ -585,6 +650,16 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._guard.finish(req_context.req_id)
+        # vLLM never asks the disk about chunks the GPU or the CPU tier served,
+        # nor calls touch: refresh the disk's recency of every chunk the
+        # request used, here, once per request (nvmetier.vllm.recency).
+        max_chunks = self.config.recency_refresh_chunks
+        if max_chunks:
+            keys = recency.request_keys(req_context, max_chunks)
+            if keys:
+                if not self._seed_checked:
+                    self._check_seed()
+                self.store.touch(keys)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -608,8 +683,8 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self._guard.note_loaded(job_metadata.keys)
         job_id = job_metadata.job_id
+        self._guard.note_load_job(job_id, job_metadata.keys, job_metadata.req_context)
         error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:
             log_refused_job(job_id, error)
@@ -624,6 +699,8 @@ class NvmeTierManager(SecondaryTierManager):
             job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
+            if is_load:  # the guard pins what landed for requests waiting on it
+                self._guard.load_finished(job_id, success, ok_keys)
             if not success and not is_load and not compat.REPORTS_STORE_FAILURES:
                 self._report_store_failed()
             out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
@@ -650,10 +727,14 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def take_events(self) -> Iterable[OffloadingEvent]:
+        # Every chunk announced stored is announced removed when it leaves the
+        # disk (eviction, invalidation, retention, purge), so vLLM may keep
+        # its block hashes until then (removal_expected). The ownership is
+        # the tier label: unique per tier of an engine, so two nvmetier tiers
+        # do not end each other's copies in vLLM's tracking.
+        locality, owner = self.locality, self.tier_label
         for removed, keys in self.store.take_events():
-            yield OffloadingEvent(
-                keys=list(keys), medium=Medium.STORAGE, removed=removed, locality=self.locality
-            )
+            yield compat.offloading_event(list(keys), Medium.STORAGE, removed, locality, owner)
 
     @override
     def shutdown(self) -> None:

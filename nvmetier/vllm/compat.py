@@ -12,6 +12,13 @@ the rest of ``nvmetier.vllm`` imports from here and never tests a version:
   its failed store jobs to the detector itself.
 - ``ensure_manager_lock``: 0.33's managers have a ``lock`` to hold around
   every call; 0.32's are entered from the scheduler thread only and have none.
+- ``offloading_event``: an ``OffloadingEvent`` with ``ownership`` and
+  ``removal_expected`` where the installed vLLM's event has them (0.32.0 and
+  0.33 do; an older 0.32 build without them gets the event it accepts).
+- ``refuse_unsupported_failure_threshold``: on 0.32, whose
+  ``EMABackpressureDetector`` has no ``failure_threshold``, a backpressure
+  section that sets it stops start-up with a ``ConfigError`` naming the vLLM
+  version and the fix (instead of a ``TypeError`` from deep in vLLM's factory).
 - ``FailureCountingMixin``: 0.33's failure-streak logic of
   ``EMABackpressureDetector`` (``failure_threshold``), for 0.32's detector that
   lacks it.
@@ -22,12 +29,18 @@ Import-time only; no threads, never blocks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
+import inspect
 import time
 from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
+from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+
+from nvmetier.errors import ConfigError
 
 try:  # vLLM >= 0.33
     from vllm.v1.kv_offload.base import ConfigInfoMapping
@@ -46,6 +59,11 @@ SUPPORTED = ">=0.32,<0.34"
 # 0.32's calls the detector for successful stores only.
 REPORTS_STORE_FAILURES: bool = hasattr(EMABackpressureDetector, "on_store_failed")
 
+# 0.33's EMABackpressureDetector takes failure_threshold; 0.32's does not.
+DETECTOR_TAKES_FAILURE_THRESHOLD: bool = (
+    "failure_threshold" in inspect.signature(EMABackpressureDetector.__init__).parameters
+)
+
 # 0.33's default failure streak for storage tiers (fs, obj); 0.32 has none.
 DEFAULT_FAILURE_THRESHOLD: int = int(
     getattr(EMABackpressureDetector, "DEFAULT_FAILURE_THRESHOLD", 3)
@@ -54,6 +72,41 @@ DEFAULT_FAILURE_THRESHOLD: int = int(
 # watermark, enough for ThrottledDropPolicy to drop every store until idle
 # decay lets a probe store through.
 _FAILURE_EMA_FACTOR: float = float(getattr(EMABackpressureDetector, "_FAILURE_EMA_FACTOR", 4.0))
+
+
+# The OffloadingEvent fields this vLLM accepts (a dataclass in 0.32 and 0.33).
+_EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(OffloadingEvent))
+# Whether vLLM's events pipeline can track a secondary tier's own copy of a
+# chunk (OffloadingEventsTracker keeps a chunk's block hashes until the last
+# tier that announced removal_expected removes it).
+EVENTS_TRACK_TIER_COPIES: bool = {"ownership", "removal_expected"} <= _EVENT_FIELDS
+
+
+def offloading_event(
+    keys: list[OffloadKey],
+    medium: Medium,
+    removed: bool,
+    locality: Locality | None,
+    ownership: str,
+) -> OffloadingEvent:
+    """An ``OffloadingEvent`` of a tier that announces every removal of what
+    it announced stored (``removal_expected``), under ``ownership``.
+
+    vLLM keeps a chunk's block hashes (self-describing events) while a
+    (medium, ownership) pair that set ``removal_expected`` still holds it, so
+    a removal names every block hash of the chunk however long after the CPU
+    tier dropped it. Where the event lacks these fields, it is built without.
+    """
+    if EVENTS_TRACK_TIER_COPIES:
+        return OffloadingEvent(
+            keys=keys,
+            medium=medium,
+            removed=removed,
+            locality=locality,
+            ownership=ownership,
+            removal_expected=True,
+        )
+    return OffloadingEvent(keys=keys, medium=medium, removed=removed, locality=locality)
 
 
 def ensure_manager_lock(manager: Any) -> Any:
@@ -78,6 +131,43 @@ def vllm_version() -> str:
     import vllm
 
     return str(getattr(vllm, "__version__", "unknown"))
+
+
+def refuse_unsupported_failure_threshold() -> None:
+    """Make vLLM 0.32's ``EMABackpressureDetector`` refuse ``failure_threshold``
+    with a ``ConfigError`` that names the vLLM version and the fix.
+
+    vLLM's factory builds a tier's detector from its ``backpressure`` section
+    (or the top-level one it merges in) before the tier exists; on 0.32 a
+    ``failure_threshold`` there is a ``TypeError`` about an unexpected
+    keyword argument, and the documented default of 3 failed stores does not
+    hold. Called when ``nvmetier.vllm`` is imported, which vLLM's factory
+    does before it builds the detector. Only a call with ``failure_threshold``
+    changes (it raised already); nothing on 0.33, where vLLM honours it. Our
+    own detectors (``FailureCountingMixin``) keep the keyword to themselves.
+    Idempotent.
+    """
+    if DETECTOR_TAKES_FAILURE_THRESHOLD:
+        return
+    original = EMABackpressureDetector.__init__
+    if getattr(original, "_nvmetier_refuses_failure_threshold", False):
+        return
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "failure_threshold" in kwargs:
+            raise ConfigError(
+                f"backpressure: failure_threshold={kwargs['failure_threshold']!r} is not "
+                f"supported by vLLM {vllm_version()}'s EMABackpressureDetector (vLLM 0.33 "
+                'added it). Use "backpressure_cls": '
+                '"nvmetier.vllm.StorageBackpressureDetector" in the nvmetier tier\'s '
+                "backpressure section (vLLM's detector plus the failure threshold, on "
+                "every supported vLLM), remove failure_threshold, or upgrade to vLLM 0.33"
+            )
+        original(self, *args, **kwargs)
+
+    __init__._nvmetier_refuses_failure_threshold = True  # type: ignore[attr-defined]
+    EMABackpressureDetector.__init__ = __init__  # type: ignore[method-assign]
 
 
 class FailureCountingMixin:

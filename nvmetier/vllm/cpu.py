@@ -33,7 +33,10 @@ scheduler, the last process to open it, has mapped it (the workers map it
 first, while the engine allocates the KV cache); the mappings stay valid and
 the kernel frees the memory when the last process exits, however it exits.
 Files left by servers that died before that point are reclaimed at the next
-start (``reclaim_stale_offload_regions``).
+start (``reclaim_stale_offload_regions``), and a live server's never, from
+any PID namespace: each worker process claims the file (a shared flock it
+holds for its life) before vLLM opens it, and a reclaim removes only files
+it can lock exclusively (``nvmetier.shm_region``).
 
 Threads: the worker side runs on vLLM's model-runner thread, the copies
 synchronous (they block that thread for the copy, as a forward pass would);
@@ -44,7 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import glob
+import functools
 import logging
 import os
 import time
@@ -57,13 +60,20 @@ from typing_extensions import override
 from vllm.v1.kv_offload.cpu import gpu_worker as _vllm_gpu_worker
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from nvmetier.shm_region import (
+    REGION_DIR,
+    REGION_PATTERN,
+    STALE_REGION_MIN_AGE_S,
+    RegionClaim,
+    claim_region,
+    reclaim_stale_regions,
+    region_path,
+)
+
 logger = logging.getLogger(__name__)
 
 # Where vLLM's SharedOffloadRegion puts the primary tier's file.
-OFFLOAD_REGION_GLOB = "/dev/shm/vllm_offload_*.mmap*"
-# A file younger than this may be between its creation and its first mapping
-# by a starting server: never reclaimed.
-STALE_REGION_MIN_AGE_S = 120.0
+OFFLOAD_REGION_GLOB = os.path.join(REGION_DIR, REGION_PATTERN)
 
 _memmove = ctypes.memmove
 
@@ -190,73 +200,23 @@ def _region_paths(region: Any) -> list[str]:
     return [str(region.mmap_path)]
 
 
-def _could_be_vllm(pid_dir: str) -> bool:
-    """Whether a process whose maps we may not read could be a vLLM process
-    (a Python): then nothing can be called unmapped. Others (a sandbox's
-    init, a daemon of another user) are not."""
-    try:
-        with open(os.path.join(pid_dir, "cmdline"), "rb") as f:
-            cmd = f.read().lower()
-    except FileNotFoundError:
-        return False
-    except PermissionError:
-        return True
-    return b"python" in cmd or b"vllm" in cmd
+def reclaim_stale_offload_regions(
+    min_age_s: float = STALE_REGION_MIN_AGE_S, region_dir: str = REGION_DIR
+) -> list[str]:
+    """Remove primary-tier files of dead servers from ``region_dir``.
 
-
-def _mapped_paths() -> set[str] | None:
-    """Files mapped by any live process (from /proc/*/maps); None when a
-    process that could be vLLM's cannot be read (then nothing may be called
-    unmapped)."""
-    mapped: set[str] = set()
-    for maps in glob.glob("/proc/[0-9]*/maps"):
-        try:
-            with open(maps, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if "/dev/shm/vllm_offload_" in line:
-                        mapped.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
-        except FileNotFoundError:  # the process exited meanwhile
-            continue
-        except PermissionError:
-            if _could_be_vllm(os.path.dirname(maps)):
-                return None
-    return mapped
-
-
-def reclaim_stale_offload_regions(min_age_s: float = STALE_REGION_MIN_AGE_S) -> list[str]:
-    """Remove primary-tier files that no live process maps, older than ``min_age_s``.
-
-    Such a file is left by a server killed before its shared region was
-    unlinked (vLLM's own spec on a GPU server unlinks only on a clean
-    shutdown); nothing can use it again (a new server uses a new engine id).
+    A file is removed only while no server holds a claim on it (in any PID
+    namespace), no visible process maps it, and it is older than
+    ``min_age_s``; one of another user that this process may not remove is
+    left with one warning naming its owner (``nvmetier.shm_region``). Such
+    files are left by servers killed before their region was unlinked
+    (vLLM's own spec on a GPU server unlinks only on a clean shutdown);
+    nothing can use one again (a new server uses a new engine id).
 
     Returns:
         The paths removed.
     """
-    candidates = glob.glob(OFFLOAD_REGION_GLOB)
-    if not candidates:
-        return []
-    mapped = _mapped_paths()
-    if mapped is None:
-        return []
-    removed = []
-    now = time.time()
-    for path in candidates:
-        try:
-            if path in mapped or now - os.stat(path).st_mtime < min_age_s:
-                continue
-            os.unlink(path)
-        except FileNotFoundError:
-            continue
-        removed.append(path)
-    if removed:
-        logger.info(
-            "nvmetier: removed %d stale primary-tier file(s) of dead vLLM servers "
-            "from /dev/shm (%s)",
-            len(removed),
-            ", ".join(os.path.basename(p) for p in removed),
-        )
-    return removed
+    return reclaim_stale_regions(region_dir, min_age_s)
 
 
 class CpuTieringOffloadingSpec(TieringOffloadingSpec):
@@ -265,22 +225,42 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
     The scheduler side is vLLM's, plus: stale primary-tier files of dead
     servers are reclaimed before the primary tier is made, and this server's
     file is unlinked once mapped. The worker side is vLLM's
-    ``CPUOffloadingWorker`` with ``CpuCopyHandler`` (plain memory copies).
+    ``CPUOffloadingWorker`` with ``CpuCopyHandler`` (plain memory copies),
+    plus: each worker process claims the region file before vLLM opens it
+    and holds the claim for its life, so no other server's reclaim removes
+    it, whatever PID namespace that server sees (``nvmetier.shm_region``).
     Works on GPU platforms too (the copies are then CPU copies of device
     memory, which is wrong: use vLLM's ``TieringOffloadingSpec`` there), so
     ``get_worker`` refuses a tensor that is not on the CPU.
     """
 
     _worker: Any
+    # This worker process's claim on the region file, held until it exits.
+    _region_claim: RegionClaim | None = None
 
     @override
     def get_manager(self) -> Any:
         if self._manager is None:
             reclaim_stale_offload_regions()
+            self._check_workers_region()
             manager = super().get_manager()
             self._unlink_scheduler_region()
             return manager
         return super().get_manager()
+
+    def _check_workers_region(self) -> None:
+        """Refuse to make the primary tier where the workers' region file is
+        missing: vLLM would create a new, empty one that no worker shares
+        (the workers make theirs while the engine allocates the KV cache,
+        before it builds the scheduler, and hold claims on it)."""
+        path = region_path(self.config.engine_id)
+        if self.num_chunks > 0 and not os.path.exists(path):
+            raise RuntimeError(
+                f"nvmetier: the primary tier's file {path} is missing when the scheduler "
+                "opens it, so the scheduler would make a new, empty region that the workers "
+                "do not share (their file was removed: by hand, or by a program that ignores "
+                "their claims). Restart the server"
+            )
 
     def _unlink_scheduler_region(self) -> None:
         """Unlink the primary tier's file: every process that needs it has
@@ -319,11 +299,40 @@ class CpuTieringOffloadingSpec(TieringOffloadingSpec):
 
     @override
     def create_worker(self, kv_caches: Any) -> Any:
-        with _cpu_copy_handlers():
-            worker = super().create_worker(kv_caches)
+        # Claimed before vLLM's SharedOffloadRegion opens the file, so the
+        # region is never usable unclaimed; vLLM then joins the file the
+        # claim created and sized (or a peer worker's claim did).
+        claim = self._claim_region()
+        try:
+            with _cpu_copy_handlers():
+                worker = super().create_worker(kv_caches)
+        except BaseException:
+            if claim is not None:
+                if claim.created:
+                    claim.remove()  # peers waiting for the file fail at once
+                claim.release()
+            raise
+        self._region_claim = claim
         # The scheduler unlinks the file once it mapped it too; the worker's
         # cleanup() must not try again (it would log a failure).
         region = getattr(worker, "_mmap_region", None)
         if region is not None:
             region._creator = False
         return worker
+
+    def _claim_region(self) -> RegionClaim | None:
+        """Claim this engine's region file, as vLLM's ``SharedOffloadRegion``
+        names and sizes it (one file: the tiering spec asks for no segments);
+        None for a region of 0 chunks, which vLLM refuses on its own."""
+        size_bytes = self.num_chunks * self.kv_bytes_per_chunk
+        if size_bytes <= 0:
+            return None
+        from vllm.distributed.device_communicators.shm_broadcast import check_shm_free_space
+
+        return claim_region(
+            region_path(self.config.engine_id),
+            size_bytes,
+            check_space=functools.partial(
+                check_shm_free_space, allocation_name="CPU KV offload shared region in /dev/shm"
+            ),
+        )

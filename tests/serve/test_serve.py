@@ -377,6 +377,9 @@ def test_sigkill_mid_traffic_next_start_serves_identical_tokens(
     restarted.kill()  # SIGKILL to the whole process group, mid-traffic
     sender.join(timeout=90)
     assert not sender.is_alive()
+    # kill() removed the shared-memory segments the killed group left
+    # (vLLM's message queues: ~400 MB a run otherwise).
+    assert restarted.shared_memory_left() == []
     nxt = servers.start("nvme", store_root, name="after-kill")
     try:
         for s in SETS["kill"] + SETS["restart"]:

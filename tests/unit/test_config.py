@@ -158,3 +158,15 @@ def test_encryption_rejects_other_shapes_with_the_fix(bad: object) -> None:
         TierConfig.from_dict({**BASE, "encryption": bad})
     text = str(info.value)
     assert "encryption=" in text and "key_file" in text and "head -c 32 /dev/urandom" in text
+
+
+@pytest.mark.parametrize("value", [-1, 1 << 21, True, "4096", 1.5])
+def test_a_bad_recency_refresh_chunks_names_key_and_value(value: object) -> None:
+    with pytest.raises(ConfigError, match="recency_refresh_chunks") as info:
+        TierConfig.from_dict({**BASE, "recency_refresh_chunks": value})
+    assert repr(value) in str(info.value)
+
+
+def test_recency_refresh_is_on_by_default_and_zero_turns_it_off() -> None:
+    assert TierConfig.from_dict(BASE).recency_refresh_chunks == 4096
+    assert TierConfig.from_dict({**BASE, "recency_refresh_chunks": 0}).recency_refresh_chunks == 0

@@ -638,11 +638,13 @@ class TableModel(RuleBasedStateMachine):
 
     @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=3))
     def touch(self, hi: int, keys: list[bytes]) -> None:
+        ready = 0
         for key in keys:
             slot = self.find(key, (READY,))
             if slot is not None:
                 self.slots[slot].last_used = self.tick()
-        self.handles[hi % len(self.handles)].table.touch(keys)
+                ready += 1
+        assert self.handles[hi % len(self.handles)].table.touch(keys) == ready
 
     @rule(hi=st.integers(0, 2))
     def release_leases(self, hi: int) -> None:

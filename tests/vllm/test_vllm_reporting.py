@@ -5,17 +5,19 @@ TieringOffloadingSpec -> TieringOffloadingManager."""
 
 from __future__ import annotations
 
+import logging
 import time
 import types
 
 import pytest
 import xxhash
-from vllm.v1.kv_offload.base import Locality
+from vllm.v1.kv_offload.base import Locality, LookupResult, ReqContext, TierFilter, TierMatcher
 from vllm.v1.kv_offload.tiering import backpressure as vllm_backpressure
 from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobResult, TieringOffloadingMetrics
 
-from nvmetier.vllm import METRIC_PREFIX, NvmeTierManager, compat
+from nvmetier.errors import ConfigError
+from nvmetier.vllm import METRIC_PREFIX, NvmeTierManager, StorageBackpressureDetector, compat
 from nvmetier.vllm.harness import key_of
 from tests.vllm.conftest import nvme_tier
 
@@ -165,6 +167,68 @@ def test_an_explicit_failure_threshold_wins(tmp_path, make_engine) -> None:
     assert detector.is_under_pressure()
 
 
+@pytest.mark.skipif(
+    compat.DETECTOR_TAKES_FAILURE_THRESHOLD,
+    reason="this vLLM's EMABackpressureDetector honours failure_threshold",
+)
+def test_failure_threshold_without_vllm_support_is_an_error_naming_the_version_and_the_fix(
+    tmp_path, make_engine
+) -> None:
+    section = {"backpressure_cls": "EMABackpressureDetector", "failure_threshold": 5}
+    with pytest.raises(ConfigError) as err:
+        make_engine([nvme_tier(str(tmp_path / "kv"), backpressure=section)])
+    message = str(err.value)
+    assert compat.vllm_version() in message and "failure_threshold" in message
+    assert "nvmetier.vllm.StorageBackpressureDetector" in message
+
+
+def test_the_storage_detector_honours_an_explicit_failure_threshold(tmp_path, make_engine) -> None:
+    section = {
+        "backpressure_cls": "nvmetier.vllm.StorageBackpressureDetector",
+        "failure_threshold": 5,
+    }
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), backpressure=section)])
+    detector = eng.tiers[0].bp_detector
+    assert isinstance(detector, StorageBackpressureDetector)
+    for _ in range(4):
+        detector.on_store_failed()
+    assert not detector.is_under_pressure()
+    detector.on_store_failed()
+    assert detector.is_under_pressure()
+
+
+def test_the_storage_detector_defaults_to_three_failed_stores(tmp_path, make_engine) -> None:
+    section = {"backpressure_cls": "nvmetier.vllm.StorageBackpressureDetector"}
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), backpressure=section)])
+    detector = eng.tiers[0].bp_detector
+    assert detector is not None
+    for _ in range(compat.DEFAULT_FAILURE_THRESHOLD):
+        detector.on_store_failed()
+    assert detector.is_under_pressure()
+
+
+def test_a_top_level_backpressure_section_is_warned_about_once_naming_the_fix(
+    tmp_path, make_engine, caplog
+) -> None:
+    top = {"backpressure_cls": "EMABackpressureDetector"}
+    with caplog.at_level(logging.WARNING, logger="nvmetier.vllm"):
+        make_engine(
+            [nvme_tier(str(tmp_path / "a")), nvme_tier(str(tmp_path / "b"))],
+            extra={"backpressure": top},
+        )
+    warned = [
+        r.getMessage() for r in caplog.records if "top-level 'backpressure'" in r.getMessage()
+    ]
+    assert len(warned) == 1
+    assert "secondary_tiers[i].backpressure" in warned[0]
+
+
+def test_no_top_level_backpressure_section_no_warning(make_engine, caplog) -> None:
+    with caplog.at_level(logging.WARNING, logger="nvmetier.vllm"):
+        make_engine()
+    assert not any("top-level 'backpressure'" in r.getMessage() for r in caplog.records)
+
+
 def test_failed_stores_put_the_tier_under_backpressure_then_stores_recover(
     make_engine, monkeypatch
 ) -> None:
@@ -257,3 +321,27 @@ def test_an_invalid_locality_is_a_value_error_naming_the_accepted_values(
 def test_locality_is_accepted_in_any_case(tmp_path, make_engine, value: str) -> None:
     eng = make_engine([nvme_tier(str(tmp_path / "kv"), locality=value)])
     assert eng.tiers[0].locality is Locality.REMOTE
+
+
+# ------------------------------------------------------------ locality
+def test_a_tier_without_locality_is_local(make_engine) -> None:
+    assert make_engine().tiers[0].locality is Locality.LOCAL
+
+
+def test_a_request_asking_for_remote_tiers_does_not_read_the_local_disk(make_engine) -> None:
+    eng = make_engine()
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(4)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    remote_only = ReqContext(
+        req_id="remote-only",
+        load_tier_filter=TierFilter(matchers=(TierMatcher(locality=Locality.REMOTE),)),
+    )
+    with eng.manager.lock:
+        eng.manager.on_new_request(remote_only)
+        results = [eng.manager.lookup(k, remote_only) for k in keys]
+        eng.manager.on_request_finished(remote_only)
+    eng.wait_idle()
+    assert results == [LookupResult.MISS] * 4
+    assert tier.store.stats()["ops_read"] == 0

@@ -138,9 +138,13 @@ class MemoryTier(SecondaryTierManager):
         self._jobs.append((self._step + 1, job_metadata, False))
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        self.guard.note_loaded(job_metadata.keys)
+        self.guard.note_load_job(job_metadata.job_id, job_metadata.keys, job_metadata.req_context)
         self.reads.extend((self._step, k) for k in job_metadata.keys)
         self._jobs.append((self._step + 1 + self.read_delay, job_metadata, True))
+
+    def loading(self) -> set[bytes]:
+        """Keys of the promotions in flight."""
+        return {k for _due, job, is_load in self._jobs if is_load for k in job.keys}
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done = [(j, is_load) for due, j, is_load in self._jobs if due <= self._step]
@@ -149,7 +153,9 @@ class MemoryTier(SecondaryTierManager):
         for job, is_load in done:
             if is_load:
                 ok = [k for k in job.keys if k in self.disk]
-                out.append(JobResult(job.job_id, len(ok) == len(job.keys), ok or None))
+                success = len(ok) == len(job.keys)
+                self.guard.load_finished(job.job_id, success, None if success else ok)
+                out.append(JobResult(job.job_id, success, None if success else ok or None))
             else:
                 if self.answers:
                     self.disk.update(job.keys)
@@ -362,9 +368,12 @@ class WalkModel:
         return out
 
     def cpu_only(self, key: bytes) -> LookupResult:
-        """The CPU tier's answer with no disk tier (a write in flight counts
-        as a hit: what the request would load once it lands)."""
+        """The CPU tier's answer with no disk tier: a GPU store in flight
+        counts as a hit (what the request would load once it lands), a
+        promotion in flight does not (no disk tier, no promotion)."""
         result = self.primary.lookup(key, _PROBE)
+        if result is HIT_PENDING and self.tier is not None and key in self.tier.loading():
+            return MISS
         return HIT if result in (HIT, HIT_PENDING) else MISS
 
     # ------------------------------------------------------------ a step
