@@ -72,11 +72,7 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             t->core.c.ops_written++;
             t->core.c.bytes_written += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
-            /* A job of the submit/poll path announces its keys once, when it
-             * finishes (finish_submitted): its ops may complete across several
-             * polls, and vLLM's tiers emit one stored event per job. */
-            PyObject **into = j->keys ? &j->stored : stored;
-            if (events && nvt_append_key(into, o->key, o->key_len) < 0)
+            if (events && nvt_append_key(stored, o->key, o->key_len) < 0)
                 event_lost(t);
         } else {
             if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
@@ -193,14 +189,6 @@ static int finish_submitted(TableObject *self, uint32_t ji) {
         return -1;
     }
     Py_DECREF(item);
-    if (j->stored) {
-        /* Its keys written, in one event (nvt_apply_one); a failure to record
-         * it is counted, the job is reported all the same. */
-        if (nvt_push_event(self, 0, j->stored) < 0)
-            self->events_lost += (unsigned long long)PyList_GET_SIZE(j->stored);
-        PyErr_Clear();
-        Py_CLEAR(j->stored);
-    }
     if (failed) {
         if (j->is_load)
             self->core.c.load_jobs_failed++;

@@ -73,9 +73,6 @@ typedef struct {
      * the job's keys as submitted (for successful_keys) and its start. */
     PyObject *keys;
     uint64_t start_ns;
-    /* Keys this job wrote (KV events on): one stored event per job, pushed
-     * when it finishes, as vLLM's tiers emit (NULL until its first write). */
-    PyObject *stored;
     /* A failed key could not be recorded (out of memory): every key of the
      * job is reported failed. */
     uint8_t oom;
@@ -154,7 +151,6 @@ static inline void op_release(TableObject *t, uint32_t i) {
 
 static inline void job_release(TableObject *t, uint32_t i) {
     Py_CLEAR(t->jobs[i].keys);
-    Py_CLEAR(t->jobs[i].stored);
     t->jobs[i].in_use = 0;
     t->job_free[t->n_job_free++] = i;
     t->jobs_live--;

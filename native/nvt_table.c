@@ -47,7 +47,6 @@ static void Table_dealloc(TableObject *self) {
         for (uint32_t i = 0; i < self->n_jobs_cap; i++) {
             PyMem_Free(self->jobs[i].failed);
             Py_XDECREF(self->jobs[i].keys);
-            Py_XDECREF(self->jobs[i].stored);
         }
     }
     Py_XDECREF(self->eng_submit);

@@ -181,13 +181,16 @@ class TierConfig:
             config, give the tier vLLM's ``EMABackpressureDetector`` anyway
             (the watermarks of its locality, 3 consecutive failed stores put
             it under pressure). False: no detector unless a section asks.
-        promotion_guard: answer vLLM's lookups so that a request loads, in
-            one step, the prefix of its disk hits that fits in the CPU tier
-            (``nvmetier.vllm.promotion``). False: every chunk on disk is a
-            HIT, as vLLM's own tiers answer (a prompt longer than the CPU
-            tier then re-reads it step after step and loads nothing).
+        promotion_guard: plan each request's disk hits against vLLM's CPU
+            tier (every KV group, the step's other requests, pinned and
+            in-flight chunks) and answer HIT exactly for the chunks vLLM will
+            promote and load, pinning what the plan keeps until vLLM
+            schedules the request (``nvmetier.vllm.promotion``). False: every
+            chunk on disk is a HIT, as vLLM's own tiers answer (a prompt
+            longer than the CPU tier then re-reads it step after step and
+            loads nothing).
         promotion_fraction: the share of the CPU tier's chunks one request
-            may promote, in (0, 1].
+            may promote over its life, in (0, 1].
         encryption: ``{"key_file": PATH}``: seal every chunk with AES-256-GCM
             under a key derived from the 32-byte file at PATH (readable by its
             owner only; checked when the store opens) and name chunks in the

@@ -59,7 +59,12 @@ from nvmetier.files import private_store_name, reclaim_private_stores, stores_of
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
 from nvmetier.vllm import compat, recency
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
-from nvmetier.vllm.cpu_view import PrimaryView, connector_groups, find_primary
+from nvmetier.vllm.cpu_view import (
+    PrimaryView,
+    connector_groups,
+    connector_max_model_len,
+    find_primary,
+)
 from nvmetier.vllm.promotion import (
     PromotionGuard,
     check_cpu_tier_size,
@@ -189,10 +194,20 @@ METRICS: dict[str, tuple[str, str]] = {
         "Lookups answered HIT that vLLM did not load in that step: its CPU tier had no "
         "free slot (the chunk is recomputed). Nonzero: raise cpu_bytes_to_use.",
     ),
+    "requests_larger_than_cpu_tier": (
+        "counter",
+        "Requests whose disk hits needed more CPU tier chunks than vLLM's CPU tier has "
+        "(they load part and recompute the rest). Nonzero: raise cpu_bytes_to_use.",
+    ),
+    "promotion_pins": (
+        "gauge",
+        "CPU tier chunks the promotion guard holds for requests that wait for their "
+        "promotions (released when vLLM schedules them).",
+    ),
     "lookups_withheld": (
         "counter",
-        "Lookups answered MISS without asking the disk because the request had promoted "
-        "what the CPU tier could take (promotion_guard).",
+        "Lookups answered MISS without asking the disk: the chunk is outside what the "
+        "request's plan can load through the CPU tier (promotion_guard).",
     ),
 }
 
@@ -549,7 +564,7 @@ class NvmeTierManager(SecondaryTierManager):
         # vLLM's connector is building this tier: its groups carry the windows
         # that 0.32's offloading config lacks.
         walked = connector_groups()
-        longest = longest_request_chunks(spec, walked)
+        longest = longest_request_chunks(spec, walked, connector_max_model_len())
         check_cpu_tier_size(longest, cpu_chunks, chunk_bytes, self.tier_label)
         groups = kv_groups(spec, walked)
         return PromotionGuard(
@@ -770,9 +785,12 @@ class NvmeTierManager(SecondaryTierManager):
                     value = 0
                 stats.set_gauge(METRIC_PREFIX + name, value, labels)
                 continue
-            delta = value - self._reported.get(name, 0)
-            if delta:
-                stats.increase_counter(METRIC_PREFIX + name, delta, labels)
+            reported = self._reported.get(name)
+            # The first payload carries every counter, at 0 if nothing was
+            # counted yet: a series exists on /metrics from the start (an
+            # alert on hits_not_loaded can tell "0" from "not exported").
+            if reported is None or value != reported:
+                stats.increase_counter(METRIC_PREFIX + name, value - (reported or 0), labels)
                 self._reported[name] = value
         return stats
 

@@ -14,9 +14,10 @@ protocols and the private names of vLLM are read in one place:
 - ``request_keys``: a request's offload keys by KV group and chunk index, from
   the end token vLLM's connector records for every key
   (``ReqContext.set_offload_key_position``).
-- ``connector_groups``: the KV groups as vLLM's connector walks them (tokens
-  per chunk and sliding window in chunks), read from the connector scheduler
-  that is building this tier (vLLM 0.32's offloading config has no window).
+- ``connector_groups`` / ``connector_max_model_len``: the KV groups as vLLM's
+  connector walks them (tokens per chunk and sliding window in chunks) and
+  the longest request, read from the connector scheduler that is building
+  this tier (vLLM 0.32's offloading config has neither).
 
 Threads: the scheduler thread, under the orchestrator's lock; nothing blocks.
 Each accessor degrades to "unknown" (None or empty) when a vLLM build lacks
@@ -170,3 +171,20 @@ def connector_groups(max_depth: int = 16) -> tuple[tuple[int, int, int | None], 
             return tuple(out)
         frame = frame.f_back
     return ()
+
+
+def connector_max_model_len(max_depth: int = 16) -> int:
+    """``max_model_len`` of the vLLM config the connector scheduler building
+    this tier was given (its ``vllm_config`` argument; 0: not found). vLLM
+    0.32's offloading config does not carry it."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            break
+        vllm_config = frame.f_locals.get("vllm_config")
+        model_config = getattr(vllm_config, "model_config", None)
+        value = getattr(model_config, "max_model_len", None)
+        if isinstance(value, int) and value > 0:
+            return value
+        frame = frame.f_back
+    return 0

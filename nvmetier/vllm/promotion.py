@@ -788,19 +788,20 @@ def group_chunking(
 
 
 def longest_request_chunks(
-    spec: Any, connector: tuple[tuple[int, int, int | None], ...] = ()
+    spec: Any, connector: tuple[tuple[int, int, int | None], ...] = (), max_model_len: int = 0
 ) -> int:
     """CPU tier chunks one ``max_model_len`` request occupies (0: unknown).
 
     A full-attention group needs one chunk per ``tokens_per_block *
     blocks_per_chunk`` tokens; a sliding-window group only its window. The
     model length comes from the offloading config (vLLM >= 0.33), else from
-    vLLM's current config when one is set.
+    ``max_model_len`` (the connector's vLLM config, 0.32), else from vLLM's
+    current config when one is set.
     """
     config = getattr(spec, "config", None)
     max_len = int(getattr(getattr(config, "model", None), "max_model_len", 0) or 0)
     if max_len <= 0:
-        max_len = _current_max_model_len()
+        max_len = max_model_len or _current_max_model_len()
     groups = group_chunking(spec, connector)
     if max_len <= 0 or not groups:
         return 0

@@ -200,6 +200,11 @@ class Request:
     loaded_tokens: int | None = None  # tokens its (first) load brought
     loads: list[list[bytes]] = field(default_factory=list)
     baseline: int | None = None  # what the CPU tier alone gave its first walk
+    first_walk_step: int | None = None
+    # What the CPU tier alone gave the walk that scheduled it (the answer with
+    # no disk tier, had vLLM's own stores evicted part of ``baseline`` while
+    # it waited for GPU memory: those evictions happen without a disk tier too).
+    baseline_at_schedule: int | None = None
     stored: bool = False
     finished: bool = False
     preempted: bool = False
@@ -221,8 +226,15 @@ class WalkModel:
         p_preempt: float = 0.0,
         p_pin: float = 0.0,
         chunk_bytes: int = 4096,
+        reads_land_in_step: bool = False,
+        store_whole_windows: bool = False,
     ) -> None:
         self.groups = tuple(groups)
+        self.reads_land_in_step = reads_land_in_step
+        # vLLM stores a sliding-window group's chunks near the prompt's end
+        # only (or every --prefix-cache-retention-interval tokens); True
+        # stores them all, as a retention interval of one chunk would.
+        self.store_whole_windows = store_whole_windows
         self.rng = rng
         self.p_unschedulable = p_unschedulable
         self.p_preempt = p_preempt
@@ -265,9 +277,7 @@ class WalkModel:
         self.spec = TieringOffloadingSpec(offload_config)
         self.manager = compat.ensure_manager_lock(self.spec.get_manager())
         self.primary = self.manager.primary_tier
-        self.tier: MemoryTier | None = (
-            self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
-        )
+        self.tier: Any = self.manager.secondary_tiers[0] if self.manager.secondary_tiers else None
         self.step_no = 0
         self.waiting: list[Request] = []
         self.requests: list[Request] = []
@@ -275,6 +285,7 @@ class WalkModel:
         self._being_loaded: set[bytes] = set()
         self._external_pins: list[tuple[int, ReqContext, list[bytes]]] = []
         self._preempted_now: list[str] = []
+        self.store_evictions: list[tuple[int, bytes]] = []  # (step, key) by vLLM's stores
 
     # ------------------------------------------------------------ requests
     def add(
@@ -353,6 +364,21 @@ class WalkModel:
             return None
         return num_hit
 
+    def required_tokens(self, r: Request) -> int:
+        """What the request must load at least: what the CPU tier alone gave
+        its first walk, unless vLLM's own stores evicted part of that before
+        vLLM scheduled it (they would without a disk tier too); then what the
+        CPU tier alone gave the walk that scheduled it, if less."""
+        assert r.baseline is not None and r.first_walk_step is not None
+        keys = set(self.load_keys(r, r.baseline)) if r.baseline else set()
+        last = r.scheduled_step if r.scheduled_step is not None else self.step_no
+        lost = any(
+            r.first_walk_step <= step < last and key in keys for step, key in self.store_evictions
+        )
+        if lost and r.baseline_at_schedule is not None:
+            return min(r.baseline, r.baseline_at_schedule)
+        return r.baseline
+
     def load_keys(self, r: Request, hit: int) -> list[bytes]:
         """What ``update_state_after_alloc`` loads for a hit of ``hit`` tokens."""
         end = r.computed + hit
@@ -372,7 +398,8 @@ class WalkModel:
         counts as a hit (what the request would load once it lands), a
         promotion in flight does not (no disk tier, no promotion)."""
         result = self.primary.lookup(key, _PROBE)
-        if result is HIT_PENDING and self.tier is not None and key in self.tier.loading():
+        loading = getattr(self.tier, "loading", None)
+        if result is HIT_PENDING and loading is not None and key in loading():
             return MISS
         return HIT if result in (HIT, HIT_PENDING) else MISS
 
@@ -390,9 +417,10 @@ class WalkModel:
                 if not queue_open:
                     still.append(r)
                     continue
+                base = self.walk(r, self.cpu_only) or 0
                 if r.baseline is None:
-                    base = self.walk(r, self.cpu_only)
-                    r.baseline = base or 0
+                    r.baseline = base
+                    r.first_walk_step = self.step_no
                 hit = self.walk(r, lambda k, r=r: m.lookup(k, r.ctx))
                 if hit is None:
                     still.append(r)
@@ -403,6 +431,7 @@ class WalkModel:
                     continue
                 if r.scheduled_step is None:
                     new_ids.append(r.req_id)
+                    r.baseline_at_schedule = base
                 r.scheduled_step = self.step_no
                 if r.loaded_tokens is None:
                     r.loaded_tokens = hit
@@ -426,6 +455,8 @@ class WalkModel:
                     continue
                 offer = [k for g in self.groups for k in self._store_keys(r, g)]
                 out = m.prepare_store(offer, r.ctx)
+                if out is not None:
+                    self.store_evictions.extend((self.step_no, k) for k in out.evicted_keys)
                 if out is not None and out.keys_to_store:
                     stores.append((r, list(out.keys_to_store)))
                 r.stored = True
@@ -436,6 +467,8 @@ class WalkModel:
                 r for r in self.requests if r.scheduled_step == self.step_no
             ]
             m.on_schedule_end(ScheduleEndContext(tuple(new_ids), tuple(preempted)))
+        if self.reads_land_in_step and hasattr(self.tier, "store"):
+            self.tier.store.wait_idle(timeout_s=10.0)  # a real tier's reads land
         with m.lock:
             for r in loads:
                 m.complete_load(r.loading, r.ctx)
@@ -451,7 +484,9 @@ class WalkModel:
     def _store_keys(self, r: Request, g: GroupConfig) -> list[bytes]:
         keys = r.keys[g.group_idx]
         window = g.sliding_window_size_in_chunks
-        return keys if window is None else keys[max(0, len(keys) - window - 1) :]
+        if window is None or self.store_whole_windows:
+            return keys
+        return keys[max(0, len(keys) - window - 1) :]
 
     def _maybe_pin_external(self) -> None:
         """Another request's load pins a few ready chunks for 1-2 steps."""
