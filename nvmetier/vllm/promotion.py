@@ -414,6 +414,9 @@ class PromotionGuard:
             groups = self._layout_of(ctx)
             if not groups:
                 continue  # not walked yet: nothing of it is known
+            # Once per request while it waits: a long queue costs one pass
+            # over each request's keys, not one a step.
+            self._protect_spent.add(req_id)
             anchor = _protect_anchor(groups, self._view)
             if anchor is None:
                 continue
@@ -608,7 +611,6 @@ class PromotionGuard:
             if rnd.protect_only:  # never planned: its walk may still plan
                 del self._rounds[req_id]
                 self._release(rnd)
-                self._protect_spent.add(req_id)
             else:
                 self._close(rnd)
 
