@@ -69,6 +69,7 @@ class Servers:
         name: str = "server",
         wait: bool = True,
         cpu_bytes: int = DEFAULT_CPU_BYTES,
+        env: dict[str, str] | None = None,
     ) -> ServerProcess:
         port = free_port()
         kv = kv_transfer_config(tier, root_dir, capacity, cpu_bytes, tier_extra=tier_extra)
@@ -81,7 +82,7 @@ class Servers:
             python=SERVE_PYTHON,
         )
         log = os.path.join(self.log_dir, f"{name}-{len(self.started)}-{port}.log")
-        server = ServerProcess(argv, log).start()
+        server = ServerProcess(argv, log, env=dict(env or {})).start()
         self.started.append(server)
         if wait:
             server.wait_ready()

@@ -28,7 +28,8 @@ whose CPU tier holds 28 chunks, answers the prompts again: each streamed
 request gives both its TTFT and its tokens, so the tokens checked are those
 computed on the KV loaded from disk. Its TTFTs are compared with the server
 without offloading computing fresh prompts of the same length in between
-(taken side by side: the machine's other load moves a prefill's time by 2x).
+(taken side by side: the machine's other load moves a prefill's time by 2x),
+each once both servers are idle.
 
 Tokens: the reference server answers each prompt cold (full prefill), then
 again from vLLM's own prefix cache; the two must agree (as in test_serve.py),
@@ -37,6 +38,8 @@ so a difference found later is the tier's.
 
 from __future__ import annotations
 
+import glob
+import os
 import random
 import statistics
 import time
@@ -58,6 +61,13 @@ WINDOW_CHUNKS = 2  # the 64-token window in 32-token chunks
 STEP_BLOCKS = 8
 WINDOW_ENDS = [8, 16, 24, 31]  # the blocks where a stored window ends
 RETENTION_ARGS = ("--prefix-cache-retention-interval", str(STEP_BLOCKS * BLOCK))
+# vLLM's CPU platform reserves a core for its scheduler process, and one more
+# when a KV connector is configured; on a 2-core machine that leaves the
+# worker 1 core without offloading and (nothing left to reserve) 2 with it,
+# and a prefill twice as fast. Every server here reserves 1 (its worker on
+# core 0), so TTFTs compare the tier alone; 1 rather than 0 because two OMP
+# threads on two shared cores stall at every barrier another job preempts.
+SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
 CHUNKS_PER_PROMPT = PROMPT_BLOCKS + WINDOW_CHUNKS * len(WINDOW_ENDS)  # 39 stored
 CHUNK_BYTES = BLOCK * 2 * 2 * 2 * 64 * 4  # tokens x layers x (K, V) x heads x head x fp32
 # The restarted server's CPU tier: fewer chunks than one prompt stores (39)
@@ -82,6 +92,35 @@ PROMPTS = {s: make_prompt(s) for s in SEEDS}
 
 def _seconds(ttft_s: dict[int, float]) -> str:
     return ", ".join(f"{t:.3f}" for t in ttft_s.values()) + " s"
+
+
+def group_cpu_s(server: ServerProcess) -> float:
+    """CPU seconds used so far by the processes of the server's group."""
+    assert server.proc is not None
+    ticks = 0
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 12 and int(fields[2]) == server.proc.pid:  # pgrp
+            ticks += int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def wait_idle(*servers: ServerProcess, timeout_s: float = 15.0) -> None:
+    """Wait until the servers use under a tenth of a core over half a second.
+
+    After answering, a server with offloading keeps a core busy for about a
+    second (its stores and their polling); a TTFT taken on another server in
+    that second would be that second's, not the other server's."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        before = sum(group_cpu_s(s) for s in servers)
+        time.sleep(0.5)
+        if sum(group_cpu_s(s) for s in servers) - before < 0.05:
+            return
 
 
 def warm_up(server: ServerProcess) -> None:
@@ -110,10 +149,15 @@ def hybrid_starts(hybrid_servers: Servers, hybrid_root: str) -> dict[str, Server
     t0 = time.monotonic()
     out = {
         "reference": hybrid_servers.start(
-            None, extra=RETENTION_ARGS, name="hybrid-reference", wait=False
+            None, extra=RETENTION_ARGS, name="hybrid-reference", wait=False, env=SAME_CORES
         ),
         "first": hybrid_servers.start(
-            "nvme", hybrid_root, extra=RETENTION_ARGS, name="hybrid-first", wait=False
+            "nvme",
+            hybrid_root,
+            extra=RETENTION_ARGS,
+            name="hybrid-first",
+            wait=False,
+            env=SAME_CORES,
         ),
     }
     for server in out.values():
@@ -179,13 +223,16 @@ def hybrid_restarted(
         extra=RETENTION_ARGS,
         name="hybrid-restarted",
         cpu_bytes=SMALL_CPU_CHUNKS * CHUNK_BYTES,
+        env=SAME_CORES,
     )
     print(f"hybrid: restarted server ready in {time.monotonic() - t0:.1f} s")
     try:
         warm_up(server)
         ttft_s, tokens, loaded, none_s = {}, {}, {}, {}
         for s in SEEDS:
+            wait_idle(server, reference)
             none_s[s], _ = reference.timed_complete(make_prompt(s + BASELINE_SEED), MAX_TOKENS)
+            wait_idle(server, reference)
             before = server.offload_bytes("CPU_to_GPU")
             ttft_s[s], tokens[s] = server.timed_complete(PROMPTS[s], MAX_TOKENS)
             loaded[s] = server.offload_bytes("CPU_to_GPU") - before
