@@ -72,7 +72,11 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             t->core.c.ops_written++;
             t->core.c.bytes_written += (unsigned long long)t->row_bytes;
             j->moved += (uint64_t)t->row_bytes;
-            if (events && nvt_append_key(stored, o->key, o->key_len) < 0)
+            /* Into its job's one stored event (open since the job's submit,
+             * see TableObject.events), or, for an abandoned op's write, into
+             * this call's own (pushed at its end: the key is there now). */
+            PyObject **into = j->stored ? &j->stored : stored;
+            if (events && nvt_append_key(into, o->key, o->key_len) < 0)
                 event_lost(t);
         } else {
             if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
@@ -248,6 +252,9 @@ void nvt_maybe_finish(TableObject *self, uint32_t ji, PyObject *finished) {
     job_info *j = &self->jobs[ji];
     if (j->remaining)
         return;
+    /* Every write done: its stored event is final, whether or not the report
+     * can be built now (the events behind it are not held up by that). */
+    nvt_close_stored_event(self, j);
     int was = j->unreported;
     int rc = (j->keys || !finished) ? finish_submitted(self, ji) : finish_op_job(self, ji, finished);
     if (rc == 0) {
@@ -422,6 +429,8 @@ int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, i
     return 0;
 }
 
+/* Append the event (removed, keys) to `events` (keys: a list, referenced).
+ * -1 with an exception set (out of memory): nothing appended. */
 int nvt_push_event(TableObject *self, int removed, PyObject *keys) {
     if (nvt_alloc_fails()) {
         PyErr_NoMemory();
@@ -430,7 +439,104 @@ int nvt_push_event(TableObject *self, int removed, PyObject *keys) {
     PyObject *ev = Py_BuildValue("(OO)", removed ? Py_True : Py_False, keys);
     int rc = ev ? PyList_Append(self->events, ev) : -1;
     Py_XDECREF(ev);
+    if (rc == 0)
+        self->ev_next++;
     return rc;
+}
+
+/* Place store job ji's one stored event at the end of `events` (its submit:
+ * see TableObject.events), empty and open until its last op is done. -1 with
+ * an exception set (out of memory): nothing placed, the job as it was. */
+int nvt_open_stored_event(TableObject *self, uint32_t ji) {
+    job_info *j = &self->jobs[ji];
+    if (self->n_ev_open == self->cap_ev_open) {
+        size_t cap = self->cap_ev_open ? self->cap_ev_open * 2 : 64;
+        uint64_t *o = nvt_alloc_fails() ? NULL : PyMem_Realloc(self->ev_open, cap * sizeof(uint64_t));
+        if (!o) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->ev_open = o;
+        self->cap_ev_open = cap;
+    }
+    PyObject *keys = nvt_alloc_fails() ? NULL : PyList_New(0);
+    if (!keys) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        return -1;
+    }
+    if (nvt_push_event(self, 0, keys) < 0) {
+        Py_DECREF(keys);
+        return -1;
+    }
+    j->stored = keys;
+    j->ev_seq = self->ev_next - 1;
+    self->ev_open[self->n_ev_open++] = j->ev_seq; /* numbers only grow: stays ascending */
+    return 0;
+}
+
+/* Job j's stored event is final (its last op done, or the job freed): the
+ * events up to the next open one may be handed out. Never fails. */
+void nvt_close_stored_event(TableObject *self, job_info *j) {
+    if (!j->stored)
+        return;
+    size_t lo = 0, hi = self->n_ev_open;
+    while (lo < hi) { /* ev_open is ascending: find j's number */
+        size_t mid = lo + (hi - lo) / 2;
+        if (self->ev_open[mid] < j->ev_seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo < self->n_ev_open && self->ev_open[lo] == j->ev_seq) {
+        memmove(&self->ev_open[lo], &self->ev_open[lo + 1], (self->n_ev_open - lo - 1) * sizeof(uint64_t));
+        self->n_ev_open--;
+    }
+    Py_CLEAR(j->stored);
+}
+
+/* The removals of keys whose retention passed (the core's on_expired, which
+ * runs under a set lock and only remembers them) as one event at the end of
+ * `events`. Called before a store job's event is placed (a key expired and
+ * written again must be removed before it is stored) and by take_events. A
+ * push that fails (out of memory) is counted per key. */
+void nvt_flush_expired(TableObject *self) {
+    if (!self->expired || !PyList_GET_SIZE(self->expired))
+        return;
+    PyObject *keys = self->expired;
+    self->expired = NULL;
+    if (nvt_push_event(self, 1, keys) < 0) {
+        PyErr_Clear();
+        self->events_lost += (unsigned long long)PyList_GET_SIZE(keys);
+    }
+    Py_DECREF(keys);
+}
+
+/* take_events(): the events before the first stored event still open, in
+ * order; a job's event that stayed empty (nothing it wrote was published) is
+ * left out. NULL with an exception set (out of memory): nothing taken. */
+PyObject *nvt_take_events(TableObject *self) {
+    nvt_flush_expired(self);
+    Py_ssize_t n = PyList_GET_SIZE(self->events);
+    Py_ssize_t upto = self->n_ev_open ? (Py_ssize_t)(self->ev_open[0] - self->ev_first) : n;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < upto; i++) {
+        PyObject *ev = PyList_GET_ITEM(self->events, i);
+        if (!PyList_GET_SIZE(PyTuple_GET_ITEM(ev, 1)))
+            continue;
+        if (PyList_Append(out, ev) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    }
+    if (upto && PyList_SetSlice(self->events, 0, upto, NULL) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    self->ev_first += (uint64_t)upto;
+    return out;
 }
 
 /* Apply what the engine completed, waiting up to `timeout` (a float) for it,

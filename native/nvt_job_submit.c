@@ -512,6 +512,14 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
     if (rc == 0 && evicted && nvt_push_event(self, 1, evicted) < 0)
         event_lost(self); /* the evictions happened: the store goes on */
     Py_XDECREF(evicted);
+    /* The job's one stored event takes its place now, after every removal
+     * that came before its claims (this submit's evictions, keys expired so
+     * far), and fills as its writes complete (see TableObject.events). */
+    if (rc == 0 && !is_load && self->events_on) {
+        nvt_flush_expired(self);
+        if (n_ops && nvt_open_stored_event(self, (uint32_t)job) < 0)
+            rc = -1;
+    }
     /* Room to defer every op, should the engine refuse them (below). */
     if (rc == 0 && n_ops && nvt_defer_reserve(self, self->n_deferred + (size_t)n_ops) < 0)
         rc = -1;

@@ -88,6 +88,8 @@ int64_t nvt_job_alloc(TableObject *t, int64_t job_id, int is_load) {
     j->moved = 0;
     j->n_failed = 0;
     j->keys = NULL;
+    j->stored = NULL;
+    j->ev_seq = 0;
     j->start_ns = 0;
     j->oom = 0;
     j->unreported = 0;

@@ -73,6 +73,13 @@ typedef struct {
      * the job's keys as submitted (for successful_keys) and its start. */
     PyObject *keys;
     uint64_t start_ns;
+    /* A store job of the submit/poll path with KV events on: its stored
+     * event, placed in TableObject.events when it was submitted (ev_seq) and
+     * holding the keys its writes published so far (`stored`, owned; the
+     * event's list). Closed (NULL) once its last op is done: nvt_take_events
+     * hands out nothing at or past an open one (see TableObject.events). */
+    PyObject *stored;
+    uint64_t ev_seq;
     /* A failed key could not be recorded (out of memory): every key of the
      * job is reported failed. */
     uint8_t oom;
@@ -116,7 +123,23 @@ typedef struct {
     PyObject *eng_submit, *eng_wait;
     uint32_t outstanding, max_queued_ops;
     int verify, events_on;
-    PyObject *done, *events;
+    PyObject *done;
+    /* KV events, in the order a consumer must replay them: (removed, keys)
+     * tuples, numbered in push order (events[0] is number ev_first, the next
+     * push ev_next). A store job's one stored event takes its place when the
+     * job is submitted and fills as its writes complete (job_info.stored);
+     * the numbers of those still open, ascending, are ev_open. Why that
+     * order is the truth for every key: a key's write completes after its
+     * job's submit, so its removal (eviction at a later submit, invalidate,
+     * checksum failure, expiry) always comes after that job's event; and a
+     * key written again was claimed by a later submit, after the removal was
+     * pushed (expired keys are pushed before a store job's event is placed).
+     * take_events hands out the events before the first open one only: a
+     * later removal may name one of its keys. */
+    PyObject *events;
+    uint64_t ev_first, ev_next;
+    uint64_t *ev_open;
+    size_t n_ev_open, cap_ev_open;
     /* Jobs done but not yet reported (job_info.unreported), and KV event
      * keys lost to out of memory (counted: kv_events_lost). */
     uint32_t n_unreported;
@@ -149,7 +172,10 @@ static inline void op_release(TableObject *t, uint32_t i) {
     t->op_free[t->n_op_free++] = i;
 }
 
+void nvt_close_stored_event(TableObject *t, job_info *j);
+
 static inline void job_release(TableObject *t, uint32_t i) {
+    nvt_close_stored_event(t, &t->jobs[i]); /* a job freed unfinished (unwound) too */
     Py_CLEAR(t->jobs[i].keys);
     t->jobs[i].in_use = 0;
     t->job_free[t->n_job_free++] = i;
@@ -180,6 +206,9 @@ int nvt_defer_reserve(TableObject *self, size_t n);
 void nvt_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms);
 int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, int events, PyObject *finished, PyObject **stored, PyObject **removed);
 int nvt_push_event(TableObject *self, int removed, PyObject *keys);
+int nvt_open_stored_event(TableObject *self, uint32_t ji);
+void nvt_flush_expired(TableObject *self);
+PyObject *nvt_take_events(TableObject *self);
 int nvt_collect(TableObject *self, PyObject *timeout);
 PyObject *nvt_take_list(PyObject **slot);
 

@@ -47,6 +47,7 @@ static void Table_dealloc(TableObject *self) {
         for (uint32_t i = 0; i < self->n_jobs_cap; i++) {
             PyMem_Free(self->jobs[i].failed);
             Py_XDECREF(self->jobs[i].keys);
+            Py_XDECREF(self->jobs[i].stored);
         }
     }
     Py_XDECREF(self->eng_submit);
@@ -61,6 +62,7 @@ static void Table_dealloc(TableObject *self) {
     PyMem_Free(self->held);
     PyMem_Free(self->watches);
     PyMem_Free(self->deferred);
+    PyMem_Free(self->ev_open);
     if (self->have_tbuf)
         PyBuffer_Release(&self->tbuf);
     if (self->have_ibuf)
@@ -530,19 +532,31 @@ static PyObject *Table_collect(TableObject *self, PyObject *timeout) {
 
 PyDoc_STRVAR(take_events_doc, "take_events() -> list of (removed, keys)\n\n"
                               "KV events (stores, evictions, removals) since the last call\n"
-                              "(bind(events=True)).");
+                              "(bind(events=True)), in the order to replay them: one stored\n"
+                              "event per store job, naming every key it wrote, handed out once\n"
+                              "the job's ops are done (with the events that follow it).");
 
 static PyObject *Table_take_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD(self);
-    if (self->expired && PyList_GET_SIZE(self->expired)) {
-        PyObject *keys = self->expired;
-        self->expired = NULL;
-        int rc = nvt_push_event(self, 1, keys);
-        Py_DECREF(keys);
-        if (rc < 0)
-            return NULL;
-    }
-    return nvt_take_list(&self->events);
+    return nvt_take_events(self);
+}
+
+PyDoc_STRVAR(push_removed_doc, "push_removed(keys)\n\n"
+                               "A removal event for keys removed outside this Table (a purge by\n"
+                               "another process), queued behind the events already here, so it\n"
+                               "follows the stored event of the job that wrote a key even while\n"
+                               "that job's event is still open (take_events).");
+
+static PyObject *Table_push_removed(TableObject *self, PyObject *keys) {
+    GUARD(self);
+    PyObject *list = PySequence_List(keys);
+    if (!list)
+        return NULL;
+    int rc = PyList_GET_SIZE(list) ? nvt_push_event(self, 1, list) : 0;
+    Py_DECREF(list);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
@@ -621,6 +635,7 @@ static PyMethodDef Table_methods[] = {
     {"poll", (PyCFunction)Table_poll, METH_NOARGS, poll_doc},
     {"collect", (PyCFunction)Table_collect, METH_O, collect_doc},
     {"take_events", (PyCFunction)Table_take_events, METH_NOARGS, take_events_doc},
+    {"push_removed", (PyCFunction)Table_push_removed, METH_O, push_removed_doc},
     {"inflight", (PyCFunction)nvt_Table_inflight, METH_NOARGS, nvt_inflight_doc},
     {"set_retention", (PyCFunction)nvt_Table_set_retention, METH_O, nvt_set_retention_doc},
     {"purge", (PyCFunction)nvt_Table_purge, METH_VARARGS, nvt_purge_doc},

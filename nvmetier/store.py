@@ -585,7 +585,10 @@ class BlockStore:
         return out
 
     def take_events(self) -> list[tuple[bool, list[bytes]]]:
-        """``(removed, keys)`` pairs since the last call (if events enabled).
+        """``(removed, keys)`` pairs since the last call (if events enabled),
+        in the order to replay them: one stored event per store job, handed
+        out once the job's ops are done, and a key's removal always after the
+        stored event that announced it.
 
         Also the removals of an ``nvmetier purge`` of this store: the first
         sharer with events on to see a new purge generation takes it (one
@@ -596,9 +599,6 @@ class BlockStore:
         table = self._table
         if table is None:
             return []
-        events: list[tuple[bool, list[bytes]]] = table.take_events()
-        if self._keys is not None and events:
-            events = self._unseal_events(events)
         if self.config.enable_kv_events:
             gen, taken = table.purge_generation()
             if gen != taken:
@@ -606,10 +606,16 @@ class BlockStore:
                 if prev is not None:
                     keys = purge_log.removed_since(self.files.dirs[0], prev)
                     if self._keys is not None and keys:
-                        keys = [k for k in map(self._known.get, keys) if k is not None]
+                        keys = [k for k in keys if k in self._known]  # MACs it can name
                     if keys:
                         self._stats["purge_removals_emitted"] += len(keys)
-                        events.append((True, keys))
+                        # Queued in the table, behind its events: a purged
+                        # key's stored event may still be open there (its job
+                        # not finished), and the removal must follow it.
+                        table.push_removed(keys)
+        events: list[tuple[bool, list[bytes]]] = table.take_events()
+        if self._keys is not None and events:
+            events = self._unseal_events(events)
         return events
 
     def _unseal_events(

