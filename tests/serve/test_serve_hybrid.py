@@ -135,6 +135,11 @@ def hybrid_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers
     try:
         yield s
     finally:
+        # The reference server runs to the end of the module: stopped as a
+        # service manager stops it (a SIGKILL leaves vLLM's shared memory
+        # segments and semaphores in /dev/shm), then whatever is left killed.
+        for server in s.started:
+            server.stop()
         s.stop_all()
 
 
