@@ -402,6 +402,45 @@ class ServerProcess:
                         return ttft
         raise RuntimeError("the stream ended before its first token")
 
+    def timed_complete(
+        self, prompt: str | list[int], max_tokens: int = 8, timeout_s: float = 300.0
+    ) -> tuple[float, list[int]]:
+        """Greedy completion of ``prompt``, streamed: returns (seconds from
+        sending it to its first generated token, the generated ids). One
+        request gives both, so the tokens checked are those of the timed
+        prefill (a second request would find the prompt in vLLM's prefix
+        cache)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
+        req = urllib.request.Request(
+            self.base_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        ttft: float | None = None
+        tokens: list[int] = []
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[5:]).get("choices") or [{}]
+                ids = choices[0].get("token_ids") or []
+                if ids and ttft is None:
+                    ttft = time.perf_counter() - t0
+                tokens.extend(int(t) for t in ids)
+        if ttft is None:
+            raise RuntimeError("the stream ended before its first token")
+        return ttft, tokens
+
     def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> Any:
         req = urllib.request.Request(
             self.base_url + path,

@@ -1,10 +1,10 @@
-"""``python -m nvmetier.vllm.tiny_model OUT_DIR [--size tiny|bench]``: a local test model.
+"""``python -m nvmetier.vllm.tiny_model OUT_DIR [--size tiny|bench|hybrid]``: a local test model.
 
-Makes a random-weight Llama (``transformers``) and a byte-level BPE tokenizer
-trained offline (``tokenizers``) on a generated corpus, in a folder ``vllm
-serve`` loads like any Hugging Face model. Nothing is downloaded. The same
-``--size`` and ``--seed`` give the same files, byte for byte, on any machine
-with the same library versions.
+Makes a random-weight Llama, or for ``hybrid`` a Gemma 3 (``transformers``),
+and a byte-level BPE tokenizer trained offline (``tokenizers``) on a
+generated corpus, in a folder ``vllm serve`` loads like any Hugging Face
+model. Nothing is downloaded. The same ``--size`` and ``--seed`` give the
+same files, byte for byte, on any machine with the same library versions.
 
 Sizes:
     tiny: 2 layers, hidden 64, head size 32 (the smallest vLLM's CPU
@@ -12,6 +12,14 @@ Sizes:
         loads and serves in seconds on 2 cores.
     bench: 12 layers, hidden 768 (~120 M parameters): prefill of a few
         thousand tokens costs seconds on a CPU, for the TTFT benchmark.
+    hybrid: a Gemma 3 text model (``Gemma3ForCausalLM``) whose layers
+        alternate a 64-token sliding window and full attention (as Gemma 2
+        and gpt-oss do; Gemma 3 itself has 5 window layers per full one), 4
+        layers, hidden 1024, 2 KV heads of size 64 (~61 M parameters):
+        vLLM's hybrid KV cache manager gives it one sliding-window and one
+        full-attention KV cache group. Prefilling 1000 tokens costs ~1 s on
+        2 cores, ten times loading their KV (16 KiB per token): the serve
+        suite's hybrid model.
 
 Weights are float32 and drawn with a wider initializer than Llama's (0.2,
 not 0.02), so greedy decoding sees clear margins between the top logits: a
@@ -30,8 +38,9 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
-SIZES = ("tiny", "bench")
+SIZES = ("tiny", "bench", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,12 @@ class ModelSize:
     intermediate: int
     vocab: int
     max_positions: int
+    # Attention of each layer, "sliding_attention" or "full_attention"
+    # (Hugging Face's layer_types); empty: a Llama, every layer full.
+    layer_types: tuple[str, ...] = ()
+    # Tokens a sliding-window layer attends to (layer_types only).
+    sliding_window: int = 0
+    head_dim: int = 0  # 0: hidden / heads
 
 
 MODEL_SIZES: dict[str, ModelSize] = {
@@ -59,6 +74,18 @@ MODEL_SIZES: dict[str, ModelSize] = {
         intermediate=2048,
         vocab=8192,
         max_positions=8192,
+    ),
+    "hybrid": ModelSize(
+        hidden=1024,
+        layers=4,
+        heads=16,
+        kv_heads=2,
+        intermediate=4096,
+        vocab=512,
+        max_positions=4096,
+        layer_types=("sliding_attention", "full_attention") * 2,
+        sliding_window=64,
+        head_dim=64,
     ),
 }
 
@@ -113,11 +140,23 @@ def make_model(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}: use one of {', '.join(SIZES)}")
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = MODEL_SIZES[size]
     os.makedirs(out_dir, exist_ok=True)
     make_tokenizer(out_dir, shape.vocab, seed)
+    torch.manual_seed(seed)
+    model = _hybrid_model(shape) if shape.layer_types else _llama_model(shape)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    with open(os.path.join(out_dir, "nvmetier-model.json"), "w", encoding="utf-8") as f:
+        json.dump({"size": size, "seed": seed, "parameters": model.num_parameters()}, f)
+    return out_dir
+
+
+def _llama_model(shape: ModelSize) -> Any:
+    """A random-weight ``LlamaForCausalLM`` of ``shape`` (every layer full attention)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     config = LlamaConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
@@ -132,18 +171,44 @@ def make_model(out_dir: str, size: str = "tiny", seed: int = 0) -> str:
         tie_word_embeddings=False,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    with open(os.path.join(out_dir, "nvmetier-model.json"), "w", encoding="utf-8") as f:
-        json.dump({"size": size, "seed": seed, "parameters": model.num_parameters()}, f)
-    return out_dir
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def _hybrid_model(shape: ModelSize) -> Any:
+    """A random-weight ``Gemma3ForCausalLM`` of ``shape``: sliding-window and
+    full-attention layers as ``shape.layer_types`` says (vLLM reads the same
+    ``layer_types`` and ``sliding_window`` from config.json)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    head_dim = shape.head_dim or shape.hidden // shape.heads
+    config = Gemma3TextConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=head_dim,
+        query_pre_attn_scalar=head_dim,
+        layer_types=list(shape.layer_types),
+        sliding_window=shape.sliding_window,
+        max_position_embeddings=shape.max_positions,
+        initializer_range=0.2,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.architectures = ["Gemma3ForCausalLM"]
+    return Gemma3ForCausalLM(config).to(torch.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m nvmetier.vllm.tiny_model",
-        description="Make a random-weight Llama and its BPE tokenizer (no download).",
+        description="Make a random-weight model and its BPE tokenizer (no download).",
     )
     parser.add_argument("out_dir", help="folder to write (created)")
     parser.add_argument("--size", choices=SIZES, default="tiny")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from nvmetier.bench.serve import (
+    DEFAULT_CPU_BYTES,
     SERVE_PYTHON,
     ServerProcess,
     cpu_serve_argv,
@@ -52,9 +53,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 class Servers:
     """Starts servers for one test module; stops every one it started."""
 
-    def __init__(self, model: str, log_dir: str) -> None:
+    def __init__(self, model: str, log_dir: str, max_model_len: int = 1024) -> None:
         self.model = model
         self.log_dir = log_dir
+        self.max_model_len = max_model_len
         self.started: list[ServerProcess] = []
 
     def start(
@@ -66,19 +68,21 @@ class Servers:
         tier_extra: dict[str, object] | None = None,
         name: str = "server",
         wait: bool = True,
+        cpu_bytes: int = DEFAULT_CPU_BYTES,
+        env: dict[str, str] | None = None,
     ) -> ServerProcess:
         port = free_port()
-        kv = kv_transfer_config(tier, root_dir, capacity, tier_extra=tier_extra)
+        kv = kv_transfer_config(tier, root_dir, capacity, cpu_bytes, tier_extra=tier_extra)
         argv = cpu_serve_argv(
             self.model,
             port,
             kv,
-            max_model_len=1024,
+            max_model_len=self.max_model_len,
             extra=("--max-num-seqs", "4", *extra),
             python=SERVE_PYTHON,
         )
         log = os.path.join(self.log_dir, f"{name}-{len(self.started)}-{port}.log")
-        server = ServerProcess(argv, log).start()
+        server = ServerProcess(argv, log, env=dict(env or {})).start()
         self.started.append(server)
         if wait:
             server.wait_ready()
