@@ -19,6 +19,11 @@ Checked per schedule:
 - when the requests are done, the guard holds no pin and the CPU tier's
   chunks are all free or evictable again.
 
+What an earlier run left on disk holds every chunk of its documents, window
+groups' included (as vLLM stores them with ``--prefix-cache-retention-interval``
+of one chunk); the model's own stores keep vLLM's default, a window group's
+chunks near the prompt's end only.
+
 ``NVMETIER_SLOW=1`` runs 10x the schedules (CI runs a sample); a failure
 prints the seed, and ``WALK_SEED=<seed>`` replays one.
 """
