@@ -52,9 +52,11 @@ def make_config(
     enable_kv_cache_events: bool = False,
     extra: dict[str, Any] | None = None,
     max_model_len: int = 0,
+    groups: Sequence[OffloadingGroupConfig] = (),
 ) -> OffloadingConfig:
     """An ``OffloadingConfig`` whose primary rows are ``chunk_bytes`` each
-    (16 tokens a chunk; ``max_model_len`` 0: unknown)."""
+    (16 tokens a chunk; ``max_model_len`` 0: unknown; ``groups``: the KV
+    groups, default one full-attention group)."""
     extra_config: dict[str, Any] = {
         "spec_name": "TieringOffloadingSpec",
         "cpu_bytes_to_use": chunk_bytes * cpu_chunks,
@@ -62,7 +64,7 @@ def make_config(
     }
     extra_config.update(extra or {})
     return OffloadingConfig(
-        groups=(OffloadingGroupConfig(16, ("model.layers.0.attn",), 0),),
+        groups=tuple(groups) or (OffloadingGroupConfig(16, ("model.layers.0.attn",), 0),),
         worker_kv_bytes_per_block=chunk_bytes // tp_size,
         enable_kv_cache_events=enable_kv_cache_events,
         extra_config=extra_config,

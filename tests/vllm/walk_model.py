@@ -50,17 +50,14 @@ from vllm.v1.kv_offload.base import (
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
     OffloadingGroupConfig,
-    OffloadingParallelConfig,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
 from nvmetier.vllm import compat
 from nvmetier.vllm.cpu_view import PrimaryView, connector_groups, find_primary
-from nvmetier.vllm.harness import _model_config
+from nvmetier.vllm.harness import make_config
 from nvmetier.vllm.promotion import PromotionGuard, kv_groups
 
 HIT, HIT_PENDING, MISS, RETRY = (
@@ -244,33 +241,16 @@ class WalkModel:
         windows.sort(key=lambda g: -(g.sliding_window_size_in_chunks or 0))
         self.windows = windows
         self.config = _Config(self.groups)
-        offload_config = OffloadingConfig(
-            groups=tuple(
+        offload_config = make_config(
+            [tier] if tier is not None else [],
+            chunk_bytes=chunk_bytes,
+            cpu_chunks=cpu_chunks,
+            model="walk-model",
+            engine_id=f"walk-{rng.getrandbits(40):x}",
+            groups=[
                 _group_config(g.tokens_per_chunk, (f"layers.{g.group_idx}",), g)
                 for g in self.groups
-            ),
-            worker_kv_bytes_per_block=chunk_bytes,
-            enable_kv_cache_events=False,
-            extra_config={
-                "spec_name": "TieringOffloadingSpec",
-                "cpu_bytes_to_use": chunk_bytes * cpu_chunks,
-                "secondary_tiers": [tier] if tier is not None else [],
-            },
-            engine_id=f"walk-{rng.getrandbits(40):x}",
-            model=_model_config("walk-model", "float16", 0),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-            parallel=OffloadingParallelConfig(
-                rank=0,
-                world_size=1,
-                tp_size=1,
-                pp_size=1,
-                pcp_size=1,
-                dcp_size=1,
-                data_parallel_index=0,
-                data_parallel_size=1,
-                data_parallel_rank_local=None,
-                is_parallelism_agnostic=False,
-            ),
+            ],
         )
         # As vLLM's connector scheduler: its config first, then the manager
         # (whose tiers read the config's groups from this frame).
