@@ -473,3 +473,14 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
     finally:
         eng.close()
         f.close()
+
+
+def test_a_slot_image_moved_to_another_slot_never_opens(rig) -> None:
+    # The slot's place is in the authenticated data: the same bytes, the
+    # same key's seed, another slot (or store) is EBADMSG, counted.
+    rig.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 5)])
+    os.pwrite(rig.fd, os.pread(rig.fd, SLOT, 0), 3 * SLOT)
+    got = rig.run([Op(2, OP_READ, 0, 3 * SLOT, ROW, ROW, 5), Op(3, OP_READ, 0, 0, 0, ROW, 5)])
+    assert got[2].result == -errno.EBADMSG and got[3].result == ROW
+    if hasattr(rig.engine, "auth_failures"):
+        assert rig.engine.auth_failures == 1
