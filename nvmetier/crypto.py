@@ -1,29 +1,26 @@
-"""Encryption-at-rest primitives: the operator's key file, the subkeys
-derived from it, keyed MACs of offload keys, chunk sealing (AES-256-GCM) and
-the durable nonce counter of a store.
+"""Encryption-at-rest primitives: the operator's key file and what it
+derives, keyed MACs of offload keys, chunk sealing (AES-256-GCM), the nonce
+allocator, and a sealed store's ``keys`` file (``Keyring``).
 
-Owns: no state but a ``NonceSource``'s file descriptor. Every cipher and MAC
-comes from OpenSSL: AES-256-GCM through ``nvmetier._crypto`` (libcrypto's
-EVP interface, ``native/nvt_crypto.c``, the GIL released), HMAC-SHA256
-through ``hmac`` (OpenSSL-backed), HKDF-SHA256 through the ``cryptography``
-package. None is written by hand here.
+Owns: no state but a ``Keyring``'s file descriptor (``O_CLOEXEC``, closed
+in a forked child). Every cipher and MAC comes from OpenSSL: AES-256-GCM of
+chunks through ``nvmetier._crypto`` (libcrypto's EVP interface,
+``native/nvt_crypto.c`` and ``native/nvt_seal.c``, the GIL released);
+HMAC-SHA256 natively or through ``hmac``; HKDF-SHA256 and the key wrapping
+(AES-256-GCM) through the ``cryptography`` package. None is written by hand.
 
-Threads: ``load_key_file``, ``KeySet`` and ``NonceSource.open`` run where a
-store opens (they block on small file I/O); ``key_mac`` is for the scheduler
-thread (~1 µs a key); ``seal``/``open_sealed`` for engine threads (they
-release the GIL); ``NonceSource.reserve`` blocks on an fsync and is called
-once per ``block`` nonces.
+Keys (docs/format.md, "Encrypted stores"): the key file wraps each store's
+random store key; the store key gives the MAC key of the index and wraps the
+store's random *epoch* keys, under which chunks are sealed, each process
+under its own epoch, a new one at every open and at least hourly. Nonces are
+96 random bits per seal (``NonceSource``, natively ``nvt_random``): no file
+or counter a copy, restore or rollback could replay. Destroying an epoch's
+entry (purge, retention) erases every chunk sealed under it.
 
-Nonces (96 bits) never repeat under one key: each is a 32-bit prefix and a
-64-bit counter. The prefix is drawn at random when a store's nonce file is
-created and kept in it; the counter is reserved in blocks, each reservation
-written and fsynced (under a ``flock`` of the file) before any nonce of the
-block is used. So within one store no two seals share a counter, across
-processes (the lock), restarts and crashes (a block is durable before use; a
-crash only skips the rest of its block). Across two creations of a store
-under the same key (the directory deleted, the key kept) the prefixes differ
-except with probability 2^-32 per pair; a new key (rotation) makes every
-earlier nonce irrelevant.
+Threads: ``load_key_file``, ``KeySet`` and ``Keyring`` run where a store
+opens or closes, on a sealed store's housekeeping thread and in the CLI
+(they block on small file I/O and fsyncs); ``key_mac`` is for the scheduler
+thread (~0.3 µs a key); ``seal``/``open_sealed`` for engine threads.
 """
 
 from __future__ import annotations

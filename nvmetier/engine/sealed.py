@@ -10,9 +10,9 @@ image is a span of the worker's huge-page arena: sealed into it from the
 row, read into it whole and opened from it into the row; without, a write
 goes through a bounce slot and a load reads the row plus the trailer page and
 opens the row in place. No copy beyond the seal and the open, no thread
-hop. ``Sealing`` owns the nonce reservations: the thread engine's workers
-take nonces from it; for the io_uring engine a refill
-thread (``nvmetier-nonce``) keeps a reserved range spare in the engine.
+hop. ``Sealing`` owns the store's native key table (``nvmetier._crypto.Keys``:
+the epochs' keys, the one nonce allocator, the trailer): the thread
+engine's workers seal through it, the io_uring engine's borrow it.
 
 SealingEngine (below) remains for any other inner engine:
 
@@ -33,17 +33,17 @@ load, so a record only ever serves the sealing it was written for; a tag that
 does not verify completes the load with ``-EBADMSG``, which the table treats
 as a checksum failure (a miss, the slot freed, ``auth_failures`` counted).
 
-Nonces come from the store's durable counter (``crypto.NonceSource``),
-reserved in blocks of ``NONCE_BLOCK`` by the worker that runs out (an fsync
-on an engine thread, never on vLLM's). The authenticated data binds each
-chunk to its key (the op's seed: XXH3-64 of the key's MAC, which only a
-holder of the key file can compute) and to the store's layout digest.
+Nonces are 96 random bits per seal, under the sealing process's current
+epoch key (``Sealing``). The authenticated data binds each chunk to its key
+(the op's seed: XXH3-64 of the key's MAC, which only a holder of the key
+file can compute), the store's layout digest, the store, the epoch and the
+slot (data file and offset): native/nvt_seal.h.
 
 Threads: ``submit``/``wait_completions`` as any engine (the scheduler
 thread); ``n_threads`` workers seal, open and submit to the inner engine
 (the GIL released in libcrypto); one pump thread moves the inner engine's
-completions to the workers. Workers block on the bounce pool and on nonce
-reservations, never the caller.
+completions to the workers. Workers block on the bounce pool, never the
+caller.
 """
 
 from __future__ import annotations
