@@ -78,14 +78,14 @@ TABLE_SOURCES = [
 
 # AES-256-GCM through OpenSSL libcrypto (libssl-dev), optional like the
 # io_uring engine: nvmetier._crypto is what encryption at rest needs.
-CRYPTO_SOURCES = ["native/nvt_crypto.c", "native/nvt_crypto_module.c"]
+CRYPTO_SOURCES = ["native/nvt_crypto.c", "native/nvt_crypto_module.c", "native/nvt_seal.c"]
 
 extra_objects, libraries = _uring_link_args()
 # The io_uring engine seals and opens chunks in its own threads (nvt_crypto.c,
 # libcrypto): it links libcrypto too.
 native_sources = sorted(
     set(glob.glob("native/*.c")) - set(TABLE_SOURCES) - set(CRYPTO_SOURCES)
-    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c", "native/nvt_crypto.c"}
+    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c", "native/nvt_crypto.c", "native/nvt_seal.c"}
 )
 ext_modules = [
     Extension(
@@ -120,7 +120,7 @@ ext_modules.append(
     Extension(
         "nvmetier._crypto",
         sources=CRYPTO_SOURCES,
-        depends=["native/nvt_crypto.h"],
+        depends=["native/nvt_crypto.h", "native/nvt_seal.h"],
         include_dirs=["native"],
         extra_compile_args=COMPILE_ARGS,
         extra_link_args=SANITIZE_ARGS,  # a sanitized build links its runtime (UBSan's handlers)

@@ -11,7 +11,11 @@
 #include <Python.h>
 #include <openssl/crypto.h>
 
+#include <errno.h>
+#include <string.h>
+
 #include "nvt_crypto.h"
+#include "nvt_seal.h"
 
 /* A buffer argument of exactly `want` bytes (0: any), read-only or writable. */
 static int get_buf(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t want, const char *name) {
@@ -119,12 +123,12 @@ fail_k:
 
 /* ---- KeyMac: HMAC-SHA256 of offload keys, optionally handed straight on */
 typedef struct {
-    PyObject_HEAD nvt_hmac_key key;
-    PyObject *then; /* NULL: return the MAC; else then(mac) */
+    PyObject_HEAD nvt_hmac_key *key; /* secret memory (MADV_DONTDUMP), zeroed when freed */
+    PyObject *then;                  /* NULL: return the MAC; else then(mac) */
 } KeyMacObject;
 
 static void keymac_dealloc(KeyMacObject *self) {
-    OPENSSL_cleanse(&self->key, sizeof(self->key));
+    nvt_secret_free(self->key, sizeof(*self->key));
     Py_CLEAR(self->then);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -145,7 +149,8 @@ static PyObject *keymac_new(PyTypeObject *type, PyObject *args, PyObject *kwds) 
         PyBuffer_Release(&k);
         return NULL;
     }
-    int rc = nvt_hmac_init(&self->key, k.buf, (size_t)k.len);
+    self->key = nvt_secret_alloc(sizeof(*self->key));
+    int rc = self->key ? nvt_hmac_init(self->key, k.buf, (size_t)k.len) : -1;
     PyBuffer_Release(&k);
     if (rc != 0) {
         Py_DECREF(self);
@@ -172,12 +177,12 @@ static PyObject *keymac_call(KeyMacObject *self, PyObject *args, PyObject *kwds)
     PyObject *arg = PyTuple_GET_ITEM(args, 0);
     uint8_t mac[NVT_HMAC_BYTES];
     if (PyBytes_CheckExact(arg)) {
-        nvt_hmac(&self->key, (const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg), mac);
+        nvt_hmac(self->key, (const uint8_t *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg), mac);
     } else {
         Py_buffer b;
         if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
             return NULL;
-        nvt_hmac(&self->key, b.buf, (size_t)b.len, mac);
+        nvt_hmac(self->key, b.buf, (size_t)b.len, mac);
         PyBuffer_Release(&b);
     }
     PyObject *out = PyBytes_FromStringAndSize((const char *)mac, NVT_HMAC_BYTES);
@@ -199,7 +204,7 @@ static PyObject *keymac_many(KeyMacObject *self, PyObject *keys) {
         Py_DECREF(item);
         if (rc < 0)
             goto fail;
-        nvt_hmac(&self->key, b.buf, (size_t)b.len, mac);
+        nvt_hmac(self->key, b.buf, (size_t)b.len, mac);
         PyBuffer_Release(&b);
         PyObject *m = PyBytes_FromStringAndSize((const char *)mac, NVT_HMAC_BYTES);
         if (!m || PyList_Append(list, m) < 0) {
@@ -239,8 +244,243 @@ static PyTypeObject KeyMacType = {
     .tp_new = keymac_new,
 };
 
+
+/* ---- Keys: a store's data keys per epoch (nvt_seal.h), for both engines */
+typedef struct {
+    PyObject_HEAD nvt_keys *keys;
+} KeysObject;
+
+static void keys_dealloc(KeysObject *self) {
+    nvt_keys_unref(self->keys);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *keys_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"store_id", "layout_digest", NULL};
+    Py_buffer id;
+    unsigned long long digest;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*K", kwlist, &id, &digest))
+        return NULL;
+    if (id.len != NVT_STORE_ID_BYTES) {
+        PyBuffer_Release(&id);
+        PyErr_Format(PyExc_ValueError, "store_id must be %d bytes", NVT_STORE_ID_BYTES);
+        return NULL;
+    }
+    KeysObject *self = (KeysObject *)type->tp_alloc(type, 0);
+    if (self && !(self->keys = nvt_keys_new(id.buf, digest))) {
+        Py_DECREF(self);
+        self = NULL;
+        PyErr_NoMemory();
+    }
+    PyBuffer_Release(&id);
+    return (PyObject *)self;
+}
+
+static PyObject *keys_set(KeysObject *self, PyObject *args) {
+    PyObject *list;
+    long long seal_epoch;
+    unsigned long long until, limit;
+    unsigned int max_epoch;
+    if (!PyArg_ParseTuple(args, "OLKKI", &list, &seal_epoch, &until, &limit, &max_epoch))
+        return NULL;
+    PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > NVT_MAX_EPOCHS) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "too many epochs");
+        return NULL;
+    }
+    size_t bytes = (size_t)(n ? n : 1) * sizeof(nvt_epoch_key);
+    nvt_epoch_key *ents = nvt_secret_alloc(bytes);
+    if (!ents) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
+        unsigned int epoch;
+        Py_buffer kb, fb;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "Iy*y*;an entry is (epoch, key, fingerprint)", &epoch,
+                              &kb, &fb)) {
+            rc = -1;
+            break;
+        }
+        if (kb.len != NVT_KEY_BYTES || fb.len != NVT_FP_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "an entry's key is 32 bytes and its fingerprint 8");
+            rc = -1;
+        } else {
+            ents[i].epoch = epoch;
+            memcpy(ents[i].key, kb.buf, NVT_KEY_BYTES);
+            memcpy(ents[i].fingerprint, fb.buf, NVT_FP_BYTES);
+        }
+        PyBuffer_Release(&kb);
+        PyBuffer_Release(&fb);
+    }
+    Py_DECREF(seq);
+    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch) != 0) {
+        PyErr_SetString(PyExc_ValueError, "the key table refused the entries (a forked child's table?)");
+        rc = -1;
+    }
+    nvt_secret_free(ents, bytes);
+    if (rc)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *keys_seals(KeysObject *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong(nvt_keys_seals(self->keys));
+}
+
+static PyObject *errno_error(int err) {
+    errno = err;
+    return PyErr_SetFromErrno(PyExc_OSError);
+}
+
+static PyObject *keys_seal(KeysObject *self, PyObject *args) {
+    unsigned long long seed, off;
+    unsigned int file_idx;
+    PyObject *so, *dobj;
+    if (!PyArg_ParseTuple(args, "KIKOO", &seed, &file_idx, &off, &so, &dobj))
+        return NULL;
+    Py_buffer s, d;
+    if (get_buf(so, &s, 0, 0, "row") < 0)
+        return NULL;
+    if (get_buf(dobj, &d, 1, 0, "slot") < 0) {
+        PyBuffer_Release(&s);
+        return NULL;
+    }
+    int rc;
+    uint64_t sum = 0;
+    if (d.len < s.len + NVT_TRAILER_BYTES) {
+        rc = -EINVAL;
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc = nvt_keys_seal(self->keys, seed, file_idx, off, s.buf, d.buf, (uint64_t)s.len,
+                                                  (uint64_t)d.len, &sum);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    if (rc)
+        return errno_error(-rc);
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
+static PyObject *keys_open(KeysObject *self, PyObject *args) {
+    unsigned long long seed, off;
+    unsigned int file_idx;
+    PyObject *to, *so, *dobj;
+    if (!PyArg_ParseTuple(args, "KIKOOO", &seed, &file_idx, &off, &to, &so, &dobj))
+        return NULL;
+    Py_buffer t, s, d;
+    if (get_buf(to, &t, 0, 0, "trailer") < 0)
+        return NULL;
+    if (get_buf(dobj, &d, 1, 0, "dst") < 0) {
+        PyBuffer_Release(&t);
+        return NULL;
+    }
+    if (get_buf(so, &s, 0, 0, "src") < 0) {
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&t);
+        return NULL;
+    }
+    int rc;
+    uint64_t sum = 0;
+    if (t.len < NVT_TRAILER_BYTES || d.len < s.len) {
+        rc = -EINVAL;
+    } else {
+        Py_BEGIN_ALLOW_THREADS rc =
+            nvt_keys_open(self->keys, seed, file_idx, off, t.buf, s.buf, d.buf, (uint64_t)s.len, &sum);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&t);
+    if (rc)
+        return errno_error(-rc);
+    return PyLong_FromUnsignedLongLong(sum);
+}
+
+static void keys_capsule_free(PyObject *cap) {
+    nvt_keys_unref(PyCapsule_GetPointer(cap, "nvmetier._crypto.keys"));
+}
+
+static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
+    nvt_keys_ref(self->keys);
+    PyObject *cap = PyCapsule_New(self->keys, "nvmetier._crypto.keys", keys_capsule_free);
+    if (!cap)
+        nvt_keys_unref(self->keys);
+    return cap;
+}
+
+static PyMethodDef keys_methods[] = {
+    {"set", (PyCFunction)keys_set, METH_VARARGS,
+     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch): replace the table; entries are\n"
+     "(epoch, key, fingerprint); seal_epoch -1: no sealing."},
+    {"seals", (PyCFunction)keys_seals, METH_NOARGS, "seals() -> seals made under the sealing epoch."},
+    {"seal", (PyCFunction)keys_seal, METH_VARARGS,
+     "seal(seed, file_idx, file_offset, row, slot) -> checksum: seal row into slot (ciphertext, trailer,\n"
+     "zeros); OSError(EAGAIN) when no epoch may seal. The GIL is released."},
+    {"open", (PyCFunction)keys_open, METH_VARARGS,
+     "open(seed, file_idx, file_offset, trailer, src, dst) -> checksum: open src into dst (may be src);\n"
+     "OSError(EBADMSG) when it does not verify, OSError(ENOKEY) for an epoch not loaded yet."},
+    {"capsule", (PyCFunction)keys_capsule, METH_NOARGS, "capsule() -> the table for nvmetier._uring."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject KeysType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._crypto.Keys",
+    .tp_basicsize = sizeof(KeysObject),
+    .tp_dealloc = (destructor)keys_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Keys(store_id, layout_digest): a store's data keys per epoch (nvt_seal.h), in memory\n"
+              "excluded from core dumps and wiped in a forked child.",
+    .tp_methods = keys_methods,
+    .tp_new = keys_new,
+};
+
+PyDoc_STRVAR(parse_trailer_doc, "parse_trailer(buf) -> (nonce, tag, epoch, fingerprint) or None");
+
+static PyObject *py_parse_trailer(PyObject *m, PyObject *arg) {
+    Py_buffer b;
+    if (get_buf(arg, &b, 0, 0, "trailer") < 0)
+        return NULL;
+    PyObject *out;
+    const uint8_t *t = b.buf;
+    if (b.len < NVT_TRAILER_BYTES || memcmp(t, "NVTS", 4) != 0 ||
+        (t[4] | t[5] << 8 | t[6] << 16 | (uint32_t)t[7] << 24) != NVT_TRAILER_VERSION) {
+        out = Py_NewRef(Py_None);
+    } else {
+        uint32_t epoch = t[36] | t[37] << 8 | t[38] << 16 | (uint32_t)t[39] << 24;
+        out = Py_BuildValue("(y#y#Iy#)", t + NVT_TRL_NONCE, (Py_ssize_t)NVT_NONCE_BYTES, t + NVT_TRL_TAG,
+                            (Py_ssize_t)NVT_GCM_TAG_BYTES, epoch, t + NVT_TRL_FINGERPRINT, (Py_ssize_t)NVT_FP_BYTES);
+    }
+    PyBuffer_Release(&b);
+    return out;
+}
+
+PyDoc_STRVAR(random_doc, "random(n) -> n bytes from the kernel's CSPRNG (the nonce allocator's source)");
+
+static PyObject *py_random(PyObject *m, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n < 0)
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "n must be >= 0");
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (!out)
+        return NULL;
+    int rc = nvt_random((uint8_t *)PyBytes_AS_STRING(out), (size_t)n);
+    if (rc) {
+        Py_DECREF(out);
+        return errno_error(-rc);
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"seal", py_seal, METH_VARARGS, seal_doc},
+    {"parse_trailer", py_parse_trailer, METH_O, parse_trailer_doc},
+    {"random", py_random, METH_O, random_doc},
     {"open", py_open, METH_VARARGS, open_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -255,6 +495,12 @@ PyMODINIT_FUNC PyInit__crypto(void) {
     if (m && PyModule_AddStringConstant(m, "OPENSSL_VERSION", OpenSSL_version(OPENSSL_VERSION)) < 0)
         Py_CLEAR(m);
     if (m && (PyType_Ready(&KeyMacType) < 0 || PyModule_AddObjectRef(m, "KeyMac", (PyObject *)&KeyMacType) < 0))
+        Py_CLEAR(m);
+    if (m && (PyType_Ready(&KeysType) < 0 || PyModule_AddObjectRef(m, "Keys", (PyObject *)&KeysType) < 0 ||
+              PyModule_AddIntConstant(m, "TRAILER_BYTES", NVT_TRAILER_BYTES) < 0 ||
+              PyModule_AddIntConstant(m, "TRAILER_VERSION", NVT_TRAILER_VERSION) < 0 ||
+              PyModule_AddIntConstant(m, "MAX_EPOCHS", NVT_MAX_EPOCHS) < 0 ||
+              PyModule_AddIntConstant(m, "SEAL_LIMIT", (long)NVT_SEAL_LIMIT_DEFAULT) < 0))
         Py_CLEAR(m);
     return m;
 }

@@ -140,8 +140,9 @@ static void engine_destroy(nvt_engine *e) {
         worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->close_lock);
-    pthread_mutex_destroy(&e->nonce_lock);
-    explicit_bzero(&e->seal, sizeof(e->seal)); /* the key */
+    if (e->sealed)
+        nvt_keys_unref(e->seal.keys);
+    explicit_bzero(&e->seal, sizeof(e->seal));
     pthread_cond_destroy(&e->cv);
     free(e->workers);
     free(e->rr);
@@ -273,9 +274,9 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
          * in the registered buffer: register nothing (no pin for nothing). */
         e->sealed = 1;
         e->seal = *cfg->seal;
+        nvt_keys_ref(e->seal.keys); /* released in engine_destroy */
         e->cfg.register_buffers = 0;
     }
-    pthread_mutex_init(&e->nonce_lock, NULL);
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
     pthread_condattr_t ca;

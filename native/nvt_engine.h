@@ -85,14 +85,13 @@ typedef struct {
  * checksum is the tag's first 8 bytes (LE). A read reads the slot straight
  * into the row plus the trailer into a small buffer (one readv of both) and
  * opens the row in place in the worker thread before the completion is
- * published: a tag that does not verify completes with -EBADMSG. The
- * authenticated data is the op's seed and `layout_digest` (LE u64 each). */
-#define NVT_TRAILER_BYTES 64
+ * published: a tag that does not verify completes with -EBADMSG, an epoch
+ * the key table does not hold yet with -ENOKEY. The slot format, the
+ * nonces and the authenticated data are nvt_seal.h's (one definition for
+ * both engines). */
+struct nvt_keys;
 typedef struct {
-    uint8_t key[32];          /* AES-256-GCM key */
-    uint8_t fingerprint[8];   /* the key's fingerprint, in every trailer */
-    uint32_t nonce_prefix;    /* the store's nonce prefix (nonce: prefix, counter; LE) */
-    uint64_t layout_digest;
+    struct nvt_keys *keys;    /* the store's key table (nvt_seal.h); the engine holds a reference */
     uint64_t row_bytes;       /* bytes of one chunk: every op's length */
     uint64_t slot_bytes;      /* bytes moved per op; slot_bytes - row_bytes >= 64 */
 } nvt_seal_config;
@@ -123,8 +122,8 @@ typedef struct {
      * into several requests and fills its ring with one op. An op that finds
      * no free span (or is larger than the arena) moves directly. */
     uint64_t staging_bytes;
-    /* Sealing (NULL: none). Copied by nvt_engine_open; nonces come from
-     * nvt_engine_add_nonces (a write that finds none fails with -EAGAIN).
+    /* Sealing (NULL: none). Copied by nvt_engine_open (a reference to the
+     * key table taken); a write the table refuses fails with -EAGAIN.
      * With staging a sealed op's slot image is a span of the arena (sealed
      * into it from the row, or read into it and opened into the row); an op
      * that finds no span uses its slot's bounce buffer (write) or reads into
@@ -244,15 +243,6 @@ void nvt_engine_free(nvt_engine *e);
  * Returns 0, or -errno with *stage naming the step that failed.
  */
 int nvt_probe(const char **stage);
-
-/* Sealing engines: hand the engine `n` nonce counters from `start` (reserved
- * durably by the caller). The engine keeps the current range and one spare:
- * returns -EBUSY when the spare is taken (call again once it is used). */
-int nvt_engine_add_nonces(nvt_engine *e, uint64_t start, uint64_t n);
-
-/* Sealing engines: nonces the engine holds (current range and spare), and
- * whether the spare is free (the caller's cue to reserve the next range). */
-uint64_t nvt_engine_nonces_left(nvt_engine *e, int *spare_free);
 
 /* Ops that failed their tag (-EBADMSG), since open (racy counter). */
 uint64_t nvt_engine_auth_failures(const nvt_engine *e);

@@ -18,8 +18,8 @@
  *                       fixed files (the I/O thread, at its setup), the
  *                       fork handler (the forking thread), nvt_probe.
  *   nvt_engine_stage.c  the staging arena. The I/O thread only.
- *   nvt_engine_seal.c   sealing and opening (the I/O thread); nonce ranges
- *                       (any thread, under nonce_lock).
+ *   nvt_engine_seal.c   sealing and opening (the I/O thread) through the
+ *                       store's key table (nvt_seal.h).
  */
 #ifndef NVT_ENGINE_INTERNAL_H
 #define NVT_ENGINE_INTERNAL_H
@@ -34,6 +34,8 @@
 #include <unistd.h>
 
 #include "nvt_engine.h"
+#include "nvt_seal.h"
+#include "nvt_seal.h"
 
 /* Largest single SQE of an unregistered transfer (the kernel moves at most
  * ~2 GiB per read/write call); longer ops continue in further SQEs. */
@@ -64,6 +66,8 @@ typedef struct {
     uint8_t *data;
     uint64_t length;
     uint64_t seed;
+    uint64_t file_off;  /* sealed: the slot's place, bound into the tag */
+    uint32_t file_idx;
     uint8_t *dst;       /* staged: where the bytes go in the buffer (NULL: data is there) */
     uint32_t stage_first, stage_units;
     int sealed;                           /* open `data` in place with `trailer` */
@@ -165,9 +169,6 @@ struct nvt_engine {
     /* Sealing (cfg.seal copied here; sealed: 0 when none). */
     int sealed;
     nvt_seal_config seal;
-    pthread_mutex_t nonce_lock;
-    uint64_t nonce_next, nonce_end;   /* current range; guarded by nonce_lock */
-    uint64_t spare_start, spare_n;    /* next range (spare_n 0: free) */
     uint64_t auth_failures;           /* atomic */
 };
 

@@ -194,6 +194,8 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
             r->stage_units = s->stage_units;
             r->length = e->seal.row_bytes;
             r->seed = s->op.seed;
+            r->file_idx = (uint32_t)s->op.file_idx;
+            r->file_off = (uint64_t)s->op.file_offset;
             r->sealed = 1;
             memcpy(r->trailer, s->stage ? s->stage + e->seal.row_bytes : s->trail, NVT_TRAILER_BYTES);
             /* The span stays with the read until it is opened (as above). */
@@ -347,8 +349,8 @@ static void io_run(nvt_worker *w) {
             if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum && !e->sealed)
                 memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
             if (e->sealed) {
-                /* Sealed here, on this worker, before the SQE (the nonce's
-                 * lock is the only one shared with other workers). */
+                /* Sealed here, on this worker, before the SQE (the key
+                 * table's read lock is the only one shared with others). */
                 int err = s->op.kind == NVT_OP_WRITE ? nvt_seal_write(e, s)
                           : s->stage                 ? 0
                                                      : nvt_seal_read_ready(e, s);

@@ -37,6 +37,8 @@ int nvt_stage_open(nvt_worker *w, uint64_t bytes) {
         return -ENOMEM;
     }
     (void)madvise(base, (size_t)len, MADV_HUGEPAGE);
+    if (w->e->sealed) /* a sealing engine's arena holds slot images: kept out of core dumps */
+        (void)madvise(m, map_len, MADV_DONTDUMP);
     if (madvise(base, (size_t)len, MADV_POPULATE_WRITE) != 0)
         memset(base, 0, (size_t)len);
     w->stage_map = m;

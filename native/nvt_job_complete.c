@@ -93,9 +93,10 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             set_unlock(&t->core, set);
             t->core.c.loads_raced++;
             nvt_job_fail(j, o->pos, FAIL_RACED, 0);
-        } else if (c->result == -ECANCELED) {
-            /* Never read (the engine refused or cancelled the op): nothing is
-             * known about the slot, which stays READY for every sharer. */
+        } else if (c->result == -ECANCELED || c->result == -ENOKEY) {
+            /* Never read (the engine refused or cancelled the op), or sealed
+             * under an epoch this process has not loaded yet: nothing is
+             * known against the slot, which stays READY for every sharer. */
             set_unlock(&t->core, set);
             t->core.c.loads_cancelled++;
             nvt_job_fail(j, o->pos, FAIL_READ_IO, ECANCELED);

@@ -132,6 +132,9 @@ typedef struct {
     /* The key fingerprint of the latest process to open an encrypted store
      * (written by nvmetier/store.py; 0: none). */
     uint8_t key_fingerprint[8];
+    /* Encrypted stores: advanced (atomically) after every change of the
+     * store's `keys` file, so sharers reload their key tables. */
+    uint32_t keys_gen;
 } nvt_table_header;
 
 typedef struct {
@@ -169,7 +172,8 @@ static inline nvt_set_layout nvt_layout(uint32_t ways) {
 _Static_assert(sizeof(nvt_set_head) == NVT_SET_HEAD_BYTES, "set head layout");
 _Static_assert(offsetof(nvt_table_header, purge_gen) == 40 && offsetof(nvt_table_header, used) == 48 &&
                    offsetof(nvt_table_header, retention_s) == 64 && offsetof(nvt_table_header, max_sharers) == 68 &&
-                   offsetof(nvt_table_header, key_fingerprint) == 72,
+                   offsetof(nvt_table_header, key_fingerprint) == 72 &&
+                   offsetof(nvt_table_header, keys_gen) == 80,
                "header layout");
 _Static_assert(sizeof(nvt_table_header) <= NVT_SHARERS_OFFSET, "header layout");
 _Static_assert(NVT_SHARERS_OFFSET + NVT_MAX_SHARERS * sizeof(nvt_sharer) <= NVT_TABLE_HEADER_BYTES,

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "nvt_engine.h"
+#include "nvt_seal.h"
 #include "nvt_hash.h"
 #include "nvt_recovery.h" /* scan_records, record_keys (index recovery) */
 
@@ -142,28 +143,18 @@ static PyObject *NvtEngine_new(PyTypeObject *type, PyObject *args, PyObject *kwd
         return NULL;
     }
     if (sealing != Py_None) {
-        /* (key, fingerprint, nonce_prefix, layout_digest, row_bytes, slot_bytes) */
-        Py_buffer kb, fb;
-        unsigned long long prefix, digest, row, slot;
-        if (!PyArg_ParseTuple(sealing, "y*y*KKKK;sealing is (key, fingerprint, nonce_prefix, layout_digest, "
-                                       "row_bytes, slot_bytes)",
-                              &kb, &fb, &prefix, &digest, &row, &slot))
+        /* (keys capsule, row_bytes, slot_bytes): nvmetier._crypto.Keys.capsule() */
+        PyObject *cap;
+        unsigned long long row, slot;
+        if (!PyArg_ParseTuple(sealing, "OKK;sealing is (keys capsule, row_bytes, slot_bytes)", &cap, &row, &slot))
             return NULL;
-        int bad = kb.len != (Py_ssize_t)sizeof(seal.key) || fb.len != (Py_ssize_t)sizeof(seal.fingerprint) ||
-                  prefix > UINT32_MAX || row == 0 || slot < row + NVT_TRAILER_BYTES;
-        if (!bad) {
-            memcpy(seal.key, kb.buf, sizeof(seal.key));
-            memcpy(seal.fingerprint, fb.buf, sizeof(seal.fingerprint));
-        }
-        PyBuffer_Release(&kb);
-        PyBuffer_Release(&fb);
-        if (bad) {
-            PyErr_SetString(PyExc_ValueError, "sealing: a 32-byte key, an 8-byte fingerprint, a 32-bit nonce "
-                                              "prefix, and slot_bytes >= row_bytes + 64");
+        seal.keys = PyCapsule_GetPointer(cap, "nvmetier._crypto.keys");
+        if (!seal.keys)
+            return NULL;
+        if (row == 0 || slot < row + NVT_TRAILER_BYTES) {
+            PyErr_SetString(PyExc_ValueError, "sealing: slot_bytes >= row_bytes + 64");
             return NULL;
         }
-        seal.nonce_prefix = (uint32_t)prefix;
-        seal.layout_digest = digest;
         seal.row_bytes = row;
         seal.slot_bytes = slot;
     }
@@ -597,33 +588,6 @@ static PyObject *NvtEngine_inject_enter_error(NvtEngineObject *self, PyObject *a
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(add_nonces_doc, "add_nonces(start, n) -> bool\n\n"
-                             "Sealing engines: hand over n nonce counters from start, reserved durably.\n"
-                             "The engine holds the current range and one spare: False (nothing taken)\n"
-                             "when the spare is still unused.");
-
-static PyObject *NvtEngine_add_nonces(NvtEngineObject *self, PyObject *args) {
-    unsigned long long start, n;
-    if (!PyArg_ParseTuple(args, "KK", &start, &n))
-        return NULL;
-    int ret = nvt_engine_add_nonces(self->eng, start, n);
-    if (ret == -EINVAL) {
-        PyErr_SetString(PyExc_ValueError, "add_nonces: not a sealing engine, or an empty or wrapping range");
-        return NULL;
-    }
-    return PyBool_FromLong(ret == 0);
-}
-
-PyDoc_STRVAR(nonces_left_doc, "nonces_left() -> (left, spare_free)\n\n"
-                              "Sealing engines: nonces held, and whether the spare range is free (reserve\n"
-                              "the next one then). A write that finds none fails with -EAGAIN.");
-
-static PyObject *NvtEngine_nonces_left(NvtEngineObject *self, PyObject *unused) {
-    int spare_free = 0;
-    uint64_t left = nvt_engine_nonces_left(self->eng, &spare_free);
-    return Py_BuildValue("(KO)", (unsigned long long)left, spare_free ? Py_True : Py_False);
-}
-
 PyDoc_STRVAR(auth_failures_doc, "auth_failures() -> int: sealed reads whose tag did not verify.");
 
 static PyObject *NvtEngine_auth_failures(NvtEngineObject *self, PyObject *unused) {
@@ -631,8 +595,6 @@ static PyObject *NvtEngine_auth_failures(NvtEngineObject *self, PyObject *unused
 }
 
 static PyMethodDef NvtEngine_methods[] = {
-    {"add_nonces", (PyCFunction)NvtEngine_add_nonces, METH_VARARGS, add_nonces_doc},
-    {"nonces_left", (PyCFunction)NvtEngine_nonces_left, METH_NOARGS, nonces_left_doc},
     {"auth_failures", (PyCFunction)NvtEngine_auth_failures, METH_NOARGS, auth_failures_doc},
     {"submit", (PyCFunction)NvtEngine_submit, METH_O, submit_doc},
     {"wait", (PyCFunction)NvtEngine_wait, METH_O, wait_doc},
@@ -654,7 +616,7 @@ PyDoc_STRVAR(engine_doc,
              "buffer and open fds (queue_depth is per drive, i.e. per fd).\n"
              "staging_bytes > 0 gives each worker a huge-page staging arena that ops move\n"
              "through (read there, copied into the buffer; see nvt_engine.h).\n"
-             "sealing=(key, fingerprint, nonce_prefix, layout_digest, row_bytes, slot_bytes)\n"
+             "sealing=(keys capsule, row_bytes, slot_bytes)\n"
              "seals writes and opens reads in the workers (no staging then).\n"
              "Registration failures fall back to unregistered I/O (see info()). Raises OSError\n"
              "if the ring cannot be created.");

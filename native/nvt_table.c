@@ -641,6 +641,8 @@ static PyMethodDef Table_methods[] = {
     {"purge", (PyCFunction)nvt_Table_purge, METH_VARARGS, nvt_purge_doc},
     {"purge_generation", (PyCFunction)nvt_Table_purge_generation, METH_NOARGS, nvt_purge_generation_doc},
     {"bump_purge", (PyCFunction)nvt_Table_bump_purge, METH_NOARGS, nvt_bump_purge_doc},
+    {"keys_generation", (PyCFunction)nvt_Table_keys_generation, METH_NOARGS, nvt_keys_generation_doc},
+    {"bump_keys", (PyCFunction)nvt_Table_bump_keys, METH_NOARGS, nvt_bump_keys_doc},
     {"claim_purge_events", (PyCFunction)nvt_Table_claim_purge_events, METH_NOARGS, nvt_claim_purge_events_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -9,6 +9,8 @@
 #include "nvt_table_type.h"
 
 #include <stdint.h>
+#include <string.h>
+#include <unistd.h>
 
 NVT_DOCSTR(nvt_set_retention_doc,
            "set_retention(retention_ns)\n\n"
@@ -29,12 +31,35 @@ PyObject *nvt_Table_set_retention(TableObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-/* Purge's removed-record callback: the key joins the list in ctx. */
+/* What a purge overwrites of each slot it removes (wipe): zeros over
+ * [wipe_offset, wipe_offset + wipe_bytes) of the slot, in its data file. */
+typedef struct {
+    PyObject *keys;
+    int *fds;
+    unsigned n_paths;
+    uint64_t slot_bytes, wipe_offset, wipe_bytes;
+    const uint8_t *zeros;
+    uint64_t wiped, wipe_errors;
+} purge_ctx;
+
+/* Purge's removed-record callback, under the set's lock: the key joins the
+ * list; with a wipe, the slot's bytes that name its nonce and tag are
+ * overwritten before any sharer can claim the slot again (a claim takes
+ * this lock), so no new chunk's bytes are ever overwritten. */
 static void purge_removed(void *ctx, const unsigned char *rec) {
-    PyObject **list = ctx;
-    if (*list && nvt_append_record_key(list, rec) < 0) {
+    purge_ctx *p = ctx;
+    if (p->keys && nvt_append_record_key(&p->keys, rec) < 0) {
         PyErr_Clear();
-        Py_CLEAR(*list); /* out of memory: the caller reports the keys as unknown */
+        Py_CLEAR(p->keys); /* out of memory: the caller reports the keys as unknown */
+    }
+    if (p->fds) {
+        uint32_t slot = (uint32_t)rec[28] | (uint32_t)rec[29] << 8 | (uint32_t)rec[30] << 16 | (uint32_t)rec[31] << 24;
+        int fd = p->fds[slot % p->n_paths];
+        off_t at = (off_t)((slot / p->n_paths) * p->slot_bytes + p->wipe_offset);
+        if (pwrite(fd, p->zeros, (size_t)p->wipe_bytes, at) == (ssize_t)p->wipe_bytes)
+            p->wiped++;
+        else
+            p->wipe_errors++;
     }
 }
 
@@ -45,35 +70,73 @@ NVT_DOCSTR(nvt_purge_doc,
            "load in flight fails by its generation). With all, WRITING slots are marked so\n"
            "their writes are never published. Each set's lock is taken with the bounded\n"
            "wait; busy lists the sets that could not be locked (a stopped holder). keys:\n"
-           "the removed keys (None if out of memory).");
+           "the removed keys (None if out of memory). wipe=(fds, slot_bytes, offset, nbytes): zeros\n"
+           "are written over [offset, offset + nbytes) of every removed slot under its set's lock\n"
+           "(fds: one per data file); wiped and wipe_errors are then appended to the result.");
 
 PyObject *nvt_Table_purge(TableObject *self, PyObject *args) {
     GUARD(self);
     unsigned long long older;
     int all;
-    PyObject *sets_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "Kp|O", &older, &all, &sets_obj))
+    PyObject *sets_obj = Py_None, *wipe_obj = Py_None, *fds_obj = NULL, *out = NULL;
+    if (!PyArg_ParseTuple(args, "Kp|OO", &older, &all, &sets_obj, &wipe_obj))
         return NULL;
+    purge_ctx p;
+    memset(&p, 0, sizeof(p));
+    unsigned long long sb = 0, woff = 0, wn = 0;
+    if (wipe_obj != Py_None) {
+        if (!PyArg_ParseTuple(wipe_obj, "OKKK;wipe is (fds, slot_bytes, offset, nbytes)", &fds_obj, &sb, &woff, &wn))
+            return NULL;
+        PyObject *fseq = PySequence_Fast(fds_obj, "wipe's fds must be a sequence");
+        if (!fseq)
+            return NULL;
+        Py_ssize_t nf = PySequence_Fast_GET_SIZE(fseq);
+        if (nf < 1 || sb == 0 || wn == 0 || woff + wn > sb || wn > (64u << 20)) {
+            Py_DECREF(fseq);
+            PyErr_SetString(PyExc_ValueError, "wipe: at least one fd, and the range inside a slot");
+            return NULL;
+        }
+        p.fds = PyMem_Calloc((size_t)nf, sizeof(int));
+        p.zeros = PyMem_Calloc(1, (size_t)wn);
+        if (!p.fds || !p.zeros) {
+            Py_DECREF(fseq);
+            PyErr_NoMemory();
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < nf; i++) {
+            p.fds[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, i));
+            if (p.fds[i] == -1 && PyErr_Occurred()) {
+                Py_DECREF(fseq);
+                goto fail;
+            }
+        }
+        Py_DECREF(fseq);
+        p.n_paths = (unsigned)nf;
+        p.slot_bytes = sb;
+        p.wipe_offset = woff;
+        p.wipe_bytes = wn;
+    }
     PyObject *seq = NULL;
     Py_ssize_t m = (Py_ssize_t)self->core.n_sets;
     if (sets_obj != Py_None) {
         if (!(seq = nvt_seq_snapshot(sets_obj, "sets must be a sequence of set numbers")))
-            return NULL;
+            goto fail;
         m = PySequence_Fast_GET_SIZE(seq);
     }
-    PyObject *keys = PyList_New(0), *busy = PyList_New(0);
+    p.keys = PyList_New(0);
+    PyObject *busy = PyList_New(0);
     nvt_purge_counts n = {0, 0, 0};
-    if (!keys || !busy)
-        goto fail;
+    if (!p.keys || !busy)
+        goto fail_sets;
     for (Py_ssize_t i = 0; i < m; i++) {
         uint64_t set = (uint64_t)i;
         if (seq) {
             set = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(seq, i));
             if (PyErr_Occurred())
-                goto fail;
+                goto fail_sets;
             if (set >= self->core.n_sets) {
                 PyErr_SetString(PyExc_ValueError, "no such set");
-                goto fail;
+                goto fail_sets;
             }
         }
         if (nvt_set_lock(&self->core, set) != 0) {
@@ -81,25 +144,45 @@ PyObject *nvt_Table_purge(TableObject *self, PyObject *args) {
             int rc = v ? PyList_Append(busy, v) : -1;
             Py_XDECREF(v);
             if (rc < 0)
-                goto fail;
+                goto fail_sets;
             continue;
         }
-        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, &keys);
+        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, &p);
         set_unlock(&self->core, set);
     }
     publish_counts(&self->core);
+    if (p.fds)
+        out = Py_BuildValue("(OKKKOKK)", p.keys ? p.keys : Py_None, (unsigned long long)n.cleared,
+                            (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy,
+                            (unsigned long long)p.wiped, (unsigned long long)p.wipe_errors);
+    else
+        out = Py_BuildValue("(OKKKO)", p.keys ? p.keys : Py_None, (unsigned long long)n.cleared,
+                            (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy);
+fail_sets:
+    if (!out)
+        publish_counts(&self->core);
     Py_XDECREF(seq);
-    PyObject *out = Py_BuildValue("(OKKKO)", keys ? keys : Py_None, (unsigned long long)n.cleared,
-                                  (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy);
-    Py_XDECREF(keys);
-    Py_DECREF(busy);
-    return out;
-fail:
-    publish_counts(&self->core);
-    Py_XDECREF(seq);
-    Py_XDECREF(keys);
     Py_XDECREF(busy);
-    return NULL;
+fail:
+    Py_XDECREF(p.keys);
+    PyMem_Free(p.fds);
+    PyMem_Free((void *)p.zeros);
+    return out;
+}
+
+NVT_DOCSTR(nvt_keys_generation_doc, "keys_generation() -> int: changes of the store's keys file announced so far.");
+
+PyObject *nvt_Table_keys_generation(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
+    return PyLong_FromUnsignedLong(__atomic_load_n(&self->core.hdr->keys_gen, __ATOMIC_ACQUIRE));
+}
+
+NVT_DOCSTR(nvt_bump_keys_doc, "bump_keys() -> int\n\n"
+                              "The store's keys file changed (and is durable): advance keys_generation.");
+
+PyObject *nvt_Table_bump_keys(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+    GUARD(self);
+    return PyLong_FromUnsignedLong(__atomic_add_fetch(&self->core.hdr->keys_gen, 1, __ATOMIC_ACQ_REL));
 }
 
 NVT_DOCSTR(nvt_purge_generation_doc, "purge_generation() -> (purge_gen, purge_events_gen)\n\n"

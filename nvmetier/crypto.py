@@ -1,39 +1,41 @@
-"""Encryption-at-rest primitives: the operator's key file, the subkeys
-derived from it, keyed MACs of offload keys, chunk sealing (AES-256-GCM) and
-the durable nonce counter of a store.
+"""Encryption-at-rest primitives: the operator's key file and what it
+derives, keyed MACs of offload keys, chunk sealing (AES-256-GCM), the nonce
+allocator, and a sealed store's ``keys`` file (``Keyring``).
 
-Owns: no state but a ``NonceSource``'s file descriptor. Every cipher and MAC
-comes from OpenSSL: AES-256-GCM through ``nvmetier._crypto`` (libcrypto's
-EVP interface, ``native/nvt_crypto.c``, the GIL released), HMAC-SHA256
-through ``hmac`` (OpenSSL-backed), HKDF-SHA256 through the ``cryptography``
-package. None is written by hand here.
+Owns: no state but a ``Keyring``'s file descriptor (``O_CLOEXEC``, closed
+in a forked child). Every cipher and MAC comes from OpenSSL: AES-256-GCM of
+chunks through ``nvmetier._crypto`` (libcrypto's EVP interface,
+``native/nvt_crypto.c`` and ``native/nvt_seal.c``, the GIL released);
+HMAC-SHA256 natively or through ``hmac``; HKDF-SHA256 and the key wrapping
+(AES-256-GCM) through the ``cryptography`` package. None is written by hand.
 
-Threads: ``load_key_file``, ``KeySet`` and ``NonceSource.open`` run where a
-store opens (they block on small file I/O); ``key_mac`` is for the scheduler
-thread (~1 µs a key); ``seal``/``open_sealed`` for engine threads (they
-release the GIL); ``NonceSource.reserve`` blocks on an fsync and is called
-once per ``block`` nonces.
+Keys (docs/format.md, "Encrypted stores"): the key file wraps each store's
+random store key; the store key gives the MAC key of the index and wraps the
+store's random *epoch* keys, under which chunks are sealed, each process
+under its own epoch, a new one at every open and at least hourly. Nonces are
+96 random bits per seal (``NonceSource``, natively ``nvt_random``): no file
+or counter a copy, restore or rollback could replay. Destroying an epoch's
+entry (purge, retention) erases every chunk sealed under it.
 
-Nonces (96 bits) never repeat under one key: each is a 32-bit prefix and a
-64-bit counter. The prefix is drawn at random when a store's nonce file is
-created and kept in it; the counter is reserved in blocks, each reservation
-written and fsynced (under a ``flock`` of the file) before any nonce of the
-block is used. So within one store no two seals share a counter, across
-processes (the lock), restarts and crashes (a block is durable before use; a
-crash only skips the rest of its block). Across two creations of a store
-under the same key (the directory deleted, the key kept) the prefixes differ
-except with probability 2^-32 per pair; a new key (rotation) makes every
-earlier nonce irrelevant.
+Threads: ``load_key_file``, ``KeySet`` and ``Keyring`` run where a store
+opens or closes, on a sealed store's housekeeping thread and in the CLI
+(they block on small file I/O and fsyncs); ``key_mac`` is for the scheduler
+thread (~0.3 µs a key); ``seal``/``open_sealed`` for engine threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import fcntl
 import hashlib
 import hmac
 import os
 import stat
 import struct
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -103,39 +105,12 @@ def _hkdf(key: bytes, info: bytes, length: int) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=info).derive(key)
 
 
-class KeySet:
-    """The subkeys of one operator key (HKDF-SHA256, one label each).
+class _Macs:
+    """HMAC-SHA256 names of offload keys (what an encrypted index holds)."""
 
-    Attributes:
-        seal_key: AES-256-GCM key of the chunks.
-        mac_key: HMAC-SHA256 key of the offload keys in the index.
-        fingerprint: 8 bytes that name the key (``fingerprint_hex``) without
-            revealing it: shown by ``nvmetier info``, compared at open.
-    """
-
-    __slots__ = ("_native_mac", "fingerprint", "mac_key", "seal_key")
-
-    def __init__(self, key: bytes) -> None:
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
-        self.seal_key = _hkdf(key, _INFO_SEAL, KEY_BYTES)
-        self.mac_key = _hkdf(key, _INFO_MAC, KEY_BYTES)
-        self.fingerprint = _hkdf(key, _INFO_FINGERPRINT, FINGERPRINT_BYTES)
-        # The native HMAC, keyed once (~0.3 us a key instead of ~3 us).
-        try:
-            import nvmetier._crypto as native
-        except ImportError:  # pragma: no cover - built with libssl-dev
-            self._native_mac: Any = None
-        else:
-            self._native_mac = native.KeyMac(self.mac_key)
-
-    @classmethod
-    def from_file(cls, path: str) -> KeySet:
-        return cls(load_key_file(path))
-
-    @property
-    def fingerprint_hex(self) -> str:
-        return self.fingerprint.hex()
+    __slots__ = ()
+    mac_key: bytes
+    _native_mac: Any
 
     def key_mac(self, key: bytes) -> bytes:
         """The index's name for ``key``: HMAC-SHA256 under the MAC subkey.
@@ -160,6 +135,43 @@ class KeySet:
             return native.KeyMac(self.mac_key, then)  # type: ignore[no-any-return]
         mac = self.key_mac
         return lambda key: then(mac(key))
+
+
+class KeySet(_Macs):
+    """The subkeys of one operator key (HKDF-SHA256, one label each).
+
+    Attributes:
+        seal_key: AES-256-GCM key of the chunks.
+        mac_key: HMAC-SHA256 key of the offload keys in the index.
+        fingerprint: 8 bytes that name the key (``fingerprint_hex``) without
+            revealing it: shown by ``nvmetier info``, compared at open.
+    """
+
+    __slots__ = ("_native_mac", "fingerprint", "kek", "mac_key", "seal_key")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
+        self.seal_key = _hkdf(key, _INFO_SEAL, KEY_BYTES)
+        self.mac_key = _hkdf(key, _INFO_MAC, KEY_BYTES)
+        self.fingerprint = _hkdf(key, _INFO_FINGERPRINT, FINGERPRINT_BYTES)
+        # Format 4: wraps each store's random store key (crypto.Keyring).
+        self.kek = _hkdf(key, _INFO_KEK, KEY_BYTES)
+        # The native HMAC, keyed once (~0.3 us a key instead of ~3 us).
+        try:
+            import nvmetier._crypto as native
+        except ImportError:  # pragma: no cover - built with libssl-dev
+            self._native_mac: Any = None
+        else:
+            self._native_mac = native.KeyMac(self.mac_key)
+
+    @classmethod
+    def from_file(cls, path: str) -> KeySet:
+        return cls(load_key_file(path))
+
+    @property
+    def fingerprint_hex(self) -> str:
+        return self.fingerprint.hex()
 
     def __repr__(self) -> str:  # never the key material
         return f"KeySet(fingerprint={self.fingerprint_hex})"
@@ -199,106 +211,521 @@ def chunk_aad(key_mac: bytes, layout_digest: int) -> bytes:
 
 
 # ------------------------------------------------------------------ nonces
-NONCE_FILE = "nonce"
-_NONCE_MAGIC = b"NVTNONCE"
-# magic, version, prefix, next counter, checksum of the preceding fields.
-_NONCE_REC = struct.Struct("<8sII Q Q")
-_NONCE_VERSION = 1
-
-
-def _nonce_sum(body: bytes) -> int:
-    return int.from_bytes(hashlib.sha256(body).digest()[:8], "little")
+NONCE_FILE = "nonce"  # format 3's nonce counter; format 4 has none
 
 
 class NonceSource:
-    """A store's durable nonce counter (the file ``nonce`` in its directory).
-
-    Use ``NonceSource.open(store_dir)``, then ``reserve(n)`` for blocks of
-    counters and ``nonce(counter)`` for the 12 bytes of each. ``close()``.
+    """The one nonce allocator: 96 random bits per seal from the kernel's
+    CSPRNG (``getrandom``, through ``nvmetier._crypto``; the same function
+    the engines' native seal path calls). Nothing about a nonce depends on a
+    file or a counter, so no copy, restore or rollback of a store directory
+    can make one repeat; the data key under which it is used is itself
+    random per epoch (``Keyring``), and an epoch seals at most
+    ``EPOCH_MAX_SEALS`` chunks (NIST SP 800-38D's bound for random nonces is
+    2^32 per key). Thread-safe and fork-safe (no state).
     """
 
-    def __init__(self, fd: int, path: str, prefix: int) -> None:
+    def draw(self) -> bytes:
+        """12 fresh random bytes."""
+        return _native().random(NONCE_BYTES)  # type: ignore[no-any-return]
+
+
+# ------------------------------------------------------------------ keyring
+KEYRING_FILE = "keys"
+KEYRING_MAGIC = b"NVTKEYRG"
+KEYRING_VERSION = 1
+KEYRING_HEADER_BYTES = 4096  # two copies, at 0 and 4096
+KEYRING_ENTRIES_OFFSET = 8192
+KEYRING_ENTRY_BYTES = 128
+KEYRING_ENTRIES = 8192  # nvt_seal.h NVT_MAX_EPOCHS
+STORE_ID_BYTES = 16
+# Header: magic, version, entries, store id, sequence, the operator key's
+# fingerprint, the store key's wrapping (nonce, ciphertext + tag), zeros,
+# checksum (XXH3-64 of the bytes before it). Changing it requires bumping
+# FORMAT_VERSION.
+_HEADER = struct.Struct("<8sII16sQ8s12s48s")
+# Entry: magic, state, epoch, created_ns, seal_until_ns, wrap nonce, wrapped
+# key + tag, the epoch key's fingerprint, pid, zeros, checksum (XXH3-64 of
+# the bytes before it, seeded with the entry's index).
+_ENTRY = struct.Struct("<4sB3xIQQ12s48s8sI")
+_ENTRY_MAGIC = b"NVKE"
+ENTRY_FREE, ENTRY_LIVE, ENTRY_DESTROYED = 0, 1, 2
+assert _HEADER.size <= KEYRING_HEADER_BYTES - 8 and _ENTRY.size <= KEYRING_ENTRY_BYTES - 8
+KEYRING_BYTES = KEYRING_ENTRIES_OFFSET + KEYRING_ENTRIES * KEYRING_ENTRY_BYTES
+
+# An epoch seals for at most this long and this many chunks (random nonces:
+# a collision among 2^28 of them has probability below 2^-41).
+EPOCH_S = 3600.0
+EPOCH_MIN_S = 1.0
+EPOCH_MAX_SEALS = 1 << 28
+EPOCH_ROTATE_SEALS = 1 << 27
+
+_INFO_KEK = b"nvmetier v2 store key wrapping"
+_INFO_STORE_MAC = b"nvmetier v2 hmac-sha256 offload-key mac"
+_INFO_EPOCH_WRAP = b"nvmetier v2 epoch key wrapping"
+_AAD_STORE_KEY = b"nvmetier v2 store key"
+_AAD_EPOCH_KEY = b"nvmetier v2 epoch key"
+
+
+def _xxh(data: bytes, seed: int = 0) -> int:
+    import xxhash
+
+    return int(xxhash.xxh3_64_intdigest(data, seed))
+
+
+def _aesgcm(key: bytes) -> Any:
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(key)
+
+
+def kek_of(keys: KeySet) -> bytes:
+    """The operator key's key-encryption key (wraps a store key)."""
+    return keys.kek
+
+
+def epoch_fingerprint(key: bytes) -> bytes:
+    """8 bytes naming an epoch key (in every trailer) without revealing it."""
+    return hmac.digest(key, b"nvmetier v2 epoch key fingerprint", hashlib.sha256)[
+        :FINGERPRINT_BYTES
+    ]
+
+
+@dataclasses.dataclass
+class Epoch:
+    """One entry of a keyring. ``key`` is None unless unwrapped."""
+
+    index: int
+    state: int
+    epoch: int
+    created_ns: int
+    seal_until_ns: int
+    fingerprint: bytes
+    pid: int
+    nonce: bytes = b""
+    wrapped: bytes = b""
+    key: bytes | None = None
+
+
+_open_keyrings: weakref.WeakSet[Keyring] = weakref.WeakSet()
+
+
+def _close_keyrings_in_child() -> None:
+    # A forked child never uses its parent's keyring: its fd is closed (the
+    # native key tables are wiped in the child by MADV_WIPEONFORK).
+    for k in list(_open_keyrings):
+        k._fd_close()
+
+
+os.register_at_fork(after_in_child=_close_keyrings_in_child)
+
+
+class StoreKeys(_Macs):
+    """A store's secrets once its store key is unwrapped: the offload-key MAC
+    (the index's names for keys) and the wrapping of its epoch keys. Same
+    MAC methods as ``KeySet`` (``key_mac``, ``key_macs``, ``mac_then``)."""
+
+    def __init__(self, store_key: bytes, operator: KeySet) -> None:
+        self.mac_key = _hkdf(store_key, _INFO_STORE_MAC, KEY_BYTES)
+        self._wrap = _aesgcm(_hkdf(store_key, _INFO_EPOCH_WRAP, KEY_BYTES))
+        self.operator = operator
+        self.fingerprint = operator.fingerprint
+        try:
+            import nvmetier._crypto as native
+        except ImportError:  # pragma: no cover - built with libssl-dev
+            self._native_mac: Any = None
+        else:
+            self._native_mac = native.KeyMac(self.mac_key)
+
+    @property
+    def fingerprint_hex(self) -> str:
+        return self.fingerprint.hex()
+
+    def wrap_epoch(self, store_id: bytes, epoch: int, key: bytes) -> tuple[bytes, bytes]:
+        nonce = os.urandom(NONCE_BYTES)  # one per wrapping: a handful per epoch
+        aad = _AAD_EPOCH_KEY + store_id + struct.pack("<I", epoch)
+        return nonce, self._wrap.encrypt(nonce, key, aad)
+
+    def unwrap_epoch(self, store_id: bytes, e: Epoch) -> bytes | None:
+        from cryptography.exceptions import InvalidTag
+
+        aad = _AAD_EPOCH_KEY + store_id + struct.pack("<I", e.epoch)
+        try:
+            return bytes(self._wrap.decrypt(e.nonce, e.wrapped, aad))
+        except InvalidTag:
+            return None
+
+    def __repr__(self) -> str:
+        return f"StoreKeys(fingerprint={self.fingerprint_hex})"
+
+
+class KeyringError(FormatError):
+    """A keyring that cannot be used with this key file (or at all)."""
+
+
+class Keyring:
+    """A sealed store's ``keys`` file (docs/format.md "Encrypted stores"):
+    its random store id, its random store key wrapped by the operator's key
+    (two header copies), and one entry per epoch: a random data key wrapped
+    by the store key, its sealing window, live or destroyed.
+
+    Threads: every method takes this object's lock and the file's ``flock``
+    (other processes, ``nvmetier purge``/``rekey``) and may block on an
+    fsync: called where a store opens or closes, from the sealing
+    housekeeping thread, and from the CLI; never from vLLM's threads.
+    Destroying an epoch overwrites its entry in place (the wrapped key
+    zeroed) and fsyncs.
+    """
+
+    def __init__(self, fd: int, path: str, store_id: bytes, seq: int, header: bytes) -> None:
         self._fd = fd
         self.path = path
-        self.prefix = prefix
+        self.store_id = store_id
+        self._seq = seq
+        self._header = header
+        self._lock = threading.Lock()
+        _open_keyrings.add(self)
+
+    # ------------------------------------------------------------- open
+    @classmethod
+    def exists(cls, store_dir: str) -> bool:
+        return os.path.exists(os.path.join(store_dir, KEYRING_FILE))
 
     @classmethod
-    def open(cls, store_dir: str) -> NonceSource:
-        """Open the store's nonce file, creating it (a random prefix, the
-        counter at 0, fsynced) when absent or empty.
+    def open(
+        cls, store_dir: str, *, create: bool = False, operator: KeySet | None = None
+    ) -> Keyring:
+        """Open the store's keyring; with ``create``, make it first when
+        absent (a random store id and store key wrapped by ``operator``),
+        atomically (a link of a complete, fsynced file: of two processes
+        creating it at once, one's file wins and both use it).
 
         Raises:
-            FormatError: the file exists but is not a valid nonce file (it is
-                never reset: a reset could reuse nonces).
+            KeyringError: absent (without ``create``), or not a valid keyring.
         """
-        path = os.path.join(store_dir, NONCE_FILE)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        path = os.path.join(store_dir, KEYRING_FILE)
+        if create and not os.path.exists(path):
+            if operator is None:
+                raise ValueError("creating a keyring needs the operator's key")
+            _create_keyring(store_dir, path, operator)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            raise KeyringError(
+                f"{path!r} is missing: the sealed store's keys are gone, so nothing in it "
+                "can be read; remove the store directory to start over"
+            ) from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             try:
-                data = os.pread(fd, _NONCE_REC.size, 0)
-                if not data:
-                    prefix = int.from_bytes(os.urandom(4), "little")
-                    _write_nonce(fd, prefix, 0)
-                    dfd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    try:
-                        os.fsync(dfd)  # the file's name is durable too
-                    finally:
-                        os.close(dfd)
-                else:
-                    prefix, _next = _read_nonce(data, path)
+                seq, header = _read_header(fd, path)
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         except BaseException:
             os.close(fd)
             raise
-        return cls(fd, path, prefix)
+        return cls(fd, path, header[16:32], seq, header)
 
-    def reserve(self, n: int) -> int:
-        """Reserve ``n`` counters for this process: returns the first; the
-        reservation is on disk (fsynced) before this returns. Blocks."""
-        if n < 1:
-            raise ValueError("reserve at least one nonce")
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            prefix, start = _read_nonce(os.pread(self._fd, _NONCE_REC.size, 0), self.path)
-            if prefix != self.prefix:
-                raise FormatError(f"{self.path!r} changed its prefix while open; remove the store")
-            if start + n >= 1 << 64:
-                raise FormatError(
-                    f"{self.path!r}: the nonce counter is exhausted; rotate the key and "
-                    "remove the store"
-                )
-            _write_nonce(self._fd, prefix, start + n)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-        return start
-
-    def nonce(self, counter: int) -> bytes:
-        """The 12 bytes of nonce ``counter`` (prefix, then counter, LE)."""
-        return struct.pack("<IQ", self.prefix, counter)
-
-    def close(self) -> None:
+    def _fd_close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
 
+    def close(self) -> None:
+        with self._lock:
+            self._fd_close()
 
-def _write_nonce(fd: int, prefix: int, next_counter: int) -> None:
-    body = struct.pack("<8sII Q", _NONCE_MAGIC, _NONCE_VERSION, prefix, next_counter)
-    rec = body + struct.pack("<Q", _nonce_sum(body))
-    if os.pwrite(fd, rec, 0) != len(rec):
-        raise OSError("short write of the nonce file")
-    os.fsync(fd)
+    @property
+    def operator_fingerprint(self) -> bytes:
+        return self._header[40:48]
 
+    # --------------------------------------------------------- store key
+    def store_keys(self, operator: KeySet) -> StoreKeys:
+        """Unwrap the store key with the operator's key.
 
-def _read_nonce(data: bytes, path: str) -> tuple[int, int]:
-    if len(data) != _NONCE_REC.size:
-        raise FormatError(f"{path!r} is not a nonce file (size); remove the store to start over")
-    magic, version, prefix, next_counter, checksum = _NONCE_REC.unpack(data)
-    if magic != _NONCE_MAGIC or version != _NONCE_VERSION or checksum != _nonce_sum(data[:-8]):
-        raise FormatError(
-            f"{path!r} is not a valid nonce file (magic, version or checksum); it is never "
-            "reset (that could reuse a nonce): remove the store to start over"
+        Raises:
+            KeyringError: the key file is not the one that wraps this store's
+                key (naming both fingerprints and the fixes).
+        """
+        from cryptography.exceptions import InvalidTag
+
+        with self._lock:
+            _seq, header = self._reread_header()
+        nonce, wrapped = header[48:60], header[60:108]
+        try:
+            store_key = _aesgcm(operator.kek).decrypt(
+                nonce, wrapped, _AAD_STORE_KEY + self.store_id
+            )
+        except InvalidTag:
+            raise KeyringError(
+                f"{self.path!r}: this store's keys are wrapped by the key with fingerprint "
+                f"{header[40:48].hex()}, not by this key file's ({operator.fingerprint_hex}); "
+                "use that key file, rotate with `nvmetier rekey ROOT --key-file OLD "
+                "--new-key-file NEW`, or remove the store directory to start over"
+            ) from None
+        return StoreKeys(bytes(store_key), operator)
+
+    def rekey(self, old: KeySet, new: KeySet) -> None:
+        """Rewrap the store key from ``old`` to ``new``: both header copies
+        rewritten and fsynced in turn (a crash between them leaves the newer
+        copy, which the newer sequence selects). No data key changes."""
+        from cryptography.exceptions import InvalidTag
+
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                seq, header = _read_header(self._fd, self.path)
+                try:
+                    store_key = _aesgcm(old.kek).decrypt(
+                        header[48:60], header[60:108], _AAD_STORE_KEY + self.store_id
+                    )
+                except InvalidTag:
+                    raise KeyringError(
+                        f"{self.path!r}: --key-file (fingerprint {old.fingerprint_hex}) does not "
+                        f"open this store (wrapped by {header[40:48].hex()})"
+                    ) from None
+                nonce = os.urandom(NONCE_BYTES)
+                wrapped = _aesgcm(new.kek).encrypt(nonce, store_key, _AAD_STORE_KEY + self.store_id)
+                body = _HEADER.pack(
+                    KEYRING_MAGIC,
+                    KEYRING_VERSION,
+                    KEYRING_ENTRIES,
+                    self.store_id,
+                    seq + 1,
+                    new.fingerprint,
+                    nonce,
+                    wrapped,
+                )
+                page = _header_page(body)
+                # The copy not in use first, then the other: both new.
+                for copy in (1, 0) if _active_copy(self._fd) == 0 else (0, 1):
+                    _pwrite_all(self._fd, page, copy * KEYRING_HEADER_BYTES)
+                    os.fsync(self._fd)
+                self._seq, self._header = seq + 1, page[: _HEADER.size]
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _reread_header(self) -> tuple[int, bytes]:
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+        try:
+            seq, header = _read_header(self._fd, self.path)
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self._seq, self._header = seq, header
+        return seq, header
+
+    # ------------------------------------------------------------ epochs
+    def epochs(self) -> list[Epoch]:
+        """Every entry that is not free (a torn entry counts as free)."""
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            try:
+                return self._entries_locked()
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _entries_locked(self) -> list[Epoch]:
+        data = os.pread(self._fd, KEYRING_ENTRIES * KEYRING_ENTRY_BYTES, KEYRING_ENTRIES_OFFSET)
+        out = []
+        for i in range(len(data) // KEYRING_ENTRY_BYTES):
+            raw = data[i * KEYRING_ENTRY_BYTES : (i + 1) * KEYRING_ENTRY_BYTES]
+            if raw[:4] != _ENTRY_MAGIC:
+                continue
+            if _xxh(raw[:-8], i) != int.from_bytes(raw[-8:], "little"):
+                continue  # torn: its epoch's chunks are misses
+            _magic, state, epoch, created, until, nonce, wrapped, fp, pid = _ENTRY.unpack_from(raw)
+            if state not in (ENTRY_LIVE, ENTRY_DESTROYED):
+                continue
+            out.append(Epoch(i, state, epoch, created, until, fp, pid, nonce, wrapped))
+        return out
+
+    def _write_entry_locked(self, e: Epoch) -> None:
+        body = _ENTRY.pack(
+            _ENTRY_MAGIC,
+            e.state,
+            e.epoch,
+            e.created_ns,
+            e.seal_until_ns,
+            e.nonce if e.state == ENTRY_LIVE else bytes(NONCE_BYTES),
+            e.wrapped if e.state == ENTRY_LIVE else bytes(48),
+            e.fingerprint if e.state == ENTRY_LIVE else bytes(FINGERPRINT_BYTES),
+            e.pid,
         )
-    return prefix, next_counter
+        raw = body + bytes(KEYRING_ENTRY_BYTES - 8 - len(body))
+        raw += struct.pack("<Q", _xxh(raw, e.index))
+        _pwrite_all(self._fd, raw, KEYRING_ENTRIES_OFFSET + e.index * KEYRING_ENTRY_BYTES)
+
+    def new_epoch(self, skeys: StoreKeys, epoch_s: float) -> tuple[Epoch, list[int]]:
+        """A new epoch with a fresh random data key, sealing for at most
+        ``epoch_s`` from now: written and fsynced before this returns (so
+        before its first seal). When the keyring is full the oldest epoch is
+        destroyed for room (its chunks become misses). Returns the epoch
+        (its ``key`` set) and the epochs destroyed for room."""
+        with self._lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                ents = self._entries_locked()
+                used = {e.index for e in ents}
+                free = [i for i in range(KEYRING_ENTRIES) if i not in used]
+                destroyed: list[int] = []
+                if free:
+                    index = free[0]
+                else:
+                    dead = [e for e in ents if e.state == ENTRY_DESTROYED]
+                    victim = min(dead or ents, key=lambda e: (e.epoch, e.index))
+                    index = victim.index
+                    if victim.state == ENTRY_LIVE:
+                        destroyed.append(victim.epoch)
+                epoch = max((e.epoch for e in ents), default=0) + 1
+                key = os.urandom(KEY_BYTES)
+                nonce, wrapped = skeys.wrap_epoch(self.store_id, epoch, key)
+                now = time.time_ns()
+                e = Epoch(
+                    index,
+                    ENTRY_LIVE,
+                    epoch,
+                    now,
+                    now + int(epoch_s * 1e9),
+                    epoch_fingerprint(key),
+                    os.getpid(),
+                    nonce,
+                    wrapped,
+                    key,
+                )
+                self._write_entry_locked(e)
+                os.fsync(self._fd)
+                return e, destroyed
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def retire(self, epoch: int, *, destroy: bool) -> None:
+        """No seal under ``epoch`` after now: its window is cut to now, or
+        (``destroy``: it sealed nothing) it is destroyed."""
+        now = time.time_ns()
+        self.destroy_where(
+            lambda e: e.epoch == epoch,
+            cut_to_ns=None if destroy else now,
+        )
+
+    def destroy_where(
+        self, pred: Callable[[Epoch], bool], *, cut_to_ns: int | None = None
+    ) -> list[int]:
+        """Destroy (or, with ``cut_to_ns``, end the sealing window of) every
+        live epoch ``pred`` selects: each entry overwritten in place, then
+        one fsync. Returns the epochs changed."""
+        with self._lock:
+            if self._fd < 0:
+                return []
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                changed = []
+                for e in self._entries_locked():
+                    if e.state != ENTRY_LIVE or not pred(e):
+                        continue
+                    if cut_to_ns is not None:
+                        e.seal_until_ns = min(e.seal_until_ns, cut_to_ns)
+                    else:
+                        e.state = ENTRY_DESTROYED
+                    self._write_entry_locked(e)
+                    changed.append(e.epoch)
+                if changed:
+                    os.fsync(self._fd)
+                return changed
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def load(self, skeys: StoreKeys) -> tuple[list[Epoch], int]:
+        """Every live epoch with its key unwrapped (an entry that does not
+        unwrap is left out: its chunks are misses), and the highest epoch
+        the keyring names (live or destroyed)."""
+        ents = self.epochs()
+        top = max((e.epoch for e in ents), default=0)
+        live = []
+        for e in ents:
+            if e.state == ENTRY_LIVE:
+                e.key = skeys.unwrap_epoch(self.store_id, e)
+                if e.key is not None:
+                    live.append(e)
+        return live, top
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    if os.pwrite(fd, data, offset) != len(data):
+        raise OSError(errno.EIO, "short write of the keys file")
+
+
+def _header_page(body: bytes) -> bytes:
+    page = body + bytes(KEYRING_HEADER_BYTES - 8 - len(body))
+    return page + struct.pack("<Q", _xxh(page))
+
+
+def _parse_header(page: bytes) -> tuple[int, bytes] | None:
+    if len(page) != KEYRING_HEADER_BYTES or page[:8] != KEYRING_MAGIC:
+        return None
+    if _xxh(page[:-8]) != int.from_bytes(page[-8:], "little"):
+        return None
+    _magic, version, entries, _sid, seq, _fp, _n, _w = _HEADER.unpack_from(page)
+    if version != KEYRING_VERSION or entries != KEYRING_ENTRIES:
+        return None
+    return seq, page[: _HEADER.size]
+
+
+def _active_copy(fd: int) -> int:
+    got = [
+        _parse_header(os.pread(fd, KEYRING_HEADER_BYTES, c * KEYRING_HEADER_BYTES)) for c in (0, 1)
+    ]
+    if got[0] is None:
+        return 1
+    if got[1] is None:
+        return 0
+    return 0 if got[0][0] >= got[1][0] else 1
+
+
+def _read_header(fd: int, path: str) -> tuple[int, bytes]:
+    got = [
+        _parse_header(os.pread(fd, KEYRING_HEADER_BYTES, c * KEYRING_HEADER_BYTES)) for c in (0, 1)
+    ]
+    valid = [g for g in got if g is not None]
+    if not valid:
+        raise KeyringError(
+            f"{path!r} is not a valid keys file (magic, version or checksum of both header "
+            "copies): nothing in the store can be read; remove the store directory to start over"
+        )
+    return max(valid, key=lambda g: g[0])
+
+
+def _create_keyring(store_dir: str, path: str, operator: KeySet) -> None:
+    store_id = os.urandom(STORE_ID_BYTES)
+    store_key = os.urandom(KEY_BYTES)
+    nonce = os.urandom(NONCE_BYTES)
+    wrapped = _aesgcm(operator.kek).encrypt(nonce, store_key, _AAD_STORE_KEY + store_id)
+    body = _HEADER.pack(
+        KEYRING_MAGIC,
+        KEYRING_VERSION,
+        KEYRING_ENTRIES,
+        store_id,
+        1,
+        operator.fingerprint,
+        nonce,
+        wrapped,
+    )
+    page = _header_page(body)
+    tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        _pwrite_all(fd, page + page, 0)
+        os.ftruncate(fd, KEYRING_BYTES)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(tmp, path)  # atomic, and never replaces another's keyring
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    dfd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

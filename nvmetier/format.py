@@ -30,7 +30,10 @@ from nvmetier.errors import FormatError, FormatVersionError
 # 2: the process-shared slot table (file ``table``) joined the store.
 # 3: table v3: 64-bit lease/claim stamps, per-slot lease pins and epoch, a
 #    flags byte per slot, the set mutex's holder in the set head.
-FORMAT_VERSION = 3
+# 4: sealed stores: a random data key per epoch wrapped in the file ``keys``
+#    (no ``nonce`` file), random nonces, trailer v2 (epoch), the store and the
+#    slot in the authenticated data; table header keys_gen at offset 80.
+FORMAT_VERSION = 4
 MAGIC = b"NVMETIER"
 ALIGN_BYTES = 4096
 

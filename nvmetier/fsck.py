@@ -180,37 +180,64 @@ class StoreResult:
 
 class _Payloads:
     """How a slot's payload is verified: XXH3-64 seeded with the key, or for
-    an encrypted store its AES-GCM tag (with the operator's key) and the
-    record's payload checksum (the tag's head)."""
+    an encrypted store its AES-GCM tag (the store's epoch keys, unwrapped
+    with the operator's key) and the record's payload checksum (the tag's
+    head)."""
 
-    def __init__(self, sb: fmt.Superblock, keys: Any) -> None:
+    def __init__(self, sb: fmt.Superblock, keys: Any, store_dir: str = "") -> None:
         self.sb = sb
         self.keys = keys
         self.sealed = "encryption" in sb.identity
         self.digest = fmt.identity_digest(sb.identity)
         self.row = sb.chunk_bytes - (_sealed().TRAILER_BYTES if self.sealed else 0)
+        self.native: Any = None
+        self.epochs: dict[int, bytes] = {}
+        if self.sealed and keys is not None:
+            self._load_keys(store_dir)
+
+    def _load_keys(self, store_dir: str) -> None:
+        """The store's live epochs; none when the key file does not open the
+        store (every chunk then counts as sealed under another key)."""
+        from nvmetier import crypto
+
+        try:
+            ring = crypto.Keyring.open(store_dir)
+        except crypto.KeyringError:
+            return
+        try:
+            skeys = ring.store_keys(self.keys)
+            live, top = ring.load(skeys)
+        except crypto.KeyringError:
+            return
+        finally:
+            ring.close()
+        self.native = crypto._native().Keys(ring.store_id, self.digest)
+        self.native.set([(e.epoch, e.key, e.fingerprint) for e in live], -1, 0, 0, top)
+        self.epochs = {e.epoch: e.fingerprint for e in live}
 
     def check(self, data: memoryview | bytes, rec: fmt.Record) -> str | None:
         """None when the payload verifies, ``"other_key"`` when it was sealed
-        under another key, else what is wrong."""
+        under a key this key file does not open (another key file, a
+        destroyed epoch), else what is wrong."""
         if not self.sealed:
             digest = xxhash.xxh3_64_intdigest(data[: self.sb.chunk_bytes], fmt.key_seed(rec.key))
             return None if digest == rec.payload_checksum else "payload checksum mismatch"
-        from nvmetier import crypto
-
         sealed = _sealed()
-        parsed = sealed.parse_trailer(data[self.row : self.sb.chunk_bytes])
+        trailer = data[self.row : self.sb.chunk_bytes]
+        parsed = sealed.parse_trailer(trailer)
         if parsed is None:
             return "no sealed chunk trailer"
-        nonce, tag, fingerprint = parsed
-        if fingerprint != self.keys.fingerprint:
+        _nonce, tag, epoch, fingerprint = parsed
+        if self.native is None or self.epochs.get(epoch) != fingerprint:
             return "other_key"
         if sealed.checksum_of_tag(tag) != rec.payload_checksum:
             return "the record names another sealing of this slot"
         work = bytearray(data[: self.row])
-        aad = sealed.chunk_aad(fmt.key_seed(rec.key), self.digest)
-        if not crypto.open_sealed(self.keys.seal_key, nonce, aad, work, tag):
-            return "authentication tag does not verify (tampered or torn)"
+        file_idx, offset = self.sb.slot_location(rec.slot)
+        try:
+            self.native.open(fmt.key_seed(rec.key), file_idx, offset, trailer, work, work)
+        except OSError:
+            return "authentication tag does not verify (tampered, torn or moved)"
         return None
 
 
@@ -645,7 +672,7 @@ def _check_locked(
             deep = False
             res.deep_unchecked = len(live)
         if deep and data_ok:
-            payloads = _Payloads(sb, keys)
+            payloads = _Payloads(sb, keys, res.path)
             _check_payloads(res, sb, live, stream, payloads)
             if res.sharers:
                 _confirm_live(res, sb, index, live, payloads)

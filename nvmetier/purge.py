@@ -31,9 +31,13 @@ The removed keys of an online purge are written to ``purged`` in the store
 directory (replaced atomically), then the table's purge generation is
 advanced: the first attached process with KV events on that sees the new
 generation takes it (compare-and-swap) and emits the keys as ``removed``
-events. A purge only makes chunks unreachable: their bytes stay in the data
-file until the slot is reused (use encryption and a key rotation, or remove
-the store, to erase them).
+events. In a plaintext store a purge only makes chunks unreachable: their
+bytes stay in the data file until the slot is reused. In an encrypted store
+it erases them (docs/operations.md): ``--all`` destroys every data key (each
+epoch's entry in ``keys`` overwritten in place); ``--older-than`` destroys
+the epochs whose sealing window ended before the cutoff and overwrites the
+nonce and tag of every other removed slot (under its set's lock, so no new
+chunk is touched), which no key can decrypt without.
 """
 
 from __future__ import annotations
@@ -101,6 +105,10 @@ class PurgeResult:
         busy_sets: sets not purged (held by another process past the bound).
         online: processes were attached (the shared table was purged).
         events_logged: keys written to the purge log for KV events.
+        epochs_destroyed: encrypted stores: data keys destroyed (every chunk
+            sealed under them is unrecoverable, even with the key file).
+        slots_wiped: encrypted stores: removed slots whose nonce and tag were
+            overwritten (``--older-than``: chunks in epochs that live on).
         error: why the store was not purged (None when it was).
     """
 
@@ -113,6 +121,8 @@ class PurgeResult:
     busy_sets: int = 0
     online: bool = False
     events_logged: int = 0
+    epochs_destroyed: int = 0
+    slots_wiped: int = 0
     error: str | None = None
 
     @property
@@ -327,6 +337,46 @@ def _map(path: str, size: int) -> tuple[int, mmap.mmap]:
         raise
 
 
+def _is_sealed(sb: fmt.Superblock) -> bool:
+    return "encryption" in sb.identity
+
+
+def wipe_range(sb: fmt.Superblock) -> tuple[int, int]:
+    """What a purge overwrites of a removed sealed slot: from the page that
+    holds the trailer (its nonce and tag) to the slot's end, page aligned
+    (``(offset, nbytes)`` within the slot). Without its nonce and its tag a
+    chunk's ciphertext cannot be decrypted even with its epoch's key."""
+    from nvmetier.engine.sealed import TRAILER_BYTES
+
+    start = (sb.chunk_bytes - TRAILER_BYTES) // fmt.ALIGN_BYTES * fmt.ALIGN_BYTES
+    return start, sb.slot_bytes - start
+
+
+def _data_fds(store_dir: str, sb: fmt.Superblock) -> list[int] | None:
+    """The data files to overwrite in (buffered), or None with several
+    drives (their paths are not recorded in the store: erased by key only)."""
+    if sb.n_paths != 1:
+        return None
+    return [os.open(os.path.join(store_dir, "data"), os.O_RDWR | os.O_CLOEXEC)]
+
+
+def _destroy_epochs(store_dir: str, older_than_s: float | None) -> int:
+    """Destroy every epoch key (``--all``) or those whose sealing window
+    ended before the cutoff: no chunk sealed under them survives this purge."""
+    from nvmetier import crypto
+
+    if not crypto.Keyring.exists(store_dir):
+        return 0
+    ring = crypto.Keyring.open(store_dir)
+    try:
+        if older_than_s is None:
+            return len(ring.destroy_where(lambda e: True))
+        cutoff = time.time_ns() - int(older_than_s * 1e9)
+        return len(ring.destroy_where(lambda e: e.seal_until_ns < cutoff))
+    finally:
+        ring.close()
+
+
 def _purge_offline(
     store_dir: str, sb: fmt.Superblock, older_than_s: float | None, out: PurgeResult
 ) -> None:
@@ -344,10 +394,30 @@ def _purge_offline(
             index[s * fmt.RECORD_BYTES : (s + 1) * fmt.RECORD_BYTES] = empty
         index.flush()
         out.removed = len(slots)
+        if _is_sealed(sb):
+            if older_than_s is not None:
+                out.slots_wiped = _wipe_offline(store_dir, sb, slots.tolist())
+            out.epochs_destroyed = _destroy_epochs(store_dir, older_than_s)
         del scan, slots
     finally:
         index.close()
         os.close(fd)
+
+
+def _wipe_offline(store_dir: str, sb: fmt.Superblock, slots: list[int]) -> int:
+    fds = _data_fds(store_dir, sb)
+    if fds is None:
+        return 0
+    start, n = wipe_range(sb)
+    zeros = bytes(n)
+    try:
+        for s in slots:
+            if os.pwrite(fds[0], zeros, s * sb.slot_bytes + start) != n:
+                raise OSError(errno.EIO, "short write wiping a purged slot")
+        os.fsync(fds[0])
+    finally:
+        os.close(fds[0])
+    return len(slots)
 
 
 def _purge_online(
@@ -384,8 +454,19 @@ def _purge_online(
         keys: list[bytes] | None = []
         sets: list[int] | None = None
         deadline = time.monotonic() + busy_retry_s
+        sealed = _is_sealed(sb)
+        fds = _data_fds(store_dir, sb) if sealed and not every else None
+        wipe = None if fds is None else (fds, sb.slot_bytes, *wipe_range(sb))
         while True:
-            got, cleared, marked, kept, busy = table.purge(older_ns, every, sets)
+            if wipe is None:
+                got, cleared, marked, kept, busy = table.purge(older_ns, every, sets)
+            else:
+                got, cleared, marked, kept, busy, wiped, wipe_errors = table.purge(
+                    older_ns, every, sets, wipe
+                )
+                out.slots_wiped += wiped
+                if wipe_errors:
+                    out.error = f"{wipe_errors} purged slots could not be overwritten (I/O error)"
             out.removed += cleared
             out.writing_marked += marked
             out.writing_kept += kept
@@ -396,6 +477,14 @@ def _purge_online(
             sets = busy
             time.sleep(0.1)
         index.flush()  # durable: a power loss does not bring purged records back
+        if fds is not None:
+            for fd in fds:
+                os.fsync(fd)
+                os.close(fd)
+            fds = None
+        if sealed:
+            out.epochs_destroyed = _destroy_epochs(store_dir, older_than_s)
+            table.bump_keys()  # sharers reload: one whose epoch is gone starts a new one
         if keys:
             gen, taken = table.purge_generation()
             if taken < gen:  # the previous purge's events are not taken yet: keep them
@@ -407,6 +496,8 @@ def _purge_online(
             table.bump_purge()
             out.events_logged = len(keys)
     finally:
+        for fd in fds or ():
+            os.close(fd)
         del table
         index.close()
         table_map.close()
@@ -464,6 +555,11 @@ def format_result(r: PurgeResult) -> str:
         )
     if r.events_logged:
         lines.append(f"  {r.events_logged} removals logged for KV events")
+    if r.epochs_destroyed or r.slots_wiped:
+        lines.append(
+            f"  erased: {r.epochs_destroyed} data keys destroyed, {r.slots_wiped} slots' "
+            "nonces and tags overwritten"
+        )
     return "\n".join(lines)
 
 

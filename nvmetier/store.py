@@ -36,6 +36,7 @@ import collections
 import dataclasses
 import errno
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
@@ -48,7 +49,7 @@ from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes
-from nvmetier.errors import NvmeTierError, StoreIOError
+from nvmetier.errors import ConfigError, NvmeTierError, StoreIOError
 from nvmetier.files import StoreFiles
 from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
 
@@ -242,10 +243,13 @@ class BlockStore:
         # Encryption at rest: the key file is checked first (a ConfigError
         # naming it), the layout identity says the store is sealed (a
         # plaintext store is never reused), and slots hold the sealed chunk.
-        self._keys: crypto.KeySet | None = None
+        self._keys: crypto.StoreKeys | None = None
+        self._operator: crypto.KeySet | None = None
+        self._keyring: crypto.Keyring | None = None
+        self._sealing: Sealing | None = None
         chunk_bytes = row_bytes
         if config.encryption is not None:
-            self._keys = crypto.KeySet.from_file(config.encryption["key_file"])
+            self._operator = crypto.KeySet.from_file(config.encryption["key_file"])
             identity = {**identity, "encryption": ENCRYPTION_ID}
             chunk_bytes = sealed_chunk_bytes(row_bytes)
         self.identity = identity
@@ -297,28 +301,32 @@ class BlockStore:
                     queue_depth=config.queue_depth,
                     max_inflight_bytes=config.max_inflight_bytes,
                     io_workers=config.io_workers,
-                    chunk_bytes=slot_bytes if self._keys else row_bytes,
+                    chunk_bytes=slot_bytes if self._operator else row_bytes,
                     keepalive_fd=self.files.registry_fd,
                     staging=stage,
                     sealing=sealing,
                 )
 
-            if self._keys is None:
+            if self._operator is None:
                 self.engine: IoEngine = inner(self._buf)
             else:
-                self._nonces = crypto.NonceSource.open(self.files.dirs[0])
-                # Both engines seal and open in their own threads, loads in
-                # place in the row (engine/sealed.py: Sealing).
-                self.engine = inner(
-                    self._buf,
-                    Sealing(
-                        self._keys,
-                        fmt.identity_digest(identity),
-                        self._nonces,
-                        row_bytes=row_bytes,
-                        slot_bytes=slot_bytes,
-                    ),
+                self._keys = self._open_keys(self._operator, store_name)
+                assert self._keyring is not None
+                # A fresh epoch (random key) for this open, durable before its
+                # first seal; both engines seal and open in their own threads
+                # through one native key table (engine/sealed.py: Sealing).
+                self._sealing = Sealing(
+                    self._keys,
+                    self._keyring,
+                    fmt.identity_digest(identity),
+                    row_bytes=row_bytes,
+                    slot_bytes=slot_bytes,
+                    retention_s=config.retention,
+                    keys_generation=self._table.keys_generation,
+                    bump_keys=self._table.bump_keys,
                 )
+                self._sealing.start()
+                self.engine = inner(self._buf, self._sealing)
                 # For nvmetier info: the latest sealed opener's key fingerprint.
                 self.files.table_map[KEY_FINGERPRINT_OFFSET : KEY_FINGERPRINT_OFFSET + 8] = (
                     self._keys.fingerprint
@@ -331,7 +339,7 @@ class BlockStore:
                 max(0, config.max_queued_bytes // row_bytes),
                 # A sealed load is always authenticated; its "checksum" (the
                 # tag's head) binds the record to the sealing it was written for.
-                config.verify_checksums or self._keys is not None,
+                config.verify_checksums or self._operator is not None,
                 config.enable_kv_events,
             )
             self._table.set_retention(int((config.retention or 0) * 1e9))
@@ -339,8 +347,7 @@ class BlockStore:
             engine_built = getattr(self, "engine", None)
             if engine_built is not None:
                 engine_built.close()
-            if getattr(self, "_nonces", None) is not None:
-                self._nonces.close()
+            self._close_sealing()
             self._table = None
             self.files.close(clean=False)
             self._buf.release()
@@ -385,6 +392,33 @@ class BlockStore:
         self._job_keys: dict[int, dict[bytes, bytes]] = {}
         self._known: dict[bytes, bytes] = {}
 
+    def _open_keys(self, operator: crypto.KeySet, store_name: str) -> crypto.StoreKeys:
+        """The store's keyring (created with the store) and its secrets.
+
+        Raises:
+            ConfigError: the key file does not open this store's keys.
+        """
+        store_dir = self.files.dirs[0]
+        if not self.config.persist and self.files.alone and crypto.Keyring.exists(store_dir):
+            # The store was wiped at open: its keys go too (a fresh keyring).
+            os.unlink(os.path.join(store_dir, crypto.KEYRING_FILE))
+        self._keyring = crypto.Keyring.open(store_dir, create=True, operator=operator)
+        try:
+            return self._keyring.store_keys(operator)
+        except crypto.KeyringError as exc:
+            raise ConfigError(
+                f"encryption key_file {self.config.encryption['key_file']!r} "  # type: ignore[index]
+                f"does not open store {store_name!r}: {exc}"
+            ) from exc
+
+    def _close_sealing(self) -> None:
+        if self._sealing is not None:
+            self._sealing.close()
+            self._sealing = None
+        if self._keyring is not None:
+            self._keyring.close()
+            self._keyring = None
+
     # ------------------------------------------------------------- scheduler
     @property
     def counts_lookups(self) -> bool:
@@ -394,7 +428,7 @@ class BlockStore:
     @property
     def sealed(self) -> bool:
         """Whether the store is encrypted (keys go to the table as MACs)."""
-        return self._keys is not None
+        return self._operator is not None
 
     @property
     def direct_table(self) -> bool:
@@ -457,6 +491,8 @@ class BlockStore:
         return self._table.submit_store(job_id, self._macs(keys, job_id), rows, skip)  # type: ignore[no-any-return]
 
     def _submit_load_sealed(self, job_id: int, keys: Collection[bytes], rows: Any) -> str | None:
+        if self._sealing is not None:
+            self._sealing.poke()  # another process's new epoch: reload its key
         return self._table.submit_load(job_id, self._macs(keys, job_id), rows)  # type: ignore[no-any-return]
 
     def lookup(self, key: bytes) -> bool:
@@ -717,8 +753,7 @@ class BlockStore:
             )
         self.poll()
         self.engine.close()
-        if self._keys is not None:
-            self._nonces.close()
+        self._close_sealing()
         self._table.bind(None, None, 0, False, False)  # drop its references to the engine
         self._table = None  # drop our reference: files.close releases the mappings
         keep = self.config.persist if persist is None else persist

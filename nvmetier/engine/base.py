@@ -17,6 +17,7 @@ called once, after the last op completed or after ``wait_idle``.
 from __future__ import annotations
 
 import abc
+import mmap
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -157,3 +158,14 @@ def xxh3_seeded(data: memoryview | bytes, seed: int) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(data, seed)
+
+
+def dontdump(m: mmap.mmap) -> None:
+    """Keep a mapping that holds sealed slot images or keys out of core
+    dumps (``MADV_DONTDUMP``; best effort where the kernel lacks it)."""
+    advice = getattr(mmap, "MADV_DONTDUMP", None)
+    if advice is not None:
+        try:
+            m.madvise(advice)
+        except OSError:
+            pass

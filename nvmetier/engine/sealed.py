@@ -10,9 +10,9 @@ image is a span of the worker's huge-page arena: sealed into it from the
 row, read into it whole and opened from it into the row; without, a write
 goes through a bounce slot and a load reads the row plus the trailer page and
 opens the row in place. No copy beyond the seal and the open, no thread
-hop. ``Sealing`` owns the nonce reservations: the thread engine's workers
-take nonces from it; for the io_uring engine a refill
-thread (``nvmetier-nonce``) keeps a reserved range spare in the engine.
+hop. ``Sealing`` owns the store's native key table (``nvmetier._crypto.Keys``:
+the epochs' keys, the one nonce allocator, the trailer): the thread
+engine's workers seal through it, the io_uring engine's borrow it.
 
 SealingEngine (below) remains for any other inner engine:
 
@@ -33,17 +33,17 @@ load, so a record only ever serves the sealing it was written for; a tag that
 does not verify completes the load with ``-EBADMSG``, which the table treats
 as a checksum failure (a miss, the slot freed, ``auth_failures`` counted).
 
-Nonces come from the store's durable counter (``crypto.NonceSource``),
-reserved in blocks of ``NONCE_BLOCK`` by the worker that runs out (an fsync
-on an engine thread, never on vLLM's). The authenticated data binds each
-chunk to its key (the op's seed: XXH3-64 of the key's MAC, which only a
-holder of the key file can compute) and to the store's layout digest.
+Nonces are 96 random bits per seal, under the sealing process's current
+epoch key (``Sealing``). The authenticated data binds each chunk to its key
+(the op's seed: XXH3-64 of the key's MAC, which only a holder of the key
+file can compute), the store's layout digest, the store, the epoch and the
+slot (data file and offset): native/nvt_seal.h.
 
 Threads: ``submit``/``wait_completions`` as any engine (the scheduler
 thread); ``n_threads`` workers seal, open and submit to the inner engine
 (the GIL released in libcrypto); one pump thread moves the inner engine's
-completions to the workers. Workers block on the bounce pool and on nonce
-reservations, never the caller.
+completions to the workers. Workers block on the bounce pool, never the
+caller.
 """
 
 from __future__ import annotations
@@ -55,23 +55,30 @@ import mmap
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from nvmetier import crypto
-from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, IoEngine, Op
+from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, IoEngine, Op, dontdump
 from nvmetier.errors import EngineClosedError
 
 logger = logging.getLogger(__name__)
 
-# The trailer after the sealed bytes of a slot: magic, version, nonce, tag,
-# key fingerprint, zero padded. Changing it requires bumping FORMAT_VERSION.
+# The trailer after the sealed bytes of a slot is defined once, in
+# native/nvt_seal.h (magic, version 2, nonce, tag, epoch, the epoch key's
+# fingerprint, zero padded); sealing and opening go through that code from
+# both engines. Changing it requires bumping FORMAT_VERSION.
 TRAILER_BYTES = 64
 TRAILER_MAGIC = b"NVTS"
-_TRAILER = struct.Struct("<4sI12s16s8s")
-assert _TRAILER.size <= TRAILER_BYTES
-NONCE_BLOCK = 1 << 20
+TRAILER_VERSION = 2
+NONCE_BLOCK = 1 << 20  # format 3's nonce reservation (kept for its importers)
 _STOP = None
 _TAG_HEAD = struct.Struct("<Q")
+
+
+def _native() -> Any:
+    return crypto._native()
 
 
 def sealed_chunk_bytes(row_bytes: int) -> int:
@@ -84,97 +91,233 @@ def checksum_of_tag(tag: bytes) -> int:
     return int(_TAG_HEAD.unpack_from(tag)[0])
 
 
-def parse_trailer(data: bytes | memoryview) -> tuple[bytes, bytes, bytes] | None:
-    """``(nonce, tag, key fingerprint)`` of a trailer, or None if it is not one."""
-    magic, version, nonce, tag, fingerprint = _TRAILER.unpack_from(data)
-    if magic != TRAILER_MAGIC or version != 1:
-        return None
-    return nonce, tag, fingerprint
+def parse_trailer(data: bytes | memoryview) -> tuple[bytes, bytes, int, bytes] | None:
+    """``(nonce, tag, epoch, epoch key fingerprint)`` of a trailer, or None
+    if it is not one (nvt_seal.h's definition)."""
+    return _native().parse_trailer(data)  # type: ignore[no-any-return]
 
 
-def chunk_aad(seed: int, layout_digest: int) -> bytes:
-    """The authenticated data of a chunk: its key's fingerprint in the table
-    (the op's seed, a hash of the key's MAC) and the layout digest."""
-    return struct.pack("<QQ", seed, layout_digest)
+def epoch_seconds(retention_s: float | None) -> float:
+    """How long one epoch seals: an hour, or a quarter of the retention
+    (at least ``EPOCH_MIN_S``), so expired chunks' keys go soon after them."""
+    if not retention_s:
+        return crypto.EPOCH_S
+    return min(crypto.EPOCH_S, max(crypto.EPOCH_MIN_S, retention_s / 4))
 
 
 class Sealing:
-    """What an engine needs to seal chunks in its own threads.
+    """What an engine needs to seal chunks in its own threads: the store's
+    key table (native, shared by both engines: ``nvmetier._crypto.Keys``),
+    and the epochs behind it.
 
     Args:
-        keys: the operator key's subkeys.
+        keys: the store's unwrapped secrets (``crypto.StoreKeys``).
+        keyring: the store's ``keys`` file.
         layout_digest: the store's layout identity digest (bound into the tag).
-        nonces: the store's nonce counter (reserved ``nonce_block`` at a time).
         row_bytes: bytes of one chunk (every op's length).
         slot_bytes: bytes of one slot (the sealed chunk, its trailer, padding).
-        nonce_block: counters reserved at a time (an fsync each).
+        retention_s: this process's retention (None: none): epochs whose
+            sealing window ended longer ago are destroyed.
+        keys_generation, bump_keys: the shared table's counter of keyring
+            changes (None: a store no other process shares).
 
-    Threads: any; ``nonce`` takes a lock and, once per block, blocks in an
-    fsync (an engine thread's, never vLLM's).
+    Epochs: ``start`` creates this process's first epoch (a fresh random
+    key, durable before any seal); a housekeeping thread (``nvmetier-keys``)
+    rotates to a new one before the window (``epoch_seconds``) or
+    ``EPOCH_ROTATE_SEALS`` seals run out, destroys epochs past the
+    retention, and reloads the table when another process changed the
+    keyring (a purge that destroyed this process's epoch makes it rotate at
+    once). ``close`` ends the epoch's window (destroys it if it sealed
+    nothing).
+
+    Threads: ``seal_into``/``open_into`` on engine threads (the GIL
+    released in libcrypto); ``poke`` from the scheduler thread (never
+    blocks); the rest where the store opens and closes.
     """
 
     def __init__(
         self,
-        keys: crypto.KeySet,
+        keys: crypto.StoreKeys,
+        keyring: crypto.Keyring,
         layout_digest: int,
-        nonces: crypto.NonceSource,
         *,
         row_bytes: int,
         slot_bytes: int,
-        nonce_block: int = NONCE_BLOCK,
+        retention_s: float | None = None,
+        keys_generation: Callable[[], int] | None = None,
+        bump_keys: Callable[[], int] | None = None,
     ) -> None:
         if slot_bytes < sealed_chunk_bytes(row_bytes):
             raise ValueError("slot_bytes has no room for the sealed chunk's trailer")
         self.keys = keys
+        self.keyring = keyring
         self.layout_digest = layout_digest
-        self.nonces = nonces
         self.row_bytes = row_bytes
         self.slot_bytes = slot_bytes
-        self.nonce_block = nonce_block
-        self._lock = threading.Lock()
-        self._next = self._end = 0
+        self.retention_s = retention_s
+        self.epoch_s = epoch_seconds(retention_s)
+        self.nonces = crypto.NonceSource()
+        self.native = _native().Keys(keyring.store_id, layout_digest)
+        self._generation = keys_generation or (lambda: 0)
+        self._bump = bump_keys or (lambda: 0)
+        self._seen = -1
+        self._lock = threading.Lock()  # epochs and reloads: one at a time
+        self._current: crypto.Epoch | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._logged = False
+        self.rotations = 0
 
-    def native_config(self) -> tuple[bytes, bytes, int, int, int, int]:
-        """The io_uring engine's ``sealing`` argument."""
-        return (
-            self.keys.seal_key,
-            self.keys.fingerprint,
-            self.nonces.prefix,
-            self.layout_digest,
-            self.row_bytes,
-            self.slot_bytes,
-        )
-
-    def nonce(self) -> bytes:
-        """A nonce never used before with this key (reserving a block, with
-        its fsync, when this process's block is used up)."""
+    # ------------------------------------------------------------ epochs
+    def start(self) -> None:
+        """The first epoch and the key table, then the housekeeping thread.
+        Blocks on the keyring's fsync."""
         with self._lock:
-            if self._next == self._end:
-                start = self.nonces.reserve(self.nonce_block)
-                self._next, self._end = start, start + self.nonce_block
-            n = self._next
-            self._next += 1
-        return self.nonces.nonce(n)
+            self._sweep_locked()
+            self._rotate_locked()
+        self._thread = threading.Thread(target=self._loop, name="nvmetier-keys", daemon=True)
+        self._thread.start()
 
-    def seal_into(self, row: memoryview, seed: int, slot: memoryview) -> int:
+    @property
+    def epoch(self) -> int | None:
+        """The epoch this process seals under (None: none yet)."""
+        cur = self._current
+        return None if cur is None else cur.epoch
+
+    def _reload_locked(self) -> bool:
+        """Load every live epoch into the native table. False when this
+        process's own epoch is gone (destroyed by a purge): rotate."""
+        self._seen = self._generation()
+        live, top = self.keyring.load(self.keys)
+        cur = self._current
+        mine = cur is not None and any(e.epoch == cur.epoch for e in live)
+        self.native.set(
+            [(e.epoch, e.key, e.fingerprint) for e in live],
+            cur.epoch if (cur is not None and mine) else -1,
+            cur.seal_until_ns if (cur is not None and mine) else 0,
+            crypto.EPOCH_MAX_SEALS,
+            top,
+        )
+        for e in live:
+            e.key = None
+        return mine
+
+    def _rotate_locked(self) -> None:
+        new, _room = self.keyring.new_epoch(self.keys, self.epoch_s)
+        old = self._current
+        self._current = new
+        new.key = None
+        self._bump()
+        self._reload_locked()
+        if old is not None:
+            self.keyring.retire(old.epoch, destroy=False)
+        self.rotations += 1
+
+    def _sweep_locked(self) -> list[int]:
+        """Destroy the epochs whose sealing window ended past the retention:
+        every chunk sealed under them is older than it."""
+        if not self.retention_s:
+            return []
+        cutoff = time.time_ns() - int(self.retention_s * 1e9)
+        cur = self._current
+        gone = self.keyring.destroy_where(
+            lambda e: e.seal_until_ns < cutoff and (cur is None or e.epoch != cur.epoch)
+        )
+        if gone:
+            self._bump()
+        return gone
+
+    def housekeep(self) -> None:
+        """One round of the housekeeping thread (tests call it directly)."""
+        with self._lock:
+            changed = self._sweep_locked() or self._generation() != self._seen
+            if changed and not self._reload_locked():
+                self._rotate_locked()  # this process's epoch was destroyed (a purge)
+                return
+            cur = self._current
+            margin = min(60.0, self.epoch_s / 4)
+            if (
+                cur is None
+                or time.time_ns() >= cur.seal_until_ns - int(margin * 1e9)
+                or self.native.seals() >= crypto.EPOCH_ROTATE_SEALS
+            ):
+                self._rotate_locked()
+
+    def _loop(self) -> None:
+        tick = min(1.0, self.epoch_s / 4)
+        while not self._stop.is_set():
+            self._wake.wait(tick)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.housekeep()
+            except Exception as exc:  # sealed writes fail (EAGAIN) until it works
+                if not self._logged:
+                    self._logged = True
+                    logger.error(
+                        "nvmetier: the sealed store's key housekeeping failed (%s); sealed "
+                        "writes fail once the current epoch ends (logged once)",
+                        exc,
+                    )
+
+    def poke(self) -> None:
+        """Scheduler thread: if another process changed the keyring, have
+        the housekeeping thread reload (never blocks)."""
+        if self._generation() != self._seen:
+            self._wake.set()
+
+    def close(self) -> None:
+        """Stop the thread; end this process's epoch (destroyed if it sealed
+        nothing). Call after the engine closed."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with self._lock:
+            cur = self._current
+            if cur is not None:
+                try:
+                    self.keyring.retire(cur.epoch, destroy=self.native.seals() == 0)
+                    self._bump()
+                except OSError as exc:
+                    logger.warning("nvmetier: could not retire key epoch %d: %s", cur.epoch, exc)
+            self._current = None
+
+    # ------------------------------------------------------------- seals
+    def native_config(self) -> tuple[object, int, int]:
+        """The io_uring engine's ``sealing`` argument."""
+        return (self.native.capsule(), self.row_bytes, self.slot_bytes)
+
+    def seal_into(
+        self, row: memoryview, seed: int, slot: memoryview, file_idx: int = 0, file_off: int = 0
+    ) -> int:
         """Seal ``row`` (only read) into ``slot`` (``slot_bytes``): the sealed
         chunk, the trailer, zeros. Returns the completion's checksum (the
-        tag's head). The GIL is released while the bytes are processed."""
-        nonce = self.nonce()
-        n = self.row_bytes
-        tag = crypto.seal(
-            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), row, slot[:n]
-        )
-        trailer = _TRAILER.pack(TRAILER_MAGIC, 1, nonce, tag, self.keys.fingerprint)
-        slot[n : n + len(trailer)] = trailer
-        slot[n + len(trailer) :] = bytes(len(slot) - n - len(trailer))
-        return checksum_of_tag(tag)
+        tag's head). The GIL is released while the bytes are processed.
 
-    def open_in_place(self, row: memoryview, trailer: memoryview | bytes, seed: int) -> int | None:
+        Raises:
+            OSError: EAGAIN when no epoch may seal (the rotation is late).
+        """
+        return self.native.seal(seed, file_idx, file_off, row, slot)  # type: ignore[no-any-return]
+
+    def open_in_place(
+        self,
+        row: memoryview,
+        trailer: memoryview | bytes,
+        seed: int,
+        file_idx: int = 0,
+        file_off: int = 0,
+    ) -> int:
         """Open the sealed ``row`` in place with its ``trailer``: the
-        completion's checksum (the tag's head), or None when the trailer or
-        the tag does not verify (``row`` then holds garbage)."""
-        return self.open_into(row, trailer, seed, None)
+        completion's checksum (the tag's head).
+
+        Raises:
+            OSError: EBADMSG (``row`` then holds garbage), ENOKEY.
+        """
+        return self.open_into(row, trailer, seed, None, file_idx, file_off)
 
     def open_into(
         self,
@@ -182,19 +325,21 @@ class Sealing:
         trailer: memoryview | bytes,
         seed: int,
         dst: memoryview | None,
-    ) -> int | None:
+        file_idx: int = 0,
+        file_off: int = 0,
+    ) -> int:
         """Open ``sealed`` (``row_bytes``) with its ``trailer`` into ``dst``
-        (None: in place): the checksum, or None when the trailer or the tag
-        does not verify (``dst`` then holds garbage, or is untouched when
-        the trailer itself is bad)."""
-        parsed = parse_trailer(trailer)
-        if parsed is None:
-            return None
-        nonce, tag, _fingerprint = parsed
-        ok = crypto.open_sealed(
-            self.keys.seal_key, nonce, chunk_aad(seed, self.layout_digest), sealed, tag, dst
+        (None: in place): the checksum.
+
+        Raises:
+            OSError: EBADMSG when the trailer or the tag does not verify or
+                the epoch was destroyed (``dst`` then holds garbage); ENOKEY
+                for an epoch not loaded yet.
+        """
+        got = self.native.open(
+            seed, file_idx, file_off, trailer, sealed, sealed if dst is None else dst
         )
-        return checksum_of_tag(tag) if ok else None
+        return int(got)
 
 
 class SealingEngine(IoEngine):
@@ -205,9 +350,7 @@ class SealingEngine(IoEngine):
         primary: the primary region the table's ops address.
         row_bytes: bytes of one chunk (one primary row).
         slot_bytes: bytes of one slot (the sealed chunk and trailer, aligned).
-        keys: the operator key's subkeys.
-        layout_digest: the store's layout identity digest (bound into the tag).
-        nonces: the store's nonce counter.
+        sealing: the store's key table and epochs (``Sealing``, started).
         make_inner: builds the inner engine over the bounce region it is given.
         n_bounce: slots of bounce memory (the ops in flight at the drives).
         n_threads: crypto workers.
@@ -219,9 +362,7 @@ class SealingEngine(IoEngine):
         *,
         row_bytes: int,
         slot_bytes: int,
-        keys: crypto.KeySet,
-        layout_digest: int,
-        nonces: crypto.NonceSource,
+        sealing: Sealing,
         make_inner: Callable[[memoryview], IoEngine],
         n_bounce: int = 32,
         n_threads: int = 2,
@@ -232,12 +373,9 @@ class SealingEngine(IoEngine):
         self._primary = memoryview(primary).cast("B")
         self._row = row_bytes
         self._slot = slot_bytes
-        self._keys = keys
-        self._digest = layout_digest
-        self._nonces = nonces
-        self._nonce_lock = threading.Lock()
-        self._nonce_next = self._nonce_end = 0
+        self._sealing = sealing
         self._bounce_map = mmap.mmap(-1, n_bounce * slot_bytes)
+        dontdump(self._bounce_map)
         self._bounce = memoryview(self._bounce_map)
         # Free bounce slots, and ops waiting for one (never a blocked worker:
         # the workers also finish the ops that free the slots).
@@ -330,19 +468,10 @@ class SealingEngine(IoEngine):
             **self.inner.describe(),
             "engine": self.name,
             "encryption": "aes-256-gcm",
-            "key_fingerprint": self._keys.fingerprint_hex,
+            "key_fingerprint": self._sealing.keys.fingerprint_hex,
         }
 
     # -------------------------------------------------------------- workers
-    def _nonce(self) -> bytes:
-        with self._nonce_lock:
-            if self._nonce_next == self._nonce_end:
-                start = self._nonces.reserve(NONCE_BLOCK)  # fsync: an engine thread may block
-                self._nonce_next, self._nonce_end = start, start + NONCE_BLOCK
-            n = self._nonce_next
-            self._nonce_next += 1
-        return self._nonces.nonce(n)
-
     def _worker(self) -> None:
         while True:
             item = self._work.get()
@@ -402,22 +531,14 @@ class SealingEngine(IoEngine):
         at = b * self._slot
         tag = b""
         if kind == OP_WRITE:
-            nonce = self._nonce()
             row = self._primary[buf_off : buf_off + length]
             try:
-                tag = crypto.seal(
-                    self._keys.seal_key,
-                    nonce,
-                    chunk_aad(seed, self._digest),
-                    row,
-                    self._bounce[at : at + length],
+                checksum = self._sealing.seal_into(
+                    row, seed, self._bounce[at : at + self._slot], file_idx, file_off
                 )
             finally:
                 row.release()
-            trailer = _TRAILER.pack(TRAILER_MAGIC, 1, nonce, tag, self._keys.fingerprint)
-            end = at + self._slot
-            self._bounce[at + length : at + length + len(trailer)] = trailer
-            self._bounce[at + length + len(trailer) : end] = bytes(end - at - length - len(trailer))
+            tag = checksum.to_bytes(8, "little")
         with self._inflight_lock:
             inner_id = self._next_id
             self._next_id += 1
@@ -454,27 +575,22 @@ class SealingEngine(IoEngine):
                 self._done.put(Completion(op.op_id, self._row, checksum_of_tag(tag)))
                 return
             at = b * self._slot
-            parsed = parse_trailer(self._bounce[at + self._row : at + self._slot])
-            ok = False
-            if parsed is not None:
-                nonce, read_tag, _fingerprint = parsed
-                row = self._primary[op.buf_offset : op.buf_offset + self._row]
-                try:
-                    ok = crypto.open_sealed(
-                        self._keys.seal_key,
-                        nonce,
-                        chunk_aad(op.seed, self._digest),
-                        self._bounce[at : at + self._row],
-                        read_tag,
-                        dst=row,
-                    )
-                finally:
-                    row.release()
-            if ok:
-                assert parsed is not None
-                self._done.put(Completion(op.op_id, self._row, checksum_of_tag(parsed[1])))
+            row = self._primary[op.buf_offset : op.buf_offset + self._row]
+            try:
+                got = self._sealing.open_into(
+                    self._bounce[at : at + self._row],
+                    self._bounce[at + self._row : at + self._slot],
+                    op.seed,
+                    row,
+                    op.file_idx,
+                    op.file_offset,
+                )
+            except OSError as exc:
+                self._done.put(Completion(op.op_id, -(exc.errno or errno.EIO), 0))
             else:
-                self._done.put(Completion(op.op_id, -errno.EBADMSG, 0))
+                self._done.put(Completion(op.op_id, self._row, got))
+            finally:
+                row.release()
         finally:
             self._release_bounce(b, restart)
 

@@ -56,6 +56,7 @@ from nvmetier.engine.base import (
     Completion,
     IoEngine,
     Op,
+    dontdump,
     unpack_ops,
 )
 from nvmetier.errors import EngineClosedError
@@ -93,7 +94,8 @@ class _Stage:
     """One worker's staging arena: private memory advised for huge pages,
     2 MiB-aligned, at least as large as the largest op seen (worker-local)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sealed: bool = False) -> None:
+        self.sealed = sealed
         self.map: mmap.mmap | None = None
         self.view: memoryview | None = None
         self.addr = 0
@@ -105,6 +107,8 @@ class _Stage:
         self.close()
         size = (length + _HUGE - 1) // _HUGE * _HUGE
         m = mmap.mmap(-1, size + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if self.sealed:
+            dontdump(m)  # a sealing worker's arena holds slot images
         base = ctypes.addressof(ctypes.c_char.from_buffer(m))
         skip = (-base) % _HUGE
         try:
@@ -293,7 +297,7 @@ class ThreadEngine(IoEngine):
         return out
 
     def _worker(self) -> None:
-        stage = _Stage() if self._staging else None
+        stage = _Stage(self._sealing is not None) if self._staging else None
         try:
             self._work(stage)
         finally:
@@ -365,7 +369,7 @@ class ThreadEngine(IoEngine):
         end = buf_off + length
         if self._sealing is not None:
             return self._run_sealed(
-                op_id, kind, fds[file_idx], file_off, buf_off, length, seed, stage
+                op_id, kind, fds[file_idx], file_off, buf_off, length, seed, stage, file_idx
             )
         if stage is not None and length:
             return self._run_staged(op, stage)
@@ -432,6 +436,8 @@ class ThreadEngine(IoEngine):
         if bufs is None:
             trail = sealing.slot_bytes - sealing.row_bytes
             local.maps = (mmap.mmap(-1, sealing.slot_bytes), mmap.mmap(-1, trail))
+            for m in local.maps:
+                dontdump(m)
             bufs = (memoryview(local.maps[0]), memoryview(local.maps[1]))
             local.bufs = bufs
         return bufs
@@ -446,6 +452,7 @@ class ThreadEngine(IoEngine):
         length: int,
         seed: int,
         stage: _Stage | None = None,
+        file_idx: int = 0,
     ) -> Completion:
         sealing = self._sealing
         assert sealing is not None
@@ -455,12 +462,14 @@ class ThreadEngine(IoEngine):
             # The slot image lives in the worker's huge-page arena.
             stage.ensure(sealing.slot_bytes)
             assert stage.view is not None
-            return self._run_sealed_in(op_id, kind, fd, file_off, buf_off, seed, stage.view)
+            return self._run_sealed_in(
+                op_id, kind, fd, file_off, buf_off, seed, stage.view, file_idx
+            )
         bounce, trail = self._worker_buffers(sealing)
         row = self._buf[buf_off : buf_off + length]
         try:
             if kind == OP_WRITE:
-                checksum = sealing.seal_into(row, seed, bounce)
+                checksum = sealing.seal_into(row, seed, bounce, file_idx, file_off)
                 n = os.pwritev(fd, [bounce], file_off)
                 if n != sealing.slot_bytes:
                     return Completion(op_id, -errno.EIO, 0)
@@ -468,9 +477,7 @@ class ThreadEngine(IoEngine):
             n = os.preadv(fd, [row, trail], file_off)
             if n != sealing.slot_bytes:
                 return Completion(op_id, -errno.EIO, 0)
-            got = sealing.open_in_place(row, trail, seed)
-            if got is None:
-                return Completion(op_id, -errno.EBADMSG, 0)
+            got = sealing.open_in_place(row, trail, seed, file_idx, file_off)
             return Completion(op_id, length, got)
         except OSError as exc:
             return Completion(op_id, -(exc.errno or errno.EIO), 0)
@@ -486,6 +493,7 @@ class ThreadEngine(IoEngine):
         buf_off: int,
         seed: int,
         arena: memoryview,
+        file_idx: int = 0,
     ) -> Completion:
         """A sealed op through the arena: a write is sealed from the row into
         it and written from there; a read lands there and is opened from
@@ -497,16 +505,14 @@ class ThreadEngine(IoEngine):
         row = self._buf[buf_off : buf_off + n_row]
         try:
             if kind == OP_WRITE:
-                checksum = sealing.seal_into(row, seed, image)
+                checksum = sealing.seal_into(row, seed, image, file_idx, file_off)
                 if os.pwritev(fd, [image], file_off) != n_slot:
                     return Completion(op_id, -errno.EIO, 0)
                 self._staged_bytes += n_row
                 return Completion(op_id, n_row, checksum)
             if os.preadv(fd, [image], file_off) != n_slot:
                 return Completion(op_id, -errno.EIO, 0)
-            got = sealing.open_into(image[:n_row], image[n_row:], seed, row)
-            if got is None:
-                return Completion(op_id, -errno.EBADMSG, 0)
+            got = sealing.open_into(image[:n_row], image[n_row:], seed, row, file_idx, file_off)
             self._staged_bytes += n_row
             return Completion(op_id, n_row, got)
         except OSError as exc:

@@ -17,11 +17,10 @@ results. ``wait_completions`` blocks up to ``timeout_s`` with the GIL released.
 
 With ``sealing`` (encryption at rest, ``engine/sealed.py``) the native I/O
 threads also seal each written chunk before its SQE and open each read chunk
-in place before its completion is published. Nonces are reserved durably in
-Python (an fsync per block) and handed to the engine, which holds the range
-in use and one spare: the ``nvmetier-nonce`` thread refills the spare (woken
-by ``submit`` when it is free, and once a second); a write that finds none
-fails with ``-EAGAIN``.
+in place before its completion is published, through the store's key table
+(``Sealing.native``, shared with the thread engine: random nonces, the
+epoch's key); a write the table refuses (no epoch may seal) fails with
+``-EAGAIN``, a read of an epoch not loaded yet with ``-ENOKEY``.
 
 Importing this module raises ``ImportError`` when the extension was not built;
 ``nvmetier.engine.uring_status`` turns that into a reason string.
@@ -32,7 +31,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -183,19 +181,6 @@ class UringEngine(IoEngine):
             sealing=None if sealing is None else sealing.native_config(),
         )
         self._sealing = sealing
-        self._refill_wake = threading.Event()
-        self._refill_stop = False
-        self._refill_thread: threading.Thread | None = None
-        if sealing is not None:
-            try:
-                self._refill_nonces()  # the first range, before any write
-            except BaseException:
-                self._native.close()
-                raise
-            self._refill_thread = threading.Thread(
-                target=self._refill_loop, name="nvmetier-nonce", daemon=True
-            )
-            self._refill_thread.start()
         info = self._native.info()
         self._lock_registered = bool(info.get("lock_registered", False))
         self._workers_info = [dict(w) for w in info["workers"]]
@@ -228,30 +213,6 @@ class UringEngine(IoEngine):
             )
 
     # ------------------------------------------------------------ sealing
-    def _refill_nonces(self) -> None:
-        """Reserve (fsync) and hand over ranges until the engine's spare is taken."""
-        assert self._sealing is not None
-        while not self._refill_stop and self._native.nonces_left()[1]:
-            block = self._sealing.nonce_block
-            if not self._native.add_nonces(self._sealing.nonces.reserve(block), block):
-                return  # another refill filled it first; that range is lost (never reused)
-
-    def _refill_loop(self) -> None:
-        logged = False
-        while not self._refill_stop:
-            self._refill_wake.wait(1.0)
-            self._refill_wake.clear()
-            try:
-                self._refill_nonces()
-            except Exception as exc:  # the writes fail with EAGAIN; say why once
-                if not logged:
-                    logged = True
-                    logger.error(
-                        "nvmetier: reserving nonces failed (%s); sealed writes fail with "
-                        "EAGAIN until a reservation succeeds",
-                        exc,
-                    )
-
     @property
     def auth_failures(self) -> int:
         """Sealed reads whose trailer or tag did not verify (``-EBADMSG``)."""
@@ -269,8 +230,6 @@ class UringEngine(IoEngine):
         """
         if not self._native.submit(ops):
             raise EngineClosedError("the I/O engine is closed")
-        if self._sealing is not None and self._native.nonces_left()[1]:
-            self._refill_wake.set()
 
     @property
     def native_wait_raw(self) -> object:
@@ -286,8 +245,6 @@ class UringEngine(IoEngine):
         """
         if not self._native.submit_raw(ops):
             raise EngineClosedError("the I/O engine is closed")
-        if self._sealing is not None and self._native.nonces_left()[1]:
-            self._refill_wake.set()
 
     def wait_raw(self, timeout_s: float) -> bytes:
         """Completions of packed ops as packed ``COMPLETION_DTYPE`` records."""
@@ -311,10 +268,6 @@ class UringEngine(IoEngine):
         remain available from ``wait_completions``. Idempotent; blocks.
         """
         self._native.close()
-        if self._refill_thread is not None:
-            self._refill_stop = True
-            self._refill_wake.set()
-            self._refill_thread.join(timeout=30)  # at most one reservation's fsync
 
     def worker_stats(self) -> list[dict[str, float]]:
         """Per worker: ``ops`` completed, ``bytes`` moved, ``hashed_bytes``,

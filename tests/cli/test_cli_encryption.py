@@ -114,3 +114,62 @@ def test_info_of_a_plaintext_store_says_none(tmp_path, buf) -> None:
     store = open_store(root, buf)
     store.close()
     assert "encryption:      none" in run_cli("info", root).stdout
+
+
+def test_rekey_rewraps_so_the_old_key_opens_nothing_and_the_new_one_everything(
+    tmp_path, sealed_root, buf
+) -> None:
+    root, old = sealed_root
+    new = new_key(tmp_path, "new")
+    data = os.path.join(store_dir(root), "data")
+    before = open(data, "rb").read()  # noqa: SIM115
+    code, out = run_json("rekey", root, "--key-file", old, "--new-key-file", new)
+    assert code == 0, out
+    (s,) = out["stores"]
+    assert s["rekeyed"] and s["new_fingerprint"] == crypto.KeySet.from_file(new).fingerprint_hex
+    assert open(data, "rb").read() == before  # noqa: SIM115  (no data rewritten)
+    proc = run_cli("fsck", "--deep", "--key-file", new, root)
+    assert proc.returncode == 0 and f"{N_KEYS} tags verified" in proc.stdout
+    proc = run_cli("fsck", "--deep", "--key-file", old, root)
+    assert f"{N_KEYS} sealed under another key" in proc.stdout
+    # Both header copies hold the new wrapping: no copy the old key opens.
+    ring = open(os.path.join(store_dir(root), "keys"), "rb").read()  # noqa: SIM115
+    fp_old = crypto.KeySet.from_file(old).fingerprint
+    assert fp_old not in ring[:8192]
+    with pytest.raises(Exception, match="nvmetier rekey"):
+        open_store(root, buf, encryption={"key_file": old})
+    store = open_store(root, buf, encryption={"key_file": new})
+    assert all(store.contains(key(i)) for i in range(N_KEYS))
+    store.close()
+    # again with the old key: that store is left (exit 4), named
+    proc = run_cli("rekey", root, "--key-file", old, "--new-key-file", new)
+    assert proc.returncode == 4 and "not rekeyed" in proc.stdout
+
+
+def test_rekey_of_a_live_store_keeps_its_processes_serving(tmp_path, buf) -> None:
+    root, old, new = str(tmp_path / "kv"), new_key(tmp_path, "old"), new_key(tmp_path, "new")
+    store = open_store(root, buf, encryption={"key_file": old})
+    assert store_keys(store, buf, [key(i) for i in range(4)]).success
+    assert run_cli("rekey", root, "--key-file", old, "--new-key-file", new).returncode == 0
+    assert store_keys(store, buf, [key(100 + i) for i in range(4)]).success
+    store.close()
+    store = open_store(root, buf, encryption={"key_file": new})
+    assert all(store.contains(key(i)) for i in [0, 1, 2, 3, 100, 101, 102, 103])
+    store.close()
+
+
+def test_rekey_usage_and_operational_errors(tmp_path, sealed_root) -> None:
+    root, old = sealed_root
+    assert run_cli("rekey", root, "--key-file", old).returncode == 16
+    proc = run_cli("rekey", root, "--key-file", old, "--new-key-file", old)
+    assert proc.returncode == 8
+    assert_one_line_error(proc)
+    code, out = run_json(
+        "rekey",
+        str(tmp_path / "nothing"),
+        "--key-file",
+        old,
+        "--new-key-file",
+        new_key(tmp_path, "n"),
+    )
+    assert code == 8 and out["exit_code"] == 8

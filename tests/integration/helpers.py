@@ -83,3 +83,31 @@ def disk_usage_bytes(root: str) -> int:
         for name in dirs + files:
             total += os.stat(os.path.join(d, name)).st_blocks * 512
     return total
+
+
+def make_sealing(
+    store_dir,
+    row_bytes: int,
+    slot_bytes: int,
+    *,
+    key: bytes | None = None,
+    digest: int = 42,
+    retention_s: float | None = None,
+):
+    """A started ``Sealing`` over a keyring in ``store_dir`` (created with
+    ``key``, default a fixed one), as a store builds it."""
+    from nvmetier import crypto
+    from nvmetier.engine.sealed import Sealing
+
+    operator = crypto.KeySet(key or bytes(range(32)))
+    ring = crypto.Keyring.open(str(store_dir), create=True, operator=operator)
+    sealing = Sealing(
+        ring.store_keys(operator),
+        ring,
+        digest,
+        row_bytes=row_bytes,
+        slot_bytes=slot_bytes,
+        retention_s=retention_s,
+    )
+    sealing.start()
+    return sealing

@@ -83,30 +83,18 @@ def test_nothing_is_in_the_clear_on_disk(tmp_path, buffer, key_file) -> None:
     assert secret not in everything
 
 
-def test_a_wrong_key_makes_every_chunk_a_miss_and_reuses_the_slots(tmp_path, buffer) -> None:
+def test_another_key_file_is_refused_naming_both_keys_and_the_fix(tmp_path, buffer) -> None:
+    # Format 4: the store's keys are wrapped by the key file that created it;
+    # another key file opens nothing (and reads nothing), at open.
     a, b = new_key(tmp_path, "a"), new_key(tmp_path, "b")
     store = sealed(tmp_path, buffer, a)
-    n = store.sb.n_slots
-    old = [key(i) for i in range(n)]
-    for i in range(0, n, 64):
-        store_keys(store, buffer, old[i : i + 64], job_id=i + 1)
-    full = store.stats()["slots_used"]
+    store_keys(store, buffer, [key(i) for i in range(8)])
     store.close()
-    store = sealed(tmp_path, buffer, b)  # a rotated key: no I/O to empty the store
-    assert not any(store.contains(k) for k in old)
-    outcome, good = load_keys(store, buffer, old[:8])
-    assert not outcome.success and good == []
-    assert store.stats()["auth_failures"] == 0  # never found: nothing to open
-    new = [key(10_000 + i) for i in range(n)]
-    stored = 0
-    for i in range(0, n, 64):
-        (o,) = store_keys(store, buffer, new[i : i + 64], job_id=i + 1)
-        stored += len(new[i : i + 64]) if o.success else len(o.successful_keys or [])
-    assert stored >= n * 3 // 4  # the old key's slots are taken over
-    present = sum(store.contains(k) for k in new)
-    assert present >= full * 3 // 4  # most of the store now holds the new key's chunks
-    _loaded, good = load_keys(store, buffer, new[:16])
-    assert sum(1 for k in new[:16] if k in good) == sum(store.contains(k) for k in new[:16])
+    with pytest.raises(ConfigError, match="nvmetier rekey") as err:
+        sealed(tmp_path, buffer, b)
+    assert b in str(err.value)
+    store = sealed(tmp_path, buffer, a)  # the right key still opens everything
+    assert all(store.contains(key(i)) for i in range(8))
     store.close()
 
 

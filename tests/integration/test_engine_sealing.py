@@ -2,7 +2,7 @@
 workers and the thread engine's workers) over real files, and the native
 HMAC of offload keys: the slot format is SealingEngine's (either reads the
 other's chunks), loads open in place in the row, tampering fails only its
-op with -EBADMSG, nonces are unique across refills, and a key's MAC is
+op with -EBADMSG, nonces are random and never repeat, and a key's MAC is
 HMAC-SHA256."""
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from nvmetier.engine import make_engine, uring_status
 from nvmetier.engine.base import OP_READ, OP_WRITE, Op
 from nvmetier.engine.sealed import (
     TRAILER_BYTES,
-    Sealing,
     SealingEngine,
     parse_trailer,
 )
 from nvmetier.engine.threads import ThreadEngine
+from tests.integration.helpers import make_sealing
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,11 +61,8 @@ class Rig:
         os.ftruncate(self.fd, SLOT * 64)
         self.primary = mmap.mmap(-1, ROW * ROWS)
         self.primary.write(os.urandom(ROW * ROWS))
-        self.nonces = crypto.NonceSource.open(str(tmp_path))
-        self.keys = crypto.KeySet(bytes(range(32)))
-        self.sealing = Sealing(
-            self.keys, 42, self.nonces, row_bytes=ROW, slot_bytes=SLOT, nonce_block=nonce_block
-        )
+        self.sealing = make_sealing(tmp_path, ROW, SLOT)
+        self.keys = self.sealing.keys
         self.engine = make_engine(
             engine,
             memoryview(self.primary),
@@ -87,7 +84,8 @@ class Rig:
 
     def close(self) -> None:
         self.engine.close()
-        self.nonces.close()
+        self.sealing.close()
+        self.sealing.keyring.close()
         os.close(self.fd)
         self.primary.close()
 
@@ -110,7 +108,7 @@ def test_round_trip_opens_in_place_and_the_disk_holds_only_ciphertext(rig) -> No
         slot = os.pread(rig.fd, SLOT, i * SLOT)
         assert before[i * ROW : (i + 1) * ROW] not in slot  # sealed, not copied
         parsed = parse_trailer(slot[ROW : ROW + TRAILER_BYTES])
-        assert parsed is not None and parsed[2] == rig.keys.fingerprint
+        assert parsed is not None and parsed[2] == rig.sealing.epoch
         assert slot[ROW + TRAILER_BYTES :] == bytes(SLOT - ROW - TRAILER_BYTES)
     rig.primary[:] = bytes(len(rig.primary))
     # Rows read back into other rows: opened where they land.
@@ -164,12 +162,16 @@ def test_an_op_of_another_length_fails_with_efault(rig) -> None:
 
 def test_a_key_file_rotation_never_opens_old_chunks(rig, tmp_path) -> None:
     rig.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 5)])
-    other = Sealing(crypto.KeySet(os.urandom(32)), 42, rig.nonces, row_bytes=ROW, slot_bytes=SLOT)
+    # Another store (same epoch number, its own random key): nothing opens.
+    (tmp_path / "other").mkdir()
+    other = make_sealing(tmp_path / "other", ROW, SLOT, key=os.urandom(32))
+    assert other.epoch == rig.sealing.epoch
     eng = ThreadEngine(memoryview(rig.primary), [rig.fd], n_threads=1, sealing=other)
     try:
         assert rig.run([Op(2, OP_READ, 0, 0, ROW, ROW, 5)], eng)[2].result == -errno.EBADMSG
     finally:
         eng.close()
+        other.close()
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -183,9 +185,7 @@ def test_the_slot_format_is_sealing_engines(tmp_path, engine) -> None:
             memoryview(r.primary),
             row_bytes=ROW,
             slot_bytes=SLOT,
-            keys=r.keys,
-            layout_digest=42,
-            nonces=r.nonces,
+            sealing=r.sealing,
             make_inner=lambda buf: ThreadEngine(buf, [r.fd], n_threads=2),
             n_bounce=2,
             n_threads=1,
@@ -205,29 +205,16 @@ def test_the_slot_format_is_sealing_engines(tmp_path, engine) -> None:
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_nonces_stay_unique_across_refills(tmp_path, engine) -> None:
-    """Blocks of 3 nonces: 40 writes take many reservations (the io_uring
-    engine's range and spare, refilled by its thread); no nonce repeats."""
-    r = Rig(tmp_path, engine, nonce_block=3)
+def test_nonces_are_random_and_never_repeat(tmp_path, engine) -> None:
+    """Every seal draws its own 96 random bits (no counter, no file)."""
+    r = Rig(tmp_path, engine)
     try:
         seen: set[bytes] = set()
         for rnd in range(8):
             got = r.run(
                 [Op(rnd * 10 + i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 1) for i in range(5)]
             )
-            retry = [op_id for op_id, c in got.items() if c.result == -errno.EAGAIN]
-            for _ in range(500):  # nonces ran out before the refill thread woke
-                if not retry:
-                    break
-                time.sleep(0.01)
-                got2 = r.run(
-                    [
-                        Op(op_id, OP_WRITE, 0, (op_id % 10) * SLOT, (op_id % 10) * ROW, ROW, 1)
-                        for op_id in retry
-                    ]
-                )
-                retry = [op_id for op_id, c in got2.items() if c.result == -errno.EAGAIN]
-            assert not retry
+            assert all(c.result == ROW for c in got.values())
             for i in range(5):
                 parsed = parse_trailer(os.pread(r.fd, TRAILER_BYTES, i * SLOT + ROW))
                 assert parsed is not None
@@ -239,28 +226,25 @@ def test_nonces_stay_unique_across_refills(tmp_path, engine) -> None:
 
 
 @pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable")
-def test_native_nonce_ranges_are_refused_while_the_spare_is_unused(tmp_path) -> None:
+def test_a_key_table_without_a_sealing_epoch_fails_writes_with_eagain(tmp_path) -> None:
+    import nvmetier._crypto as native
     import nvmetier._uring as _uring
 
     fd = os.open(str(tmp_path / "d"), os.O_CREAT | os.O_RDWR, 0o600)
     buf = mmap.mmap(-1, ROW)
-    eng = _uring.Engine(buf, [fd], sealing=(bytes(32), bytes(8), 1, 2, ROW, SLOT))
+    keys = native.Keys(bytes(16), 2)
+    keys.set([(1, bytes(32), bytes(8))], -1, 0, 1 << 28, 1)
+    eng = _uring.Engine(buf, [fd], sealing=(keys.capsule(), ROW, SLOT))
     try:
-        assert eng.nonces_left() == (0, True)
         got = []
         eng.submit([(1, 1, 0, 0, 0, ROW, 0, False)])
         while not got:
             got += eng.wait(5.0)
-        assert got[0][1] == -errno.EAGAIN  # no nonce: the write fails, nothing written
-        assert eng.add_nonces(10, 5) and eng.add_nonces(100, 5)
-        assert not eng.add_nonces(200, 5)
-        assert eng.nonces_left() == (10, False)
+        assert got[0][1] == -errno.EAGAIN  # no epoch may seal: nothing written
         with pytest.raises(ValueError):
-            eng.add_nonces(0, 0)
+            _uring.Engine(buf, [fd], sealing=(keys.capsule(), ROW, ROW + 63))
         with pytest.raises(ValueError):
-            _uring.Engine(buf, [fd], sealing=(bytes(31), bytes(8), 1, 2, ROW, SLOT))
-        with pytest.raises(ValueError):
-            _uring.Engine(buf, [fd], sealing=(bytes(32), bytes(8), 1, 2, ROW, ROW + 63))
+            _uring.Engine(buf, [fd], sealing=(object(), ROW, SLOT))
     finally:
         eng.close()
         buf.close()
@@ -310,17 +294,15 @@ class Slots:
         self.primary = mmap.mmap(-1, row * n)
         self.data = os.urandom(row * n)
         self.primary[:] = self.data
-        self.nonces = crypto.NonceSource.open(str(tmp_path))
-        self.sealing = Sealing(
-            crypto.KeySet(bytes(range(32))), 7, self.nonces, row_bytes=row, slot_bytes=slot
-        )
+        self.sealing = make_sealing(tmp_path, row, slot, digest=7)
 
     def ops(self, kind: int, rows: range, base: int = 0, seed: int = 5) -> list[Op]:
         """One op per row i of ``rows``: row i <-> slot i, op_id base + i."""
         return [Op(base + i, kind, 0, i * self.slot, i * self.row, self.row, seed) for i in rows]
 
     def close(self) -> None:
-        self.nonces.close()
+        self.sealing.close()
+        self.sealing.keyring.close()
         os.close(self.fd)
         self.primary.close()
 
@@ -438,9 +420,11 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
     # units): after each kind of failure (no nonce, end of file, a slot cut
     # short, a bad tag, a bad trailer) the next op still stages, and a failed
     # read never leaves ciphertext in the row as a success.
+    import nvmetier._crypto as native
     import nvmetier._uring as _uring
 
     f = Slots(tmp_path, row=1 << 20, slot=(1 << 20) + 4096, n=4)
+    keys = native.Keys(bytes(16), 2)
     row, slot, n, fd, primary, data = f.row, f.slot, f.n, f.fd, f.primary, f.data
     eng = _uring.Engine(
         primary,
@@ -448,7 +432,7 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
         queue_depth=4,
         workers=1,
         staging_bytes=4096,
-        sealing=(bytes(range(32)), bytes(8), 1, 2, row, slot),
+        sealing=(keys.capsule(), row, slot),
     )
 
     def run(op_id, kind, file_off, seed=5):
@@ -465,8 +449,8 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
 
     try:
         assert eng.info()["workers"][0]["staging_bytes"] == 2 << 20
-        assert run(1, OP_WRITE, 0) == -errno.EAGAIN  # no nonce yet
-        assert eng.add_nonces(0, 1000)
+        assert run(1, OP_WRITE, 0) == -errno.EAGAIN  # no sealing epoch yet
+        keys.set([(1, bytes(range(32)), bytes(8))], 1, time.time_ns() + 10**12, 1 << 28, 1)
         assert staged_by(2, OP_WRITE, 0) == (row, row)
         good = os.pread(fd, slot, 0)
         assert run(3, OP_READ, 10 * slot) == -errno.EIO  # past the end
@@ -489,3 +473,14 @@ def test_every_failed_sealed_op_gives_its_arena_span_back(tmp_path) -> None:
     finally:
         eng.close()
         f.close()
+
+
+def test_a_slot_image_moved_to_another_slot_never_opens(rig) -> None:
+    # The slot's place is in the authenticated data: the same bytes, the
+    # same key's seed, another slot (or store) is EBADMSG, counted.
+    rig.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 5)])
+    os.pwrite(rig.fd, os.pread(rig.fd, SLOT, 0), 3 * SLOT)
+    got = rig.run([Op(2, OP_READ, 0, 3 * SLOT, ROW, ROW, 5), Op(3, OP_READ, 0, 0, 0, ROW, 5)])
+    assert got[2].result == -errno.EBADMSG and got[3].result == ROW
+    if hasattr(rig.engine, "auth_failures"):
+        assert rig.engine.auth_failures == 1

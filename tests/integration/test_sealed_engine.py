@@ -11,9 +11,10 @@ import os
 
 import pytest
 
+from tests.integration.helpers import make_sealing
+
 pytest.importorskip("nvmetier._crypto")
 
-from nvmetier import crypto
 from nvmetier.engine.base import OP_READ, OP_WRITE, Op
 from nvmetier.engine.sealed import SealingEngine, checksum_of_tag
 from nvmetier.engine.threads import ThreadEngine
@@ -32,7 +33,7 @@ def rig(tmp_path):
     os.ftruncate(fd, SLOT * 64)
     primary = mmap.mmap(-1, ROW * ROWS)
     primary.write(os.urandom(ROW * ROWS))
-    nonces = crypto.NonceSource.open(str(tmp_path))
+    sealing = make_sealing(tmp_path, ROW, SLOT, key=os.urandom(32))
     faulty: list[FaultyEngine] = []
 
     def inner(buf: memoryview) -> FaultyEngine:
@@ -43,16 +44,14 @@ def rig(tmp_path):
         memoryview(primary),
         row_bytes=ROW,
         slot_bytes=SLOT,
-        keys=crypto.KeySet(os.urandom(32)),
-        layout_digest=42,
-        nonces=nonces,
+        sealing=sealing,
         make_inner=inner,
         n_bounce=4,
         n_threads=2,
     )
     yield eng, primary, faulty[0]
     eng.close()
-    nonces.close()
+    sealing.close()
     os.close(fd)
     primary.close()
 

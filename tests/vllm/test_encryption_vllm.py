@@ -55,15 +55,19 @@ def test_a_plaintext_tier_and_an_encrypted_one_keep_separate_stores(tmp_path, ma
     assert len(os.listdir(tmp_path / "kv")) == 2
 
 
-def test_a_rotated_key_is_a_cold_cache(tmp_path, make_engine) -> None:
-    first = make_engine([sealed_tier(tmp_path, new_key(tmp_path, "a"))])
+def test_a_key_rotated_with_rekey_keeps_the_cache_hot(tmp_path, make_engine) -> None:
+    from nvmetier import rekey
+    from nvmetier.errors import ConfigError
+
+    a, b = new_key(tmp_path, "a"), new_key(tmp_path, "b")
+    first = make_engine([sealed_tier(tmp_path, a)])
     keys = [key_of(i) for i in range(16)]
     first.store_all(keys)
     first.shutdown()
-    second = make_engine([sealed_tier(tmp_path, new_key(tmp_path, "b"))])
-    second.reset_primary()
-    assert set(second.promote(keys).values()) == {LookupResult.MISS}
-    second.store_all(keys)
+    with pytest.raises(ConfigError, match="nvmetier rekey"):
+        make_engine([sealed_tier(tmp_path, b)])  # another key file opens nothing
+    assert all(r.rekeyed for r in rekey.rekey(str(tmp_path / "kv"), a, b))
+    second = make_engine([sealed_tier(tmp_path, b)])
     second.reset_primary()
     assert set(second.promote(keys).values()) == {LookupResult.HIT}
     assert second.verify(keys) == len(keys)

@@ -1,0 +1,214 @@
+/*
+ * nvt_seal: sealed slots, the nonce allocator and the key tables (nvt_seal.h).
+ */
+#define _GNU_SOURCE
+#include "nvt_seal.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <time.h>
+
+#include "nvt_crypto.h"
+
+_Static_assert(NVT_TRL_USED <= NVT_TRAILER_BYTES, "trailer fields overflow the trailer");
+_Static_assert(NVT_KEY_BYTES == NVT_GCM_KEY_BYTES && NVT_NONCE_BYTES == NVT_GCM_NONCE_BYTES, "AES-256-GCM sizes");
+_Static_assert(sizeof(nvt_epoch_key) == 48, "nvt_epoch_key layout");
+
+static void put_le(uint8_t *p, uint64_t v, int n) {
+    for (int i = 0; i < n; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_le(const uint8_t *p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+int nvt_random(uint8_t *out, size_t n) {
+    while (n) {
+        ssize_t got = getrandom(out, n, 0);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        out += got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+static size_t page_round(size_t n) {
+    return (n + 4095) & ~(size_t)4095;
+}
+
+void *nvt_secret_alloc(size_t n) {
+    void *p = mmap(NULL, page_round(n), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    (void)madvise(p, page_round(n), MADV_DONTDUMP); /* best effort: the kernel may lack it */
+    return p;
+}
+
+void nvt_secret_free(void *p, size_t n) {
+    if (!p)
+        return;
+    explicit_bzero(p, n);
+    munmap(p, page_round(n));
+}
+
+nvt_keys *nvt_keys_new(const uint8_t store_id[NVT_STORE_ID_BYTES], uint64_t layout_digest) {
+    size_t bytes = sizeof(nvt_keys) + NVT_MAX_EPOCHS * sizeof(nvt_epoch_key);
+    nvt_keys *k = nvt_secret_alloc(bytes);
+    if (!k)
+        return NULL;
+#ifdef MADV_WIPEONFORK
+    (void)madvise(k, page_round(bytes), MADV_WIPEONFORK); /* a forked child holds no keys */
+#endif
+    memset(k, 0, sizeof(*k)); /* fresh anonymous pages are zero already */
+    pthread_rwlock_init(&k->lock, NULL);
+    k->refs = 1;
+    k->layout_digest = layout_digest;
+    memcpy(k->store_id, store_id, NVT_STORE_ID_BYTES);
+    k->map_bytes = bytes;
+    return k;
+}
+
+void nvt_keys_ref(nvt_keys *k) {
+    __atomic_add_fetch(&k->refs, 1, __ATOMIC_RELAXED);
+}
+
+void nvt_keys_unref(nvt_keys *k) {
+    if (!k || !k->map_bytes) /* a forked child's wiped table: leave it */
+        return;
+    if (__atomic_sub_fetch(&k->refs, 1, __ATOMIC_ACQ_REL) != 0)
+        return;
+    size_t bytes = (size_t)k->map_bytes;
+    pthread_rwlock_destroy(&k->lock);
+    nvt_secret_free(k, bytes);
+}
+
+static int by_epoch(const void *a, const void *b) {
+    uint32_t x = ((const nvt_epoch_key *)a)->epoch, y = ((const nvt_epoch_key *)b)->epoch;
+    return x < y ? -1 : x > y;
+}
+
+int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
+                 uint64_t seal_limit, uint32_t max_epoch) {
+    if (n > NVT_MAX_EPOCHS || !k->map_bytes)
+        return -EINVAL;
+    pthread_rwlock_wrlock(&k->lock);
+    uint32_t old_epoch = k->seal_at ? k->ents[k->seal_at - 1].epoch : 0;
+    int had = k->seal_at != 0;
+    memcpy(k->ents, ents, (size_t)n * sizeof(*ents));
+    if (n < k->n)
+        explicit_bzero(k->ents + n, (size_t)(k->n - n) * sizeof(*ents));
+    qsort(k->ents, n, sizeof(*ents), by_epoch);
+    k->n = n;
+    k->seal_at = 0;
+    for (uint32_t i = 0; seal_epoch >= 0 && i < n; i++)
+        if (k->ents[i].epoch == (uint32_t)seal_epoch)
+            k->seal_at = (int32_t)i + 1;
+    if (!k->seal_at || !had || old_epoch != (uint32_t)seal_epoch)
+        __atomic_store_n(&k->seals, 0, __ATOMIC_RELAXED);
+    k->seal_until_ns = seal_until_ns;
+    k->seal_limit = seal_limit;
+    k->max_epoch = max_epoch;
+    pthread_rwlock_unlock(&k->lock);
+    return 0;
+}
+
+uint64_t nvt_keys_seals(nvt_keys *k) {
+    return __atomic_load_n(&k->seals, __ATOMIC_RELAXED);
+}
+
+/* The authenticated data: what the tag binds besides the bytes. */
+static void make_aad(const nvt_keys *k, uint64_t seed, uint32_t epoch, uint32_t file_idx, uint64_t file_off,
+                     uint8_t aad[NVT_AAD_BYTES]) {
+    put_le(aad, seed, 8);
+    put_le(aad + 8, k->layout_digest, 8);
+    memcpy(aad + 16, k->store_id, NVT_STORE_ID_BYTES);
+    put_le(aad + 32, epoch, 4);
+    put_le(aad + 36, file_idx, 4);
+    put_le(aad + 40, file_off, 8);
+}
+
+static uint64_t wall_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_off, const uint8_t *row, uint8_t *out,
+                  uint64_t row_bytes, uint64_t slot_bytes, uint64_t *checksum) {
+    uint8_t key[NVT_KEY_BYTES], fp[NVT_FP_BYTES], nonce[NVT_NONCE_BYTES], aad[NVT_AAD_BYTES], tag[NVT_GCM_TAG_BYTES];
+    uint32_t epoch;
+    if (slot_bytes < row_bytes + NVT_TRAILER_BYTES)
+        return -EINVAL;
+    pthread_rwlock_rdlock(&k->lock);
+    if (!k->seal_at || wall_ns() > k->seal_until_ns ||
+        __atomic_fetch_add(&k->seals, 1, __ATOMIC_RELAXED) >= k->seal_limit) {
+        pthread_rwlock_unlock(&k->lock);
+        return -EAGAIN; /* no sealing epoch, or it is used up: the rotation is late */
+    }
+    const nvt_epoch_key *e = &k->ents[k->seal_at - 1];
+    epoch = e->epoch;
+    memcpy(key, e->key, sizeof(key));
+    memcpy(fp, e->fingerprint, sizeof(fp));
+    make_aad(k, seed, epoch, file_idx, file_off, aad);
+    pthread_rwlock_unlock(&k->lock);
+    int rc = nvt_random(nonce, sizeof(nonce));
+    if (rc == 0 && nvt_gcm_seal(key, nonce, aad, sizeof(aad), row, out, (size_t)row_bytes, tag) != 0)
+        rc = -EIO;
+    explicit_bzero(key, sizeof(key));
+    if (rc)
+        return rc;
+    uint8_t *t = out + row_bytes;
+    memset(t, 0, (size_t)(slot_bytes - row_bytes));
+    memcpy(t + NVT_TRL_MAGIC, "NVTS", 4);
+    put_le(t + NVT_TRL_VERSION, NVT_TRAILER_VERSION, 4);
+    memcpy(t + NVT_TRL_NONCE, nonce, sizeof(nonce));
+    memcpy(t + NVT_TRL_TAG, tag, sizeof(tag));
+    put_le(t + NVT_TRL_EPOCH, epoch, 4);
+    memcpy(t + NVT_TRL_FINGERPRINT, fp, sizeof(fp));
+    *checksum = get_le(tag, 8);
+    return 0;
+}
+
+int nvt_keys_open(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_off, const uint8_t *trailer,
+                  const uint8_t *src, uint8_t *dst, uint64_t len, uint64_t *checksum) {
+    uint8_t key[NVT_KEY_BYTES], aad[NVT_AAD_BYTES];
+    *checksum = 0;
+    if (memcmp(trailer + NVT_TRL_MAGIC, "NVTS", 4) != 0 || get_le(trailer + NVT_TRL_VERSION, 4) != NVT_TRAILER_VERSION)
+        return -EBADMSG;
+    uint32_t epoch = (uint32_t)get_le(trailer + NVT_TRL_EPOCH, 4);
+    pthread_rwlock_rdlock(&k->lock);
+    uint32_t lo = 0, hi = k->n;
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (k->ents[mid].epoch < epoch)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == k->n || k->ents[lo].epoch != epoch) {
+        int newer = epoch > k->max_epoch;
+        pthread_rwlock_unlock(&k->lock);
+        return newer ? -ENOKEY : -EBADMSG; /* not loaded yet, or destroyed (erased) */
+    }
+    memcpy(key, k->ents[lo].key, sizeof(key));
+    make_aad(k, seed, epoch, file_idx, file_off, aad);
+    pthread_rwlock_unlock(&k->lock);
+    int rc = nvt_gcm_open(key, trailer + NVT_TRL_NONCE, aad, sizeof(aad), src, dst, (size_t)len, trailer + NVT_TRL_TAG);
+    explicit_bzero(key, sizeof(key));
+    if (rc == 0) {
+        *checksum = get_le(trailer + NVT_TRL_TAG, 8);
+        return 0;
+    }
+    return rc == 1 ? -EBADMSG : -EIO;
+}
