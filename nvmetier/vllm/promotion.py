@@ -426,7 +426,7 @@ class PromotionGuard:
             if anchor is None:
                 continue
             rnd = _Round(ctx, self._step, protect_only=True)
-            if self._plan(rnd, anchor, promote=False) and rnd.pinned:
+            if self._plan(rnd, anchor, promote=False) and (rnd.pinned or rnd.landing):
                 self._rounds[req_id] = rnd
 
     def _plan(self, rnd: _Round, first_key: Any, *, promote: bool = True) -> bool:

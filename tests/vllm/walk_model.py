@@ -117,6 +117,9 @@ class MemoryTier(SecondaryTierManager):
         )
         self._wired = False
         self.reads: list[tuple[int, bytes]] = []  # (step, key) of every chunk read
+        # HITs of this step: the orchestrator reserves their CPU slots at once
+        # and submits the loads at the step's end.
+        self._answered_hit: set[bytes] = set()
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         if not self._wired:
@@ -129,6 +132,7 @@ class MemoryTier(SecondaryTierManager):
         if key not in self.disk:
             return MISS
         self.guard.note_hit(key, req_context)
+        self._answered_hit.add(key)
         return HIT
 
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -140,8 +144,9 @@ class MemoryTier(SecondaryTierManager):
         self._jobs.append((self._step + 1 + self.read_delay, job_metadata, True))
 
     def loading(self) -> set[bytes]:
-        """Keys of the promotions in flight."""
-        return {k for _due, job, is_load in self._jobs if is_load for k in job.keys}
+        """Keys of the promotions in flight (or reserved this step)."""
+        keys = {k for _due, job, is_load in self._jobs if is_load for k in job.keys}
+        return keys | self._answered_hit
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         done = [(j, is_load) for due, j, is_load in self._jobs if due <= self._step]
@@ -165,6 +170,7 @@ class MemoryTier(SecondaryTierManager):
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.guard.end_step(context.new_req_ids, context.preempted_req_ids)
+        self._answered_hit.clear()
         self._step += 1
 
     def on_request_finished(self, req_context: ReqContext) -> None:
