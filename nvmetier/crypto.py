@@ -416,6 +416,17 @@ class Keyring:
                 "can be read; remove the store directory to start over"
             ) from exc
         try:
+            size = os.fstat(fd).st_size
+            if size != KEYRING_BYTES:
+                # Created whole (never grown): a short file lost entries, so
+                # their chunks could not be read and their epoch numbers
+                # would come back under other keys; never used as it is.
+                raise KeyringError(
+                    f"{path!r} is {size} bytes, not the {KEYRING_BYTES} of a keys file "
+                    "(truncated or damaged): the keys of some or all of the store's chunks "
+                    "are gone; restore the file from a copy taken with the store, or remove "
+                    "the store directory to start over"
+                )
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
                 seq, header = _read_header(fd, path)
