@@ -248,9 +248,21 @@ static PyTypeObject KeyMacType = {
 /* ---- Keys: a store's data keys per epoch (nvt_seal.h), for both engines */
 typedef struct {
     PyObject_HEAD nvt_keys *keys;
+    Py_buffer gen_view; /* the table mapping holding keys_gen, while watched */
+    int watching;
 } KeysObject;
 
+static void keys_unwatch(KeysObject *self) {
+    if (self->watching) {
+        nvt_keys_watch(self->keys, NULL);
+        PyBuffer_Release(&self->gen_view);
+        self->watching = 0;
+    }
+}
+
 static void keys_dealloc(KeysObject *self) {
+    if (self->keys)
+        keys_unwatch(self);
     nvt_keys_unref(self->keys);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -280,8 +292,8 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
     PyObject *list;
     long long seal_epoch;
     unsigned long long until, limit;
-    unsigned int max_epoch;
-    if (!PyArg_ParseTuple(args, "OLKKI", &list, &seal_epoch, &until, &limit, &max_epoch))
+    unsigned int max_epoch, gen_seen = 0;
+    if (!PyArg_ParseTuple(args, "OLKKI|I", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen))
         return NULL;
     PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
     if (!seq)
@@ -319,7 +331,7 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
         PyBuffer_Release(&fb);
     }
     Py_DECREF(seq);
-    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch) != 0) {
+    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen) != 0) {
         PyErr_SetString(PyExc_ValueError, "the key table refused the entries (a forked child's table?)");
         rc = -1;
     }
@@ -402,6 +414,34 @@ static PyObject *keys_open(KeysObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+static PyObject *keys_watch(KeysObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t offset = 0;
+    if (!PyArg_ParseTuple(args, "O|n", &obj, &offset))
+        return NULL;
+    keys_unwatch(self);
+    if (obj == Py_None)
+        Py_RETURN_NONE;
+    if (PyObject_GetBuffer(obj, &self->gen_view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (offset < 0 || offset % 4 || offset + 4 > self->gen_view.len) {
+        PyBuffer_Release(&self->gen_view);
+        PyErr_SetString(PyExc_ValueError, "keys_gen offset outside the buffer or unaligned");
+        return NULL;
+    }
+    self->watching = 1;
+    nvt_keys_watch(self->keys, (const uint32_t *)((const char *)self->gen_view.buf + offset));
+    Py_RETURN_NONE;
+}
+
+static PyObject *keys_hold(KeysObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS nvt_keys_hold(self->keys, on);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 static void keys_capsule_free(PyObject *cap) {
     nvt_keys_unref(PyCapsule_GetPointer(cap, "nvmetier._crypto.keys"));
 }
@@ -416,15 +456,23 @@ static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
 
 static PyMethodDef keys_methods[] = {
     {"set", (PyCFunction)keys_set, METH_VARARGS,
-     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch): replace the table; entries are\n"
-     "(epoch, key, fingerprint); seal_epoch -1: no sealing."},
+     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0): replace the table;\n"
+     "entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched keys_gen\n"
+     "read before the keys file was."},
+    {"hold", (PyCFunction)keys_hold, METH_O,
+     "hold(on): a table replacement that may leave no sealing epoch for a moment begins (True) or ends\n"
+     "(False); a seal finding none meanwhile waits for the end (at most 2 s) instead of failing."},
+    {"watch", (PyCFunction)keys_watch, METH_VARARGS,
+     "watch(buffer, offset) / watch(None): the store's shared keys_gen (a u32 at offset of buffer, held\n"
+     "until unwatched): an epoch newer than the table opens as ENOKEY only while it moved since set()."},
     {"seals", (PyCFunction)keys_seals, METH_NOARGS, "seals() -> seals made under the sealing epoch."},
     {"seal", (PyCFunction)keys_seal, METH_VARARGS,
      "seal(seed, file_idx, file_offset, row, slot) -> checksum: seal row into slot (ciphertext, trailer,\n"
      "zeros); OSError(EAGAIN) when no epoch may seal. The GIL is released."},
     {"open", (PyCFunction)keys_open, METH_VARARGS,
      "open(seed, file_idx, file_offset, trailer, src, dst) -> checksum: open src into dst (may be src);\n"
-     "OSError(EBADMSG) when it does not verify, OSError(ENOKEY) for an epoch not loaded yet."},
+     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(ENOKEY) for an epoch\n"
+     "announced since the table was read (reload, then retry)."},
     {"capsule", (PyCFunction)keys_capsule, METH_NOARGS, "capsule() -> the table for nvmetier._uring."},
     {NULL, NULL, 0, NULL},
 };
