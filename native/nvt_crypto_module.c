@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "nvt_crypto.h"
 #include "nvt_seal.h"
@@ -488,6 +489,129 @@ static PyTypeObject KeysType = {
     .tp_new = keys_new,
 };
 
+/* ---- WrapKey: one AES-256-GCM key for small secrets (a store's epoch
+ * keys), derived (HKDF-SHA256) straight into memory excluded from core
+ * dumps and wiped in a forked child: never a Python object. */
+typedef struct {
+    PyObject_HEAD uint8_t *key; /* NVT_GCM_KEY_BYTES in nvt_secret_alloc memory, WIPEONFORK */
+} WrapKeyObject;
+
+static void wrapkey_dealloc(WrapKeyObject *self) {
+    nvt_secret_free(self->key, NVT_GCM_KEY_BYTES);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *wrapkey_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ikm", "info", NULL};
+    Py_buffer ikm, info;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*", kwlist, &ikm, &info))
+        return NULL;
+    WrapKeyObject *self = (WrapKeyObject *)type->tp_alloc(type, 0);
+    if (self) {
+        self->key = nvt_secret_alloc(NVT_GCM_KEY_BYTES);
+        if (!self->key) {
+            Py_CLEAR(self);
+            PyErr_NoMemory();
+        } else {
+#ifdef MADV_WIPEONFORK
+            (void)madvise(self->key, 4096, MADV_WIPEONFORK); /* a forked child holds no key */
+#endif
+            if (nvt_hkdf_sha256(ikm.buf, (size_t)ikm.len, info.buf, (size_t)info.len, self->key,
+                                NVT_GCM_KEY_BYTES) != 0) {
+                Py_CLEAR(self);
+                PyErr_SetString(PyExc_OSError, "libcrypto failed to derive a key (HKDF-SHA256)");
+            }
+        }
+    }
+    PyBuffer_Release(&info);
+    PyBuffer_Release(&ikm);
+    return (PyObject *)self;
+}
+
+static PyObject *wrapkey_seal(WrapKeyObject *self, PyObject *args) {
+    Py_buffer n, p, a;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &n, &p, &a))
+        return NULL;
+    PyObject *out = NULL;
+    if (n.len != NVT_GCM_NONCE_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "nonce must be 12 bytes");
+    } else if ((out = PyBytes_FromStringAndSize(NULL, p.len + NVT_GCM_TAG_BYTES))) {
+        uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
+        if (nvt_gcm_seal(self->key, n.buf, a.buf, (size_t)a.len, p.buf, o, (size_t)p.len, o + p.len) != 0) {
+            Py_CLEAR(out);
+            PyErr_SetString(PyExc_OSError, "libcrypto failed to wrap a key (AES-256-GCM)");
+        }
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&n);
+    return out;
+}
+
+static PyObject *wrapkey_open(WrapKeyObject *self, PyObject *args) {
+    Py_buffer n, c, a, d;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &n, &c, &a, &d))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t len = c.len - NVT_GCM_TAG_BYTES;
+    if (n.len != NVT_GCM_NONCE_BYTES || len < 0 || d.len != len) {
+        PyErr_SetString(PyExc_ValueError, "nonce must be 12 bytes and dst the wrapped length less the tag");
+    } else {
+        int rc = nvt_gcm_open(self->key, n.buf, a.buf, (size_t)a.len, c.buf, d.buf, (size_t)len,
+                              (const uint8_t *)c.buf + len);
+        if (rc < 0)
+            PyErr_SetString(PyExc_OSError, "libcrypto failed to unwrap a key (AES-256-GCM)");
+        else {
+            if (rc)
+                OPENSSL_cleanse(d.buf, (size_t)len);
+            out = PyBool_FromLong(rc == 0);
+        }
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&n);
+    return out;
+}
+
+static PyMethodDef wrapkey_methods[] = {
+    {"seal", (PyCFunction)wrapkey_seal, METH_VARARGS,
+     "seal(nonce, plaintext, aad) -> ciphertext + tag (AES-256-GCM)."},
+    {"open", (PyCFunction)wrapkey_open, METH_VARARGS,
+     "open(nonce, ciphertext + tag, aad, dst) -> bool: the plaintext into the writable dst (the\n"
+     "caller's memory, e.g. a bytearray it wipes); False (dst zeroed) when the tag does not verify."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WrapKeyType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._crypto.WrapKey",
+    .tp_basicsize = sizeof(WrapKeyObject),
+    .tp_dealloc = (destructor)wrapkey_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "WrapKey(ikm, info): HKDF-SHA256(ikm, info) as an AES-256-GCM key held only in native\n"
+              "memory (MADV_DONTDUMP, MADV_WIPEONFORK, zeroed when freed).",
+    .tp_methods = wrapkey_methods,
+    .tp_new = wrapkey_new,
+};
+
+PyDoc_STRVAR(hkdf_into_doc, "hkdf_into(ikm, info, out): HKDF-SHA256 (no salt) of ikm with info into the writable\n"
+                            "buffer out (its length: the output's), through libcrypto.");
+
+static PyObject *py_hkdf_into(PyObject *m, PyObject *args) {
+    Py_buffer ikm, info, out;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &ikm, &info, &out))
+        return NULL;
+    int rc = nvt_hkdf_sha256(ikm.buf, (size_t)ikm.len, info.buf, (size_t)info.len, out.buf, (size_t)out.len);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&info);
+    PyBuffer_Release(&ikm);
+    if (rc) {
+        PyErr_SetString(PyExc_OSError, "libcrypto failed to derive a key (HKDF-SHA256)");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(parse_trailer_doc, "parse_trailer(buf) -> (nonce, tag, epoch, fingerprint) or None");
 
 static PyObject *py_parse_trailer(PyObject *m, PyObject *arg) {
@@ -529,6 +653,7 @@ static PyMethodDef methods[] = {
     {"seal", py_seal, METH_VARARGS, seal_doc},
     {"parse_trailer", py_parse_trailer, METH_O, parse_trailer_doc},
     {"random", py_random, METH_O, random_doc},
+    {"hkdf_into", py_hkdf_into, METH_VARARGS, hkdf_into_doc},
     {"open", py_open, METH_VARARGS, open_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -545,6 +670,7 @@ PyMODINIT_FUNC PyInit__crypto(void) {
     if (m && (PyType_Ready(&KeyMacType) < 0 || PyModule_AddObjectRef(m, "KeyMac", (PyObject *)&KeyMacType) < 0))
         Py_CLEAR(m);
     if (m && (PyType_Ready(&KeysType) < 0 || PyModule_AddObjectRef(m, "Keys", (PyObject *)&KeysType) < 0 ||
+              PyType_Ready(&WrapKeyType) < 0 || PyModule_AddObjectRef(m, "WrapKey", (PyObject *)&WrapKeyType) < 0 ||
               PyModule_AddIntConstant(m, "TRAILER_BYTES", NVT_TRAILER_BYTES) < 0 ||
               PyModule_AddIntConstant(m, "TRAILER_VERSION", NVT_TRAILER_VERSION) < 0 ||
               PyModule_AddIntConstant(m, "MAX_EPOCHS", NVT_MAX_EPOCHS) < 0 ||

@@ -16,7 +16,6 @@
 _Static_assert(NVT_TRL_USED <= NVT_TRAILER_BYTES, "trailer fields overflow the trailer");
 _Static_assert(NVT_KEY_BYTES == NVT_GCM_KEY_BYTES && NVT_NONCE_BYTES == NVT_GCM_NONCE_BYTES, "AES-256-GCM sizes");
 _Static_assert(sizeof(nvt_epoch_key) == 48, "nvt_epoch_key layout");
-_Static_assert(sizeof(nvt_keys) % 16 == 0, "nvt_keys: its entries stay aligned");
 
 static void put_le(uint8_t *p, uint64_t v, int n) {
     for (int i = 0; i < n; i++)

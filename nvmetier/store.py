@@ -315,6 +315,9 @@ class BlockStore:
                 self.engine: IoEngine = inner(self._buf)
             else:
                 self._keys = self._open_keys(self._operator, store_name)
+                # The store key is unwrapped: a running store keeps no KEK
+                # (a core dump must not hold what unwraps its keys).
+                self._operator.forget_kek()
                 assert self._keyring is not None
                 # A fresh epoch (random key) for this open, durable before its
                 # first seal; both engines seal and open in their own threads

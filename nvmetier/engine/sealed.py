@@ -197,7 +197,7 @@ class Sealing:
         """Load every live epoch into the native table. False when this
         process's own epoch is gone (destroyed by a purge): rotate."""
         self._seen = self._generation()
-        live, top = self.keyring.load(self.keys)
+        live, top = self.keyring.load_wipeable(self.keys)
         cur = self._current
         mine = cur is not None and any(e.epoch == cur.epoch for e in live)
         self.native.set(
@@ -209,6 +209,8 @@ class Sealing:
             self._seen & 0xFFFFFFFF,  # read before the keys file (nvt_seal.h: nvt_keys_open)
         )
         for e in live:
+            if isinstance(e.key, bytearray):
+                crypto._wipe(e.key)  # now only in the native table
             e.key = None
         return mine
 
@@ -223,6 +225,8 @@ class Sealing:
         new, _room = self.keyring.new_epoch(self.keys, self.epoch_s)
         old = self._current
         self._current = new
+        if isinstance(new.key, bytearray):
+            crypto._wipe(new.key)  # the reload below loads it from its wrapping
         new.key = None
         self._bump()
         self._reload_locked()
