@@ -9,6 +9,7 @@
 
 #include <limits.h>
 #include <openssl/evp.h>
+#include <openssl/kdf.h>
 #include <openssl/crypto.h>
 #include <openssl/sha.h>
 #include <string.h>
@@ -120,4 +121,22 @@ void nvt_hmac(const nvt_hmac_key *k, const uint8_t *msg, size_t len, uint8_t out
     memcpy(&c, k->outer, sizeof(c));
     SHA256_Update(&c, inner, sizeof(inner));
     SHA256_Final(out, &c);
+}
+
+int nvt_hkdf_sha256(const uint8_t *ikm, size_t ikm_len, const uint8_t *info, size_t info_len, uint8_t *out,
+                    size_t out_len) {
+    if (ikm_len > INT_MAX || info_len > INT_MAX)
+        return -1;
+    EVP_PKEY_CTX *c = EVP_PKEY_CTX_new_id(EVP_PKEY_HKDF, NULL);
+    size_t got = out_len;
+    int ok = c && EVP_PKEY_derive_init(c) > 0 && EVP_PKEY_CTX_set_hkdf_md(c, EVP_sha256()) > 0 &&
+             EVP_PKEY_CTX_set1_hkdf_key(c, ikm, (int)ikm_len) > 0 &&
+             EVP_PKEY_CTX_add1_hkdf_info(c, info, (int)info_len) > 0 && EVP_PKEY_derive(c, out, &got) > 0 &&
+             got == out_len;
+    EVP_PKEY_CTX_free(c); /* libcrypto cleanses its copy of the key */
+    if (!ok) {
+        OPENSSL_cleanse(out, out_len);
+        return -1;
+    }
+    return 0;
 }

@@ -48,4 +48,10 @@ int nvt_hmac_init(nvt_hmac_key *k, const uint8_t *key, size_t key_len);
 /* HMAC-SHA256 of `msg` under `k` into `out`. Reentrant: `k` is only read. */
 void nvt_hmac(const nvt_hmac_key *k, const uint8_t *msg, size_t len, uint8_t out[NVT_HMAC_BYTES]);
 
+/* HKDF-SHA256 (RFC 5869, no salt: HashLen zeros) of `ikm` with `info` into
+ * `out` (`out_len` bytes), through libcrypto's EVP_PKEY HKDF. 0, or -1 when
+ * libcrypto failed (`out` then zeroed). */
+int nvt_hkdf_sha256(const uint8_t *ikm, size_t ikm_len, const uint8_t *info, size_t info_len, uint8_t *out,
+                    size_t out_len);
+
 #endif /* NVT_CRYPTO_H */

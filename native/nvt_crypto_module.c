@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "nvt_crypto.h"
 #include "nvt_seal.h"
@@ -248,9 +249,21 @@ static PyTypeObject KeyMacType = {
 /* ---- Keys: a store's data keys per epoch (nvt_seal.h), for both engines */
 typedef struct {
     PyObject_HEAD nvt_keys *keys;
+    Py_buffer gen_view; /* the table mapping holding keys_gen, while watched */
+    int watching;
 } KeysObject;
 
+static void keys_unwatch(KeysObject *self) {
+    if (self->watching) {
+        nvt_keys_watch(self->keys, NULL);
+        PyBuffer_Release(&self->gen_view);
+        self->watching = 0;
+    }
+}
+
 static void keys_dealloc(KeysObject *self) {
+    if (self->keys)
+        keys_unwatch(self);
     nvt_keys_unref(self->keys);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -280,8 +293,8 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
     PyObject *list;
     long long seal_epoch;
     unsigned long long until, limit;
-    unsigned int max_epoch;
-    if (!PyArg_ParseTuple(args, "OLKKI", &list, &seal_epoch, &until, &limit, &max_epoch))
+    unsigned int max_epoch, gen_seen = 0;
+    if (!PyArg_ParseTuple(args, "OLKKI|I", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen))
         return NULL;
     PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
     if (!seq)
@@ -319,7 +332,7 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
         PyBuffer_Release(&fb);
     }
     Py_DECREF(seq);
-    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch) != 0) {
+    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen) != 0) {
         PyErr_SetString(PyExc_ValueError, "the key table refused the entries (a forked child's table?)");
         rc = -1;
     }
@@ -402,6 +415,34 @@ static PyObject *keys_open(KeysObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+static PyObject *keys_watch(KeysObject *self, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t offset = 0;
+    if (!PyArg_ParseTuple(args, "O|n", &obj, &offset))
+        return NULL;
+    keys_unwatch(self);
+    if (obj == Py_None)
+        Py_RETURN_NONE;
+    if (PyObject_GetBuffer(obj, &self->gen_view, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (offset < 0 || offset % 4 || offset + 4 > self->gen_view.len) {
+        PyBuffer_Release(&self->gen_view);
+        PyErr_SetString(PyExc_ValueError, "keys_gen offset outside the buffer or unaligned");
+        return NULL;
+    }
+    self->watching = 1;
+    nvt_keys_watch(self->keys, (const uint32_t *)((const char *)self->gen_view.buf + offset));
+    Py_RETURN_NONE;
+}
+
+static PyObject *keys_hold(KeysObject *self, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS nvt_keys_hold(self->keys, on);
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 static void keys_capsule_free(PyObject *cap) {
     nvt_keys_unref(PyCapsule_GetPointer(cap, "nvmetier._crypto.keys"));
 }
@@ -416,15 +457,23 @@ static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
 
 static PyMethodDef keys_methods[] = {
     {"set", (PyCFunction)keys_set, METH_VARARGS,
-     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch): replace the table; entries are\n"
-     "(epoch, key, fingerprint); seal_epoch -1: no sealing."},
+     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0): replace the table;\n"
+     "entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched keys_gen\n"
+     "read before the keys file was."},
+    {"hold", (PyCFunction)keys_hold, METH_O,
+     "hold(on): a table replacement that may leave no sealing epoch for a moment begins (True) or ends\n"
+     "(False); a seal finding none meanwhile waits for the end (at most 2 s) instead of failing."},
+    {"watch", (PyCFunction)keys_watch, METH_VARARGS,
+     "watch(buffer, offset) / watch(None): the store's shared keys_gen (a u32 at offset of buffer, held\n"
+     "until unwatched): an epoch newer than the table opens as ENOKEY only while it moved since set()."},
     {"seals", (PyCFunction)keys_seals, METH_NOARGS, "seals() -> seals made under the sealing epoch."},
     {"seal", (PyCFunction)keys_seal, METH_VARARGS,
      "seal(seed, file_idx, file_offset, row, slot) -> checksum: seal row into slot (ciphertext, trailer,\n"
      "zeros); OSError(EAGAIN) when no epoch may seal. The GIL is released."},
     {"open", (PyCFunction)keys_open, METH_VARARGS,
      "open(seed, file_idx, file_offset, trailer, src, dst) -> checksum: open src into dst (may be src);\n"
-     "OSError(EBADMSG) when it does not verify, OSError(ENOKEY) for an epoch not loaded yet."},
+     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(ENOKEY) for an epoch\n"
+     "announced since the table was read (reload, then retry)."},
     {"capsule", (PyCFunction)keys_capsule, METH_NOARGS, "capsule() -> the table for nvmetier._uring."},
     {NULL, NULL, 0, NULL},
 };
@@ -439,6 +488,129 @@ static PyTypeObject KeysType = {
     .tp_methods = keys_methods,
     .tp_new = keys_new,
 };
+
+/* ---- WrapKey: one AES-256-GCM key for small secrets (a store's epoch
+ * keys), derived (HKDF-SHA256) straight into memory excluded from core
+ * dumps and wiped in a forked child: never a Python object. */
+typedef struct {
+    PyObject_HEAD uint8_t *key; /* NVT_GCM_KEY_BYTES in nvt_secret_alloc memory, WIPEONFORK */
+} WrapKeyObject;
+
+static void wrapkey_dealloc(WrapKeyObject *self) {
+    nvt_secret_free(self->key, NVT_GCM_KEY_BYTES);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *wrapkey_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"ikm", "info", NULL};
+    Py_buffer ikm, info;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "y*y*", kwlist, &ikm, &info))
+        return NULL;
+    WrapKeyObject *self = (WrapKeyObject *)type->tp_alloc(type, 0);
+    if (self) {
+        self->key = nvt_secret_alloc(NVT_GCM_KEY_BYTES);
+        if (!self->key) {
+            Py_CLEAR(self);
+            PyErr_NoMemory();
+        } else {
+#ifdef MADV_WIPEONFORK
+            (void)madvise(self->key, 4096, MADV_WIPEONFORK); /* a forked child holds no key */
+#endif
+            if (nvt_hkdf_sha256(ikm.buf, (size_t)ikm.len, info.buf, (size_t)info.len, self->key,
+                                NVT_GCM_KEY_BYTES) != 0) {
+                Py_CLEAR(self);
+                PyErr_SetString(PyExc_OSError, "libcrypto failed to derive a key (HKDF-SHA256)");
+            }
+        }
+    }
+    PyBuffer_Release(&info);
+    PyBuffer_Release(&ikm);
+    return (PyObject *)self;
+}
+
+static PyObject *wrapkey_seal(WrapKeyObject *self, PyObject *args) {
+    Py_buffer n, p, a;
+    if (!PyArg_ParseTuple(args, "y*y*y*", &n, &p, &a))
+        return NULL;
+    PyObject *out = NULL;
+    if (n.len != NVT_GCM_NONCE_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "nonce must be 12 bytes");
+    } else if ((out = PyBytes_FromStringAndSize(NULL, p.len + NVT_GCM_TAG_BYTES))) {
+        uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
+        if (nvt_gcm_seal(self->key, n.buf, a.buf, (size_t)a.len, p.buf, o, (size_t)p.len, o + p.len) != 0) {
+            Py_CLEAR(out);
+            PyErr_SetString(PyExc_OSError, "libcrypto failed to wrap a key (AES-256-GCM)");
+        }
+    }
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&p);
+    PyBuffer_Release(&n);
+    return out;
+}
+
+static PyObject *wrapkey_open(WrapKeyObject *self, PyObject *args) {
+    Py_buffer n, c, a, d;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &n, &c, &a, &d))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t len = c.len - NVT_GCM_TAG_BYTES;
+    if (n.len != NVT_GCM_NONCE_BYTES || len < 0 || d.len != len) {
+        PyErr_SetString(PyExc_ValueError, "nonce must be 12 bytes and dst the wrapped length less the tag");
+    } else {
+        int rc = nvt_gcm_open(self->key, n.buf, a.buf, (size_t)a.len, c.buf, d.buf, (size_t)len,
+                              (const uint8_t *)c.buf + len);
+        if (rc < 0)
+            PyErr_SetString(PyExc_OSError, "libcrypto failed to unwrap a key (AES-256-GCM)");
+        else {
+            if (rc)
+                OPENSSL_cleanse(d.buf, (size_t)len);
+            out = PyBool_FromLong(rc == 0);
+        }
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&a);
+    PyBuffer_Release(&c);
+    PyBuffer_Release(&n);
+    return out;
+}
+
+static PyMethodDef wrapkey_methods[] = {
+    {"seal", (PyCFunction)wrapkey_seal, METH_VARARGS,
+     "seal(nonce, plaintext, aad) -> ciphertext + tag (AES-256-GCM)."},
+    {"open", (PyCFunction)wrapkey_open, METH_VARARGS,
+     "open(nonce, ciphertext + tag, aad, dst) -> bool: the plaintext into the writable dst (the\n"
+     "caller's memory, e.g. a bytearray it wipes); False (dst zeroed) when the tag does not verify."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WrapKeyType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._crypto.WrapKey",
+    .tp_basicsize = sizeof(WrapKeyObject),
+    .tp_dealloc = (destructor)wrapkey_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "WrapKey(ikm, info): HKDF-SHA256(ikm, info) as an AES-256-GCM key held only in native\n"
+              "memory (MADV_DONTDUMP, MADV_WIPEONFORK, zeroed when freed).",
+    .tp_methods = wrapkey_methods,
+    .tp_new = wrapkey_new,
+};
+
+PyDoc_STRVAR(hkdf_into_doc, "hkdf_into(ikm, info, out): HKDF-SHA256 (no salt) of ikm with info into the writable\n"
+                            "buffer out (its length: the output's), through libcrypto.");
+
+static PyObject *py_hkdf_into(PyObject *m, PyObject *args) {
+    Py_buffer ikm, info, out;
+    if (!PyArg_ParseTuple(args, "y*y*w*", &ikm, &info, &out))
+        return NULL;
+    int rc = nvt_hkdf_sha256(ikm.buf, (size_t)ikm.len, info.buf, (size_t)info.len, out.buf, (size_t)out.len);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&info);
+    PyBuffer_Release(&ikm);
+    if (rc) {
+        PyErr_SetString(PyExc_OSError, "libcrypto failed to derive a key (HKDF-SHA256)");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
 
 PyDoc_STRVAR(parse_trailer_doc, "parse_trailer(buf) -> (nonce, tag, epoch, fingerprint) or None");
 
@@ -481,6 +653,7 @@ static PyMethodDef methods[] = {
     {"seal", py_seal, METH_VARARGS, seal_doc},
     {"parse_trailer", py_parse_trailer, METH_O, parse_trailer_doc},
     {"random", py_random, METH_O, random_doc},
+    {"hkdf_into", py_hkdf_into, METH_VARARGS, hkdf_into_doc},
     {"open", py_open, METH_VARARGS, open_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -497,6 +670,7 @@ PyMODINIT_FUNC PyInit__crypto(void) {
     if (m && (PyType_Ready(&KeyMacType) < 0 || PyModule_AddObjectRef(m, "KeyMac", (PyObject *)&KeyMacType) < 0))
         Py_CLEAR(m);
     if (m && (PyType_Ready(&KeysType) < 0 || PyModule_AddObjectRef(m, "Keys", (PyObject *)&KeysType) < 0 ||
+              PyType_Ready(&WrapKeyType) < 0 || PyModule_AddObjectRef(m, "WrapKey", (PyObject *)&WrapKeyType) < 0 ||
               PyModule_AddIntConstant(m, "TRAILER_BYTES", NVT_TRAILER_BYTES) < 0 ||
               PyModule_AddIntConstant(m, "TRAILER_VERSION", NVT_TRAILER_VERSION) < 0 ||
               PyModule_AddIntConstant(m, "MAX_EPOCHS", NVT_MAX_EPOCHS) < 0 ||

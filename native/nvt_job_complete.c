@@ -78,6 +78,15 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             PyObject **into = j->stored ? &j->stored : stored;
             if (events && nvt_append_key(into, o->key, o->key_len) < 0)
                 event_lost(t);
+        } else if (c->result == -EAGAIN) {
+            /* A sealed store with no epoch to seal under at this instant (a
+             * rotation under way, e.g. after `purge --all` destroyed this
+             * process's epoch): nothing was written. Skipped, never an error. */
+            if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
+                nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
+            set_unlock(&t->core, set);
+            t->core.c.stores_skipped_no_epoch++;
+            nvt_job_fail(j, o->pos, FAIL_DROPPED, 0);
         } else {
             if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen)
                 nvt_clear_slot_locked(&t->core, s, o->slot); /* the record is still zero */
@@ -95,8 +104,9 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             nvt_job_fail(j, o->pos, FAIL_RACED, 0);
         } else if (c->result == -ECANCELED || c->result == -ENOKEY) {
             /* Never read (the engine refused or cancelled the op), or sealed
-             * under an epoch this process has not loaded yet: nothing is
-             * known against the slot, which stays READY for every sharer. */
+             * under an epoch announced since this process's key table was
+             * read (nvt_keys_open; one that never existed is -EBADMSG):
+             * nothing is known against the slot, which stays READY. */
             set_unlock(&t->core, set);
             t->core.c.loads_cancelled++;
             nvt_job_fail(j, o->pos, FAIL_READ_IO, ECANCELED);

@@ -72,6 +72,8 @@ nvt_keys *nvt_keys_new(const uint8_t store_id[NVT_STORE_ID_BYTES], uint64_t layo
 #endif
     memset(k, 0, sizeof(*k)); /* fresh anonymous pages are zero already */
     pthread_rwlock_init(&k->lock, NULL);
+    pthread_mutex_init(&k->hold_mu, NULL);
+    pthread_cond_init(&k->hold_cv, NULL);
     k->refs = 1;
     k->layout_digest = layout_digest;
     memcpy(k->store_id, store_id, NVT_STORE_ID_BYTES);
@@ -90,6 +92,8 @@ void nvt_keys_unref(nvt_keys *k) {
         return;
     size_t bytes = (size_t)k->map_bytes;
     pthread_rwlock_destroy(&k->lock);
+    pthread_cond_destroy(&k->hold_cv);
+    pthread_mutex_destroy(&k->hold_mu);
     nvt_secret_free(k, bytes);
 }
 
@@ -99,7 +103,7 @@ static int by_epoch(const void *a, const void *b) {
 }
 
 int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
-                 uint64_t seal_limit, uint32_t max_epoch) {
+                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen) {
     if (n > NVT_MAX_EPOCHS || !k->map_bytes)
         return -EINVAL;
     pthread_rwlock_wrlock(&k->lock);
@@ -119,8 +123,47 @@ int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t sea
     k->seal_until_ns = seal_until_ns;
     k->seal_limit = seal_limit;
     k->max_epoch = max_epoch;
+    k->gen_seen = gen_seen;
     pthread_rwlock_unlock(&k->lock);
     return 0;
+}
+
+void nvt_keys_hold(nvt_keys *k, int on) {
+    if (!k->map_bytes)
+        return;
+    pthread_mutex_lock(&k->hold_mu);
+    k->hold = on != 0;
+    if (!on)
+        pthread_cond_broadcast(&k->hold_cv);
+    pthread_mutex_unlock(&k->hold_mu);
+}
+
+/* A seal found no sealing epoch: wait for a rotation under way to end.
+ * 1 when one ended (try again), 0 when none was under way or it is late. */
+static int wait_hold(nvt_keys *k) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += NVT_HOLD_WAIT_MS / 1000;
+    until.tv_nsec += (long)(NVT_HOLD_WAIT_MS % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&k->hold_mu);
+    int was = k->hold != 0, rc = 0;
+    while (k->hold && rc == 0)
+        rc = pthread_cond_timedwait(&k->hold_cv, &k->hold_mu, &until);
+    int ended = was && !k->hold;
+    pthread_mutex_unlock(&k->hold_mu);
+    return ended;
+}
+
+void nvt_keys_watch(nvt_keys *k, const uint32_t *gen) {
+    if (!k->map_bytes) /* a forked child's wiped table */
+        return;
+    pthread_rwlock_wrlock(&k->lock);
+    k->gen = gen;
+    pthread_rwlock_unlock(&k->lock);
 }
 
 uint64_t nvt_keys_seals(nvt_keys *k) {
@@ -150,11 +193,16 @@ int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
     uint32_t epoch;
     if (slot_bytes < row_bytes + NVT_TRAILER_BYTES)
         return -EINVAL;
-    pthread_rwlock_rdlock(&k->lock);
-    if (!k->seal_at || wall_ns() > k->seal_until_ns ||
-        __atomic_fetch_add(&k->seals, 1, __ATOMIC_RELAXED) >= k->seal_limit) {
+    for (int tries = 0;; tries++) {
+        pthread_rwlock_rdlock(&k->lock);
+        if (k->seal_at && wall_ns() <= k->seal_until_ns &&
+            __atomic_fetch_add(&k->seals, 1, __ATOMIC_RELAXED) < k->seal_limit)
+            break; /* holding the read lock */
         pthread_rwlock_unlock(&k->lock);
-        return -EAGAIN; /* no sealing epoch, or it is used up: the rotation is late */
+        /* No sealing epoch, or it is used up: wait once for a rotation under
+         * way (e.g. after a purge destroyed this process's epoch). */
+        if (tries > 0 || !k->map_bytes || !wait_hold(k))
+            return -EAGAIN; /* the rotation is late: the write is skipped */
     }
     const nvt_epoch_key *e = &k->ents[k->seal_at - 1];
     epoch = e->epoch;
@@ -197,9 +245,13 @@ int nvt_keys_open(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
             hi = mid;
     }
     if (lo == k->n || k->ents[lo].epoch != epoch) {
-        int newer = epoch > k->max_epoch;
+        /* Newer than the table: not loaded yet, unless no epoch was announced
+         * since the table was read (then it never existed: nvt_seal.h). A
+         * forked child's wiped table proves nothing. Older: destroyed. */
+        int unknown = epoch > k->max_epoch &&
+                      (!k->map_bytes || (k->gen && __atomic_load_n(k->gen, __ATOMIC_ACQUIRE) != k->gen_seen));
         pthread_rwlock_unlock(&k->lock);
-        return newer ? -ENOKEY : -EBADMSG; /* not loaded yet, or destroyed (erased) */
+        return unknown ? -ENOKEY : -EBADMSG;
     }
     memcpy(key, k->ents[lo].key, sizeof(key));
     make_aad(k, seed, epoch, file_idx, file_off, aad);

@@ -70,6 +70,18 @@ typedef struct nvt_keys {
     uint64_t seals;        /* atomic: seals under the sealing epoch */
     uint32_t max_epoch;    /* epochs up to this one are known: one not held was destroyed */
     uint32_t refs;         /* atomic */
+    /* The store's shared keys_gen (nvt_table_header, advanced after every
+     * new epoch is durable and before its first seal; NULL: no other process
+     * makes epochs for this table) and its value read before the `keys` file
+     * was read for the current entries. Under lock. */
+    const uint32_t *gen;
+    uint32_t gen_seen;
+    /* Set while the table is being replaced and may lack a sealing epoch
+     * for a moment (a rotation): a seal finding none waits for it (bounded,
+     * NVT_HOLD_WAIT_MS) instead of failing. Under hold_mu; zero is valid. */
+    uint32_t hold;
+    pthread_mutex_t hold_mu;
+    pthread_cond_t hold_cv;
     uint64_t layout_digest;
     uint8_t store_id[NVT_STORE_ID_BYTES];
     uint64_t map_bytes;
@@ -92,21 +104,39 @@ void nvt_keys_unref(nvt_keys *k);
  * seal_epoch < 0: no sealing. The seal count restarts when the sealing
  * epoch changes. 0 or -EINVAL. */
 int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
-                 uint64_t seal_limit, uint32_t max_epoch);
+                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen);
+
+/* Begin (1) or end (0) a replacement of the table during which it may lack
+ * a sealing epoch: seals wait for its end (at most NVT_HOLD_WAIT_MS). */
+#define NVT_HOLD_WAIT_MS 2000
+void nvt_keys_hold(nvt_keys *k, int on);
+
+/* Watch the store's shared keys_gen at `gen` (NULL: stop; the caller keeps
+ * the mapping alive while it is watched). */
+void nvt_keys_watch(nvt_keys *k, const uint32_t *gen);
 
 /* Seals made under the current sealing epoch. */
 uint64_t nvt_keys_seals(nvt_keys *k);
 
 /* Seal `row` (`row_bytes`, only read) into `out` (`slot_bytes`): the
  * ciphertext, the trailer, zeros. `checksum`: the tag's first 8 bytes (LE).
- * 0, -EAGAIN (no sealing epoch, or its limit or time passed), -EIO. */
+ * 0, -EAGAIN (no sealing epoch, or its limit or time passed, and no
+ * rotation under way that ended in NVT_HOLD_WAIT_MS), -EIO. */
 int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_off, const uint8_t *row, uint8_t *out,
                   uint64_t row_bytes, uint64_t slot_bytes, uint64_t *checksum);
 
 /* Open `len` sealed bytes of `src` into `dst` (may be `src`) with the
  * slot's `trailer`. 0 (checksum set), -EBADMSG (not a trailer, a destroyed
  * epoch, a tag that does not verify: dst holds garbage), -ENOKEY (an epoch
- * newer than this table knows: reload, then retry), -EIO (libcrypto). */
+ * newer than this table knows while keys_gen moved since the table was read:
+ * reload, then retry), -EIO (libcrypto).
+ *
+ * An epoch newer than the table knows while keys_gen has not moved since the
+ * table's `keys` file was read is -EBADMSG: every epoch is durable in `keys`
+ * and announced (keys_gen advanced) before its first seal, so a slot sealed
+ * under it was published after that announcement; with no announcement since
+ * the read, the trailer's epoch was never a real one (a tampered or corrupt
+ * slot: a miss, never a load that fails for ever). */
 int nvt_keys_open(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_off, const uint8_t *trailer,
                   const uint8_t *src, uint8_t *dst, uint64_t len, uint64_t *checksum);
 

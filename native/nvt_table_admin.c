@@ -285,7 +285,7 @@ PyObject *nvt_Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
         c->stores_dropped_watch_failed, "set_lock_timeouts", c->set_lock_timeouts, "completions_deferred",
         c->completions_deferred, "completions_abandoned", c->completions_abandoned, "kv_events_lost",
         self->events_lost, "retention_expired", c->retention_expired, "stores_purged", c->stores_purged,
-        "auth_failures", c->auth_failures);
+        "auth_failures", c->auth_failures, "stores_skipped_no_epoch", c->stores_skipped_no_epoch);
 }
 
 NVT_DOCSTR(nvt_usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"

@@ -98,7 +98,7 @@ def load_key_file(path: str) -> bytes:
     return data
 
 
-def _hkdf(key: bytes, info: bytes, length: int) -> bytes:
+def _hkdf(key: bytes | bytearray, info: bytes, length: int) -> bytes:
     from cryptography.hazmat.primitives import hashes
     from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
@@ -149,6 +149,8 @@ class KeySet(_Macs):
 
     __slots__ = ("_native_mac", "fingerprint", "kek", "mac_key", "seal_key")
 
+    kek: bytearray | None
+
     def __init__(self, key: bytes) -> None:
         if len(key) != KEY_BYTES:
             raise ValueError(f"a key is {KEY_BYTES} bytes, not {len(key)}")
@@ -156,14 +158,32 @@ class KeySet(_Macs):
         self.mac_key = _hkdf(key, _INFO_MAC, KEY_BYTES)
         self.fingerprint = _hkdf(key, _INFO_FINGERPRINT, FINGERPRINT_BYTES)
         # Format 4: wraps each store's random store key (crypto.Keyring).
-        self.kek = _hkdf(key, _INFO_KEK, KEY_BYTES)
+        # Derived into memory this object owns (a bytearray) so that
+        # ``forget_kek`` can wipe it: a running store holds no KEK.
+        self.kek: bytearray | None = bytearray(KEY_BYTES)
         # The native HMAC, keyed once (~0.3 us a key instead of ~3 us).
         try:
             import nvmetier._crypto as native
         except ImportError:  # pragma: no cover - built with libssl-dev
             self._native_mac: Any = None
+            self.kek[:] = _hkdf(key, _INFO_KEK, KEY_BYTES)
         else:
             self._native_mac = native.KeyMac(self.mac_key)
+            native.hkdf_into(key, _INFO_KEK, self.kek)
+
+    def forget_kek(self) -> None:
+        """Wipe the key-encryption key: what a running store no longer
+        needs once its store key is unwrapped (``rekey`` reads the key files
+        again). Unwrapping or creating a keyring with this object then
+        raises ``ValueError``."""
+        if self.kek is not None:
+            _wipe(self.kek)
+            self.kek = None
+
+    def kek_bytes(self) -> bytearray:
+        if self.kek is None:
+            raise ValueError("this key's key-encryption key was dropped (a running store's)")
+        return self.kek
 
     @classmethod
     def from_file(cls, path: str) -> KeySet:
@@ -273,18 +293,32 @@ def _xxh(data: bytes, seed: int = 0) -> int:
     return int(xxhash.xxh3_64_intdigest(data, seed))
 
 
-def _aesgcm(key: bytes) -> Any:
+def _aesgcm(key: bytes | bytearray) -> Any:
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
     return AESGCM(key)
 
 
-def kek_of(keys: KeySet) -> bytes:
+def kek_of(keys: KeySet) -> bytearray:
     """The operator key's key-encryption key (wraps a store key)."""
-    return keys.kek
+    return keys.kek_bytes()
 
 
-def epoch_fingerprint(key: bytes) -> bytes:
+def _random_secret(n: int) -> bytearray:
+    """``n`` random bytes read straight into a bytearray (no bytes copy)."""
+    out = bytearray(n)
+    with open("/dev/urandom", "rb", buffering=0) as f:
+        if f.readinto(out) != n:
+            raise OSError(errno.EIO, "short read of /dev/urandom")
+    return out
+
+
+def _wipe(buf: bytearray) -> None:
+    """Overwrite a secret this process owns, in place."""
+    buf[:] = bytes(len(buf))
+
+
+def epoch_fingerprint(key: bytes | bytearray) -> bytes:
     """8 bytes naming an epoch key (in every trailer) without revealing it."""
     return hmac.digest(key, b"nvmetier v2 epoch key fingerprint", hashlib.sha256)[
         :FINGERPRINT_BYTES
@@ -304,7 +338,7 @@ class Epoch:
     pid: int
     nonce: bytes = b""
     wrapped: bytes = b""
-    key: bytes | None = None
+    key: bytes | bytearray | None = None  # a bytearray: the caller wipes it once loaded
 
 
 _open_keyrings: weakref.WeakSet[Keyring] = weakref.WeakSet()
@@ -323,13 +357,18 @@ os.register_at_fork(after_in_child=_close_keyrings_in_child)
 class StoreKeys(_Macs):
     """A store's secrets once its store key is unwrapped: the offload-key MAC
     (the index's names for keys) and the wrapping of its epoch keys. Same
-    MAC methods as ``KeySet`` (``key_mac``, ``key_macs``, ``mac_then``)."""
+    MAC methods as ``KeySet`` (``key_mac``, ``key_macs``, ``mac_then``).
 
-    def __init__(self, store_key: bytes, operator: KeySet) -> None:
+    The epoch-wrapping key is derived straight into native memory
+    (``nvmetier._crypto.WrapKey``: MADV_DONTDUMP, MADV_WIPEONFORK, zeroed
+    when freed) and wraps and unwraps there (libcrypto's EVP AEAD): no
+    Python object ever holds it, so no core dump does. ``store_key`` is
+    the caller's to wipe (``Keyring.store_keys`` does)."""
+
+    def __init__(self, store_key: bytes | bytearray, fingerprint: bytes) -> None:
         self.mac_key = _hkdf(store_key, _INFO_STORE_MAC, KEY_BYTES)
-        self._wrap = _aesgcm(_hkdf(store_key, _INFO_EPOCH_WRAP, KEY_BYTES))
-        self.operator = operator
-        self.fingerprint = operator.fingerprint
+        self._wrap = _native().WrapKey(store_key, _INFO_EPOCH_WRAP)
+        self.fingerprint = fingerprint
         try:
             import nvmetier._crypto as native
         except ImportError:  # pragma: no cover - built with libssl-dev
@@ -341,19 +380,21 @@ class StoreKeys(_Macs):
     def fingerprint_hex(self) -> str:
         return self.fingerprint.hex()
 
-    def wrap_epoch(self, store_id: bytes, epoch: int, key: bytes) -> tuple[bytes, bytes]:
+    def wrap_epoch(
+        self, store_id: bytes, epoch: int, key: bytes | bytearray
+    ) -> tuple[bytes, bytes]:
         nonce = os.urandom(NONCE_BYTES)  # one per wrapping: a handful per epoch
         aad = _AAD_EPOCH_KEY + store_id + struct.pack("<I", epoch)
-        return nonce, self._wrap.encrypt(nonce, key, aad)
+        return nonce, self._wrap.seal(nonce, key, aad)
 
-    def unwrap_epoch(self, store_id: bytes, e: Epoch) -> bytes | None:
-        from cryptography.exceptions import InvalidTag
-
+    def unwrap_epoch(self, store_id: bytes, e: Epoch) -> bytearray | None:
+        """The epoch's key in a bytearray the caller wipes, or None when the
+        entry does not unwrap."""
         aad = _AAD_EPOCH_KEY + store_id + struct.pack("<I", e.epoch)
-        try:
-            return bytes(self._wrap.decrypt(e.nonce, e.wrapped, aad))
-        except InvalidTag:
+        key = bytearray(max(0, len(e.wrapped) - TAG_BYTES))
+        if len(key) != KEY_BYTES or not self._wrap.open(e.nonce, e.wrapped, aad, key):
             return None
+        return key
 
     def __repr__(self) -> str:
         return f"StoreKeys(fingerprint={self.fingerprint_hex})"
@@ -416,6 +457,17 @@ class Keyring:
                 "can be read; remove the store directory to start over"
             ) from exc
         try:
+            size = os.fstat(fd).st_size
+            if size != KEYRING_BYTES:
+                # Created whole (never grown): a short file lost entries, so
+                # their chunks could not be read and their epoch numbers
+                # would come back under other keys; never used as it is.
+                raise KeyringError(
+                    f"{path!r} is {size} bytes, not the {KEYRING_BYTES} of a keys file "
+                    "(truncated or damaged): the keys of some or all of the store's chunks "
+                    "are gone; restore the file from a copy taken with the store, or remove "
+                    "the store directory to start over"
+                )
             fcntl.flock(fd, fcntl.LOCK_SH)
             try:
                 seq, header = _read_header(fd, path)
@@ -447,23 +499,35 @@ class Keyring:
             KeyringError: the key file is not the one that wraps this store's
                 key (naming both fingerprints and the fixes).
         """
-        from cryptography.exceptions import InvalidTag
-
         with self._lock:
             _seq, header = self._reread_header()
         nonce, wrapped = header[48:60], header[60:108]
+        # Unwrapped natively into a bytearray wiped below (no bytes copy).
+        store_key = bytearray(KEY_BYTES)
         try:
-            store_key = _aesgcm(operator.kek).decrypt(
-                nonce, wrapped, _AAD_STORE_KEY + self.store_id
+            ok = _native().open(
+                operator.kek_bytes(),
+                nonce,
+                _AAD_STORE_KEY + self.store_id,
+                wrapped[:KEY_BYTES],
+                store_key,
+                wrapped[KEY_BYTES:],
             )
-        except InvalidTag:
+        except BaseException:
+            _wipe(store_key)
+            raise
+        if not ok:
+            _wipe(store_key)
             raise KeyringError(
                 f"{self.path!r}: this store's keys are wrapped by the key with fingerprint "
                 f"{header[40:48].hex()}, not by this key file's ({operator.fingerprint_hex}); "
                 "use that key file, rotate with `nvmetier rekey ROOT --key-file OLD "
                 "--new-key-file NEW`, or remove the store directory to start over"
-            ) from None
-        return StoreKeys(bytes(store_key), operator)
+            )
+        try:
+            return StoreKeys(store_key, operator.fingerprint)
+        finally:
+            _wipe(store_key)
 
     def rekey(self, old: KeySet, new: KeySet) -> None:
         """Rewrap the store key from ``old`` to ``new``: both header copies
@@ -476,7 +540,7 @@ class Keyring:
             try:
                 seq, header = _read_header(self._fd, self.path)
                 try:
-                    store_key = _aesgcm(old.kek).decrypt(
+                    store_key = _aesgcm(old.kek_bytes()).decrypt(
                         header[48:60], header[60:108], _AAD_STORE_KEY + self.store_id
                     )
                 except InvalidTag:
@@ -485,7 +549,9 @@ class Keyring:
                         f"open this store (wrapped by {header[40:48].hex()})"
                     ) from None
                 nonce = os.urandom(NONCE_BYTES)
-                wrapped = _aesgcm(new.kek).encrypt(nonce, store_key, _AAD_STORE_KEY + self.store_id)
+                wrapped = _aesgcm(new.kek_bytes()).encrypt(
+                    nonce, store_key, _AAD_STORE_KEY + self.store_id
+                )
                 body = _HEADER.pack(
                     KEYRING_MAGIC,
                     KEYRING_VERSION,
@@ -577,7 +643,7 @@ class Keyring:
                     if victim.state == ENTRY_LIVE:
                         destroyed.append(victim.epoch)
                 epoch = max((e.epoch for e in ents), default=0) + 1
-                key = os.urandom(KEY_BYTES)
+                key = _random_secret(KEY_BYTES)  # the caller wipes it once loaded
                 nonce, wrapped = skeys.wrap_epoch(self.store_id, epoch, key)
                 now = time.time_ns()
                 e = Epoch(
@@ -637,7 +703,19 @@ class Keyring:
     def load(self, skeys: StoreKeys) -> tuple[list[Epoch], int]:
         """Every live epoch with its key unwrapped (an entry that does not
         unwrap is left out: its chunks are misses), and the highest epoch
-        the keyring names (live or destroyed)."""
+        the keyring names (live or destroyed). The keys are ``bytes`` (for
+        tools: fsck, tests); a running store uses ``load_wipeable``."""
+        live, top = self.load_wipeable(skeys)
+        for e in live:
+            if isinstance(e.key, bytearray):
+                key = bytes(e.key)
+                _wipe(e.key)
+                e.key = key
+        return live, top
+
+    def load_wipeable(self, skeys: StoreKeys) -> tuple[list[Epoch], int]:
+        """``load`` with each key in a bytearray the caller wipes once
+        loaded (``_wipe``): no copy of an epoch key outlives the reload."""
         ents = self.epochs()
         top = max((e.epoch for e in ents), default=0)
         live = []
@@ -698,7 +776,7 @@ def _create_keyring(store_dir: str, path: str, operator: KeySet) -> None:
     store_id = os.urandom(STORE_ID_BYTES)
     store_key = os.urandom(KEY_BYTES)
     nonce = os.urandom(NONCE_BYTES)
-    wrapped = _aesgcm(operator.kek).encrypt(nonce, store_key, _AAD_STORE_KEY + store_id)
+    wrapped = _aesgcm(operator.kek_bytes()).encrypt(nonce, store_key, _AAD_STORE_KEY + store_id)
     body = _HEADER.pack(
         KEYRING_MAGIC,
         KEYRING_VERSION,

@@ -60,6 +60,7 @@ _MAX_LOOKUP_COUNTS = 1 << 20
 ENCRYPTION_ID = "aes-256-gcm/v1"
 # Where the table header keeps the latest sealed opener's key fingerprint.
 KEY_FINGERPRINT_OFFSET = 72
+KEYS_GEN_OFFSET = 80  # nvt_table_header.keys_gen (native/nvt_layout.h), a u32
 # Keys remembered per process to turn KV events' key MACs back into keys.
 _MAX_KNOWN_MACS = 1 << 20
 # How long a lookup hit or a load protects its slot from every sharer's
@@ -117,6 +118,9 @@ COUNTERS = (
     "retention_expired",
     # Writes that `nvmetier purge --all` caught in flight (never published).
     "stores_purged",
+    # Sealed writes skipped because no epoch could seal at that instant (a
+    # rotation under way, e.g. right after `purge --all`): never published.
+    "stores_skipped_no_epoch",
     # Removal events emitted for chunks `nvmetier purge` removed.
     "purge_removals_emitted",
     # Encrypted chunks whose AES-GCM tag did not verify (also counted in
@@ -311,6 +315,9 @@ class BlockStore:
                 self.engine: IoEngine = inner(self._buf)
             else:
                 self._keys = self._open_keys(self._operator, store_name)
+                # The store key is unwrapped: a running store keeps no KEK
+                # (a core dump must not hold what unwraps its keys).
+                self._operator.forget_kek()
                 assert self._keyring is not None
                 # A fresh epoch (random key) for this open, durable before its
                 # first seal; both engines seal and open in their own threads
@@ -324,6 +331,7 @@ class BlockStore:
                     retention_s=config.retention,
                     keys_generation=self._table.keys_generation,
                     bump_keys=self._table.bump_keys,
+                    keys_counter=(self.files.table_map, KEYS_GEN_OFFSET),
                 )
                 self._sealing.start()
                 self.engine = inner(self._buf, self._sealing)

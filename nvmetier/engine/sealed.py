@@ -120,6 +120,11 @@ class Sealing:
             sealing window ended longer ago are destroyed.
         keys_generation, bump_keys: the shared table's counter of keyring
             changes (None: a store no other process shares).
+        keys_counter: ``(buffer, offset)`` of that counter (a u32 in the
+            table's mapping) for the native table to watch: a trailer's
+            epoch newer than the table, with no epoch announced since the
+            table was read, never existed (a miss, counted) rather than one
+            to reload for (None: only this process makes epochs).
 
     Epochs: ``start`` creates this process's first epoch (a fresh random
     key, durable before any seal); a housekeeping thread (``nvmetier-keys``)
@@ -146,6 +151,7 @@ class Sealing:
         retention_s: float | None = None,
         keys_generation: Callable[[], int] | None = None,
         bump_keys: Callable[[], int] | None = None,
+        keys_counter: tuple[Any, int] | None = None,
     ) -> None:
         if slot_bytes < sealed_chunk_bytes(row_bytes):
             raise ValueError("slot_bytes has no room for the sealed chunk's trailer")
@@ -158,6 +164,8 @@ class Sealing:
         self.epoch_s = epoch_seconds(retention_s)
         self.nonces = crypto.NonceSource()
         self.native = _native().Keys(keyring.store_id, layout_digest)
+        if keys_counter is not None:
+            self.native.watch(*keys_counter)
         self._generation = keys_generation or (lambda: 0)
         self._bump = bump_keys or (lambda: 0)
         self._seen = -1
@@ -189,7 +197,7 @@ class Sealing:
         """Load every live epoch into the native table. False when this
         process's own epoch is gone (destroyed by a purge): rotate."""
         self._seen = self._generation()
-        live, top = self.keyring.load(self.keys)
+        live, top = self.keyring.load_wipeable(self.keys)
         cur = self._current
         mine = cur is not None and any(e.epoch == cur.epoch for e in live)
         self.native.set(
@@ -198,15 +206,27 @@ class Sealing:
             cur.seal_until_ns if (cur is not None and mine) else 0,
             crypto.EPOCH_MAX_SEALS,
             top,
+            self._seen & 0xFFFFFFFF,  # read before the keys file (nvt_seal.h: nvt_keys_open)
         )
         for e in live:
+            if isinstance(e.key, bytearray):
+                crypto._wipe(e.key)  # now only in the native table
             e.key = None
         return mine
 
     def _rotate_locked(self) -> None:
+        self.native.hold(True)  # a seal that finds no epoch meanwhile waits for this one
+        try:
+            self._rotate_held_locked()
+        finally:
+            self.native.hold(False)
+
+    def _rotate_held_locked(self) -> None:
         new, _room = self.keyring.new_epoch(self.keys, self.epoch_s)
         old = self._current
         self._current = new
+        if isinstance(new.key, bytearray):
+            crypto._wipe(new.key)  # the reload below loads it from its wrapping
         new.key = None
         self._bump()
         self._reload_locked()
@@ -232,9 +252,17 @@ class Sealing:
         """One round of the housekeeping thread (tests call it directly)."""
         with self._lock:
             changed = self._sweep_locked() or self._generation() != self._seen
-            if changed and not self._reload_locked():
-                self._rotate_locked()  # this process's epoch was destroyed (a purge)
-                return
+            if changed:
+                # A reload that finds this process's epoch destroyed (a purge)
+                # leaves the table without a sealing epoch until the rotation:
+                # seals meanwhile wait for it (nvt_keys_hold), never fail.
+                self.native.hold(True)
+                try:
+                    if not self._reload_locked():
+                        self._rotate_locked()
+                        return
+                finally:
+                    self.native.hold(False)
             cur = self._current
             margin = min(60.0, self.epoch_s / 4)
             if (
@@ -285,6 +313,7 @@ class Sealing:
                 except OSError as exc:
                     logger.warning("nvmetier: could not retire key epoch %d: %s", cur.epoch, exc)
             self._current = None
+        self.native.watch(None)  # the table's mapping may go now (the engine is closed)
 
     # ------------------------------------------------------------- seals
     def native_config(self) -> tuple[object, int, int]:

@@ -30,6 +30,11 @@ METRICS: dict[str, tuple[str, str]] = {
         "counter",
         "Chunk writes caught in flight by 'nvmetier purge --all' (never published).",
     ),
+    "stores_skipped_no_epoch": (
+        "counter",
+        "Sealed chunk writes skipped because no key epoch could seal at that instant "
+        "(a key rotation under way, e.g. right after 'nvmetier purge --all').",
+    ),
     "auth_failures": (
         "counter",
         "Encrypted chunks whose AES-GCM tag did not verify on load (a miss, freed; "
