@@ -439,7 +439,6 @@ class NvmeTierManager(SecondaryTierManager):
             longest_request_chunks=longest,
             chunk_bytes=chunk_bytes,
             tier_label=self.tier_label,
-            group_chunking=tuple((tpc, w) for _g, tpc, w in groups),
             enabled=self.config.promotion_guard,
             groups=groups,
         )
@@ -510,8 +509,8 @@ class NvmeTierManager(SecondaryTierManager):
         if not self._guard_wired:
             self._wire_guard()
         guard = self._guard
-        # Only as many HITs per request as its CPU slots can take, in one step
-        # (nvmetier.vllm.promotion says why: otherwise a read storm).
+        # HIT only for the chunks the request's plan will load through the CPU
+        # tier (nvmetier.vllm.promotion says why: otherwise a read storm).
         if not guard.admits(key, req_context):
             return _MISS
         if not self._lookup(key):

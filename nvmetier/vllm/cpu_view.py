@@ -32,6 +32,8 @@ from collections.abc import Iterable
 from types import FrameType
 from typing import Any
 
+from vllm.v1.kv_offload.base import get_offload_group_idx
+
 # Residency of a chunk in the CPU tier (``PrimaryView.state``).
 ABSENT, PENDING, READY = 0, 1, 2
 
@@ -122,22 +124,30 @@ def find_primary(offloading_spec: Any, tier: Any) -> Any:
     return primary
 
 
+# vLLM's ReqContext keeps the key positions in a private dict (0.32 and 0.33);
+# its public get_offload_key_position answers only for a key the caller knows.
+POSITIONS_ATTR = "_offload_key_positions"
+
+
+def key_positions(ctx: Any) -> dict[Any, int] | None:
+    """Every key the connector recorded for a request -> its end token, in
+    the order recorded (None: this vLLM keeps no such record)."""
+    positions = getattr(ctx, POSITIONS_ATTR, None)
+    return positions if isinstance(positions, dict) else None
+
+
 def request_keys(ctx: Any) -> dict[int, dict[int, Any]]:
     """A request's keys: ``{group index: {end token: key}}`` (empty: unknown).
 
     Partial-tail keys (an end token inside a chunk) are included; the caller
     keeps the chunk-aligned ones.
     """
-    positions = getattr(ctx, "_offload_key_positions", None)
-    if not isinstance(positions, dict):
+    positions = key_positions(ctx)
+    if not positions:
         return {}
     out: dict[int, dict[int, Any]] = {}
     for key, end in positions.items():
-        try:
-            group = int.from_bytes(key[-4:], "big", signed=False)
-        except TypeError:
-            continue
-        out.setdefault(group, {})[int(end)] = key
+        out.setdefault(get_offload_group_idx(key), {})[int(end)] = key
     return out
 
 

@@ -115,7 +115,6 @@ class _Round:
     landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
     generation: int = 0  # the CPU tier's generation of the pins
     idle_steps: int = 0
-    target_tokens: int = 0
     protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
 
 
@@ -140,7 +139,7 @@ class PromotionGuard:
         chunk_bytes: bytes of one CPU tier chunk (for the warnings).
         tier_label: the tier's metric label (for the warnings).
         group_chunking: per KV group, ``(tokens per chunk, sliding window in
-            chunks or None)``, in group order (empty: unknown).
+            chunks or None)``, in group order (default: from ``groups``).
         enabled: plan each request's HITs (False: every chunk on disk is a
             HIT, vLLM's own behaviour; HITs not loaded are still counted).
         groups: per KV group, ``(group index, tokens per chunk, window or
@@ -169,6 +168,8 @@ class PromotionGuard:
         self._longest = longest_request_chunks
         self._chunk_bytes = chunk_bytes
         self._tier_label = tier_label
+        if not group_chunking:
+            group_chunking = tuple((tpc, w) for _index, tpc, w in groups)
         self._groups = tuple((tpc, w) for tpc, w in group_chunking if tpc > 0)
         if not groups:
             groups = tuple((i, tpc, w) for i, (tpc, w) in enumerate(self._groups))
@@ -199,10 +200,6 @@ class PromotionGuard:
         says whether the tier holds a key (no I/O)."""
         self._view = view
         self._on_disk = on_disk
-
-    @property
-    def attached(self) -> bool:
-        return self._view is not None
 
     # ------------------------------------------------------------ lookups
     def admits(self, key: Any, ctx: Any) -> bool:
@@ -426,17 +423,27 @@ class PromotionGuard:
             if anchor is None:
                 continue
             rnd = _Round(ctx, self._step, protect_only=True)
-            if self._plan(rnd, anchor, promote=False) and (rnd.pinned or rnd.landing):
+            planned = self._plan(rnd, anchor, promote=False, groups=groups)
+            if planned and (rnd.pinned or rnd.landing):
                 self._rounds[req_id] = rnd
 
-    def _plan(self, rnd: _Round, first_key: Any, *, promote: bool = True) -> bool:
+    def _plan(
+        self,
+        rnd: _Round,
+        first_key: Any,
+        *,
+        promote: bool = True,
+        groups: list[_Group] | None = None,
+    ) -> bool:
         """Choose the request's load end and its promotions (see the module
         docstring); pin what the plan keeps that is in the CPU tier now.
+        ``groups``: the request's layout when the caller has it already.
         False (nothing planned) when the request's keys are unknown."""
         view = self._view
         on_disk = self._on_disk
         assert view is not None and on_disk is not None
-        groups = self._layout_of(rnd.ctx)
+        if groups is None:
+            groups = self._layout_of(rnd.ctx)
         position = rnd.ctx.get_offload_key_position(first_key)
         if not groups or not position:
             return False
@@ -524,7 +531,6 @@ class PromotionGuard:
             # The CPU tier alone serves as much: no HIT, the request loads
             # that now (its chunks pinned in case vLLM cannot schedule it yet).
             best_end = no_disk_end
-        rnd.target_tokens = best_end
         needed = [
             key
             for g in groups

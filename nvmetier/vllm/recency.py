@@ -26,11 +26,10 @@ import itertools
 import logging
 from typing import Any
 
+from nvmetier.vllm.cpu_view import POSITIONS_ATTR, key_positions
+
 logger = logging.getLogger(__name__)
 
-# vLLM's ReqContext keeps the positions in a private dict (0.32 and 0.33); its
-# public get_offload_key_position answers for one key that the caller knows.
-_POSITIONS = "_offload_key_positions"
 _warned_missing = False
 
 
@@ -54,8 +53,8 @@ def request_keys(req_context: Any, max_chunks: int) -> list[bytes]:
         The keys, or ``[]`` when the context records none (a request the
         connector never tracked) or this vLLM keeps no positions (warned once).
     """
-    positions = getattr(req_context, _POSITIONS, None)
-    if not isinstance(positions, dict):
+    positions = key_positions(req_context)
+    if positions is None:
         _warn_missing(req_context)
         return []
     if len(positions) <= max_chunks:
@@ -75,5 +74,5 @@ def _warn_missing(req_context: Any) -> None:
         "the disk's recency (hot prefixes may be evicted from disk first). Set "
         "recency_refresh_chunks: 0 to silence this",
         type(req_context).__name__,
-        _POSITIONS,
+        POSITIONS_ATTR,
     )
