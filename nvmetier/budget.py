@@ -551,6 +551,16 @@ def _remove_if_free(dirs: Sequence[str], why: str) -> bool:
         os.close(init_fd)
 
 
+def _sweep_removing(root: str) -> None:
+    """Delete the ``.removing-`` directories under ``root``: stores already
+    renamed aside by a removal that a crash cut short (no process uses them;
+    a removal still running beside us deletes the same files, harmlessly)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            if REMOVING_TAG in name:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def _victim_dirs(share: Share, roots: Sequence[str]) -> list[str] | None:
     """The directories of ``share``'s store over every root it spans, when
     they are known (a striped store only under the same roots)."""
@@ -670,6 +680,8 @@ def admit(
         need = layout_charge(layout, n)
     except FormatError as exc:
         raise ConfigError(f"capacity_bytes={layout.capacity_bytes} is too small: {exc}") from exc
+    for r in roots:
+        _sweep_removing(r)
     shares = [root_shares(r, skip=store_name) for r in roots]
     used = [sum(s.charge_bytes for s in sh) for sh in shares]
     removed: list[Share] = []
