@@ -3,15 +3,15 @@ occupies, the filesystem reserve, and the give-way policy that makes room.
 
 Owns every file write the budget makes, so that a crash explorer can hook
 them here: the root-level record ``budget`` (``write_budget``: temp file,
-fsync, rename, directory fsync), the root lock ``budget.lock`` (``root_lock``:
-an exclusive flock held around every store creation's check and
-preallocation, and around ``nvmetier budget --set``), the removal of the
+fsync, rename, directory fsync), the root lock (``root_lock``: an exclusive
+flock on the root directory itself, held around every store creation's check
+and preallocation, and around ``nvmetier budget --set``), the removal of the
 stores that give way (``give_way``, through ``reclaim._remove_dirs``), the
 ``shrunk`` note of a store made smaller than asked, and the last-use stamp
 of a store (``touch_last_use``).
 
 What counts: the allocated blocks (``st_blocks * 512``) of every file and
-directory under the root, the record and the lock included. A store is
+directory under the root, the record included. A store is
 charged the larger of what it occupies now and what it may come to occupy
 (its preallocated files, its keyring and purge log at their largest, a
 little slack: ``store_charge``), so stores that grow their small files
@@ -52,7 +52,6 @@ from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpa
 from nvmetier.locks import _is_linked, mark_init_busy, sharer_pids
 from nvmetier.reclaim import _remove_dirs
 from nvmetier.store_dir import (
-    DATA_NAME,
     FILE_MODE,
     INIT_LOCK_NAME,
     LOCK_NAME,
@@ -66,7 +65,6 @@ from nvmetier.superblock import Layout
 logger = logging.getLogger(__name__)
 
 BUDGET_NAME = "budget"  # the root-level record (docs/format.md, "Root budget")
-ROOT_LOCK_NAME = "budget.lock"
 SHRUNK_NAME = "shrunk"  # in a store made smaller than its capacity_bytes
 BUDGET_FORMAT = "nvmetier-root-budget"
 BUDGET_VERSION = 1
@@ -266,8 +264,9 @@ def effective_budget(root: str, policy: Policy) -> int | None:
 # ------------------------------------------------------------------ the lock
 @contextlib.contextmanager
 def root_lock(roots: Sequence[str], timeout_s: float | None = None) -> Iterator[None]:
-    """Hold ``budget.lock`` of every root exclusively (in path order, so two
-    processes with overlapping roots never wait on each other in a cycle),
+    """Hold the root lock of every root: an exclusive flock on the root
+    directory itself (no file to leave behind), taken in path order so two
+    processes with overlapping roots never wait on each other in a cycle,
     each waited for at most ``timeout_s`` (default ``ROOT_LOCK_TIMEOUT_S``).
 
     Raises:
@@ -278,34 +277,22 @@ def root_lock(roots: Sequence[str], timeout_s: float | None = None) -> Iterator[
     bound = ROOT_LOCK_TIMEOUT_S if timeout_s is None else timeout_s
     fds: list[int] = []
     try:
-        for root in sorted(set(roots)):
-            path = os.path.join(root, ROOT_LOCK_NAME)
-            fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        for root in sorted({os.path.realpath(r) for r in roots}):
+            fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             fds.append(fd)
             try:
                 _flock_bounded(fd, bound)
             except InitLockTimeout:
-                who = _lock_owner(fd)
                 raise StoreLockedError(
-                    f"root_dir {root!r}: {ROOT_LOCK_NAME} was held by another process "
-                    f"(pid {who}) for over {bound:g} s; it creates a store or changes the "
-                    "root budget, or it is stopped (SIGSTOP, docker pause) or hung doing so: "
-                    "resume or kill it, then start again"
+                    f"root_dir {root!r}: its root lock was held by another process for over "
+                    f"{bound:g} s; a process creates a store or changes the root budget there, "
+                    "or is stopped (SIGSTOP, docker pause) or hung doing so: resume or kill it "
+                    "(`nvmetier budget` shows the processes using each store), then start again"
                 ) from None
-            mark_init_busy(fd)  # probes (nvmetier info) see it busy without locking
-            with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield
     finally:
         for fd in reversed(fds):
             os.close(fd)
-
-
-def _lock_owner(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-    return "unknown"
 
 
 # ----------------------------------------------------------------- the usage
@@ -448,7 +435,7 @@ def root_shares(root: str, skip: str | None = None) -> list[Share]:
             continue
         path = os.path.join(root, name)
         disk = allocated_bytes(path)
-        if name == BUDGET_NAME or name.startswith((ROOT_LOCK_NAME, f"{BUDGET_NAME}.tmp-")):
+        if name == BUDGET_NAME or name.startswith(f"{BUDGET_NAME}.tmp-"):
             out.append(Share(name, path, "root", disk, disk))
             continue
         if not os.path.isdir(path) or os.path.islink(path):
@@ -625,9 +612,7 @@ def _scaled(layout: Layout, capacity_bytes: int) -> Layout:
     if per_path is not None:
         per_path = tuple(c * capacity_bytes // layout.capacity_bytes for c in per_path)
         capacity_bytes = sum(per_path)
-    return dataclasses.replace(
-        layout, capacity_bytes=capacity_bytes, capacity_per_path=per_path
-    )
+    return dataclasses.replace(layout, capacity_bytes=capacity_bytes, capacity_per_path=per_path)
 
 
 def _fits(layout: Layout, n: int, room: Sequence[int]) -> bool:
@@ -705,8 +690,9 @@ def admit(
     room = []
     fs_notes = []
     for r, u, b in zip(roots, used, budgets, strict=True):
-        total, free = space(os.path.join(r, store_name) if os.path.isdir(
-            os.path.join(r, store_name)) else r)
+        total, free = space(
+            os.path.join(r, store_name) if os.path.isdir(os.path.join(r, store_name)) else r
+        )
         reserve = policy.reserve_bytes(total)
         fs_room = max(0, free - reserve)
         fs_notes.append((r, free, reserve))
@@ -775,7 +761,11 @@ def _refusal(
             "stores holding the space: "
             + "; ".join(
                 f"{s.name} ({s.model or 'unknown model'}, {format_size(s.disk_bytes)}, "
-                + (f"in use by pid {', '.join(map(str, s.pids)) or 'unknown'}" if s.live else "idle")
+                + (
+                    f"in use by pid {', '.join(map(str, s.pids)) or 'unknown'}"
+                    if s.live
+                    else "idle"
+                )
                 + ")"
                 for s in holders[:8]
             )
@@ -859,8 +849,10 @@ def set_budget(root: str, budget_bytes: int | None) -> tuple[bool, list[Share], 
             over = sum(s.charge_bytes for s in shares) - budget_bytes
             if over > 0:
                 _freed, removed = give_way(
-                    [root], shares, over, f"root budget of {root} lowered to "
-                    f"{format_size(budget_bytes)}"
+                    [root],
+                    shares,
+                    over,
+                    f"root budget of {root} lowered to {format_size(budget_bytes)}",
                 )
                 shares = root_shares(root)
                 over = sum(s.charge_bytes for s in shares) - budget_bytes

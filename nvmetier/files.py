@@ -643,9 +643,7 @@ class StoreFiles:
         # Space on every drive was checked by the admission (root lock held).
         budget.clear_shrunk_note(self.dirs[0])
         if self.shrunk_from is not None:
-            budget.write_shrunk_note(
-                self.dirs[0], self.shrunk_from, layout.capacity_bytes
-            )
+            budget.write_shrunk_note(self.dirs[0], self.shrunk_from, layout.capacity_bytes)
         for d in self.dirs:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
         index_path = os.path.join(self.dirs[0], INDEX_NAME)

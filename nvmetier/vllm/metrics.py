@@ -163,5 +163,12 @@ METRICS: dict[str, tuple[str, str]] = {
 # of one vLLM instance on one store (data parallelism, sharing="node") only one
 # engine reports them (see NvmeTierManager.reports_store_gauges).
 STORE_GAUGES = frozenset(
-    {"bytes_used", "capacity_bytes", "slots_used", "sharers", "root_budget_bytes", "root_used_bytes"}
+    {
+        "bytes_used",
+        "capacity_bytes",
+        "slots_used",
+        "sharers",
+        "root_budget_bytes",
+        "root_used_bytes",
+    }
 )

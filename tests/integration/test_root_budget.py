@@ -218,7 +218,9 @@ def test_the_filesystem_reserve_makes_a_store_smaller_or_refuses_it(
     with pytest.raises(StoreSpaceError, match="fs_reserve"):
         open_model(tmp_path, buffer, 1)
     # No reserve: the whole free space may be used.
-    open_model(tmp_path, buffer, 2, fs_reserve_bytes=0, fs_reserve_fraction=0, min_capacity_bytes=1 << 20).close()
+    open_model(
+        tmp_path, buffer, 2, fs_reserve_bytes=0, fs_reserve_fraction=0, min_capacity_bytes=1 << 20
+    ).close()
 
 
 def test_info_reports_the_budget_and_each_stores_share(tmp_path, buffer, capsys) -> None:
