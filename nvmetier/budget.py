@@ -108,12 +108,14 @@ class Policy:
             budget or the filesystem reserve leaves less than its
             ``capacity_bytes`` (None: ``DEFAULT_MIN_CAPACITY_FRACTION`` of it).
         fs_reserve_bytes, fs_reserve_fraction: free space a creation leaves
-            on the filesystem: the larger of the two.
+            on the filesystem: the larger of the two. ``fs_reserve_bytes``
+            None: ``DEFAULT_FS_RESERVE_BYTES``, or half the filesystem when
+            that is smaller (a small dedicated volume is not left unusable).
     """
 
     budget_bytes: int | None = None
     min_capacity_bytes: int | None = None
-    fs_reserve_bytes: int = DEFAULT_FS_RESERVE_BYTES
+    fs_reserve_bytes: int | None = None
     fs_reserve_fraction: float = DEFAULT_FS_RESERVE_FRACTION
 
     @classmethod
@@ -131,7 +133,10 @@ class Policy:
         return int(capacity_bytes * DEFAULT_MIN_CAPACITY_FRACTION)
 
     def reserve_bytes(self, total_bytes: int) -> int:
-        return max(self.fs_reserve_bytes, int(total_bytes * self.fs_reserve_fraction))
+        least = self.fs_reserve_bytes
+        if least is None:
+            least = min(DEFAULT_FS_RESERVE_BYTES, total_bytes // 2)
+        return max(least, int(total_bytes * self.fs_reserve_fraction))
 
 
 # ---------------------------------------------------------------- the record

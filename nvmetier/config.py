@@ -224,8 +224,10 @@ class TierConfig:
             never smaller (refused instead).
         fs_reserve_bytes, fs_reserve_fraction: the free space a store's
             creation leaves on the filesystem (statvfs): the larger of the
-            two (defaults 1 GiB and 5% of the filesystem; 0 and 0 turn the
-            reserve off), so a cache never fills the node's disk.
+            two, so a cache never fills the node's disk. Defaults: 5% of the
+            filesystem, at least 1 GiB (None: 1 GiB, or half a filesystem
+            smaller than 2 GiB, so a small dedicated volume stays usable).
+            0 and 0 turn the reserve off.
     """
 
     root_dir: tuple[str, ...]
@@ -254,7 +256,7 @@ class TierConfig:
     recency_refresh_chunks: int = 4096
     root_budget_bytes: int | None = None
     min_capacity_bytes: int | None = None
-    fs_reserve_bytes: int = 1 << 30
+    fs_reserve_bytes: int | None = None
     fs_reserve_fraction: float = 0.05
 
     @classmethod
@@ -311,8 +313,6 @@ class TierConfig:
             values["fs_reserve_bytes"] = (
                 0 if reserve == 0 or reserve == "0" else parse_size(reserve, "fs_reserve_bytes")
             )
-        elif "fs_reserve_bytes" in raw:
-            del values["fs_reserve_bytes"]  # null: the default
         if "fs_reserve_fraction" in raw and raw["fs_reserve_fraction"] is None:
             del values["fs_reserve_fraction"]
         if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):

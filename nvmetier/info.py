@@ -292,6 +292,9 @@ def info(root: str, retention_s: float | None = None) -> dict[str, Any]:
         "machine": machine_info(root),
         "stores": [s.to_json() for s in stores],
         "budget": shares,
+        # The figures the metrics export, at the top level for scripts.
+        "root_budget_bytes": limit or 0,
+        "root_used_bytes": shares["used_bytes"],
     }
 
 

@@ -273,3 +273,13 @@ def test_the_budget_command_sets_and_refuses_below_what_live_stores_hold(
     assert cli_main(["budget", root, "--unset", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["budget_bytes"] is None
     assert budget.read_budget(root) is None
+
+
+def test_a_bad_record_is_refused_naming_the_file_and_the_fix(tmp_path) -> None:
+    (tmp_path / budget.BUDGET_NAME).write_text('{"budget_bytes": -1}')
+    with pytest.raises(ConfigError, match=r"nvmetier budget .* --set"):
+        budget.read_budget(str(tmp_path))
+    budget.write_budget(str(tmp_path), 3 << 30)
+    assert budget.read_budget(str(tmp_path)) == 3 << 30
+    budget.write_budget(str(tmp_path), None)
+    assert budget.read_budget(str(tmp_path)) is None
