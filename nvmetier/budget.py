@@ -6,7 +6,8 @@ them here: the root-level record ``budget`` (``write_budget``: temp file,
 fsync, rename, directory fsync), the root lock (``root_lock``: an exclusive
 flock on the root directory itself, held around every store creation's check
 and preallocation, and around ``nvmetier budget --set``), the removal of the
-stores that give way (``give_way``, through ``reclaim._remove_dirs``), the
+stores that give way (``give_way`` -> ``remove_store``, which renames a store
+aside and deletes it through ``reclaim``), the
 ``shrunk`` note of a store made smaller than asked, and the last-use stamp
 of a store (``touch_last_use``).
 
@@ -21,7 +22,10 @@ Liveness: a store is live while any process holds it (attached, or opening,
 closing, purging or repairing it): its ``lock.init`` or ``lock`` cannot be
 taken. A store gives way only when both are taken without waiting, so a
 stopped process (SIGSTOP, ``docker pause``) keeps its store, and nothing
-ever waits on another process here past ``ROOT_LOCK_TIMEOUT_S``.
+ever waits on another process here past ``ROOT_LOCK_TIMEOUT_S``. A store
+gives way as a dead process's private store is reclaimed
+(``reclaim._reclaim_if_free``: renamed aside under its ``lock.init``, then
+deleted).
 
 Lock order: a store's ``lock.init`` (the opener's own), then the root lock,
 then other stores' ``lock.init`` taken without waiting. No cycle can form.
@@ -37,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -49,22 +52,59 @@ from typing import Any
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig, format_size
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
-from nvmetier.locks import _is_linked, mark_init_busy, sharer_pids
-from nvmetier.reclaim import _remove_dirs
+from nvmetier.reclaim import _reclaim_if_free
+from nvmetier.root_usage import (
+    BUDGET_NAME,
+    PURGE_LOG_SLOTS,
+    STORE_SLACK_BYTES,
+    Share,
+    allocated_bytes,
+    last_use_ns,
+    layout_charge,
+    root_shares,
+    root_used_bytes,
+    store_charge,
+)
 from nvmetier.store_dir import (
     FILE_MODE,
-    INIT_LOCK_NAME,
     LOCK_NAME,
     REMOVING_TAG,
-    SUPERBLOCK_NAME,
-    TABLE_NAME,
     fsync_dir,
 )
 from nvmetier.superblock import Layout
 
+# Re-exported: the budget's callers and hooks import them from here.
+__all__ = [
+    "BUDGET_NAME",
+    "PURGE_LOG_SLOTS",
+    "STORE_SLACK_BYTES",
+    "Admission",
+    "Policy",
+    "Share",
+    "accepts_shrunk",
+    "admit",
+    "allocated_bytes",
+    "check_stated",
+    "effective_budget",
+    "give_way",
+    "last_use_ns",
+    "layout_charge",
+    "read_budget",
+    "record_stated",
+    "remove_store",
+    "report",
+    "root_lock",
+    "root_shares",
+    "root_usage_cached",
+    "root_used_bytes",
+    "set_budget",
+    "store_charge",
+    "touch_last_use",
+    "write_budget",
+]
+
 logger = logging.getLogger(__name__)
 
-BUDGET_NAME = "budget"  # the root-level record (docs/format.md, "Root budget")
 SHRUNK_NAME = "shrunk"  # in a store made smaller than its capacity_bytes
 BUDGET_FORMAT = "nvmetier-root-budget"
 BUDGET_VERSION = 1
@@ -72,13 +112,6 @@ BUDGET_VERSION = 1
 # lock (it creates a store, or changes the budget): holds last as long as a
 # preallocation; a holder stopped or hung would hold it for ever.
 ROOT_LOCK_TIMEOUT_S = float(os.environ.get("NVMETIER_ROOT_LOCK_TIMEOUT_S", "60"))
-# Small files a store may add after its creation (probe files, temporary
-# superblock and purge logs' directory blocks, ...), charged to every store.
-STORE_SLACK_BYTES = 256 << 10
-# The purge log keeps at most this many keys per slot of the store (purge.py).
-PURGE_LOG_SLOTS = 1
-PURGE_LOG_ENTRY_BYTES = 96
-PURGE_LOG_HEAD_BYTES = 32
 # Defaults of the config keys (TierConfig): the floor of a store made
 # smaller, as a fraction of capacity_bytes, and the filesystem reserve.
 DEFAULT_MIN_CAPACITY_FRACTION = 0.25
@@ -266,6 +299,24 @@ def effective_budget(root: str, policy: Policy) -> int | None:
     return recorded
 
 
+def record_stated(roots: Sequence[str], policy: Policy) -> None:
+    """At every open: refuse a stated budget that differs from a root's
+    record (lock-free), and record it where none is (under the root lock).
+
+    Raises:
+        ConfigError: naming both values and the fix.
+        StoreLockedError: the root lock held past its bound.
+    """
+    check_stated(roots, policy)
+    if policy.budget_bytes is None:
+        return
+    if all(read_budget(r) is not None for r in roots):
+        return
+    with root_lock(roots):
+        for r in roots:
+            effective_budget(r, policy)
+
+
 # ------------------------------------------------------------------ the lock
 @contextlib.contextmanager
 def root_lock(roots: Sequence[str], timeout_s: float | None = None) -> Iterator[None]:
@@ -300,186 +351,12 @@ def root_lock(roots: Sequence[str], timeout_s: float | None = None) -> Iterator[
             os.close(fd)
 
 
-# ----------------------------------------------------------------- the usage
-def allocated_bytes(path: str) -> int:
-    """``st_blocks * 512`` of ``path`` and, for a directory, everything
-    below it (what ``du`` counts). A file removed meanwhile counts 0."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return 0
-    total = st.st_blocks * 512
-    if not os.path.isdir(path) or os.path.islink(path):
-        return total
-    with contextlib.suppress(OSError), os.scandir(path) as entries:
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                total += allocated_bytes(entry.path)
-            else:
-                with contextlib.suppress(OSError):
-                    total += entry.stat(follow_symlinks=False).st_blocks * 512
-    return total
-
-
-def store_charge(sb: fmt.Superblock) -> list[int]:
-    """What a store of superblock ``sb`` may come to occupy, per root (its
-    main root first): superblock (twice: rewritten through a temporary
-    file), lock files, directories, index, table, data files, its keyring
-    at its largest (sealed), its purge log at its largest (twice: replaced
-    through a temporary file), and ``STORE_SLACK_BYTES``."""
-    meta = fmt.reserved_bytes(sb.identity, 1) + fmt.align_up(sb.index_bytes) + sb.table_bytes
-    if "encryption" in sb.identity:
-        from nvmetier.crypto import KEYRING_BYTES
-
-        meta += fmt.align_up(KEYRING_BYTES)
-    log = PURGE_LOG_HEAD_BYTES + PURGE_LOG_SLOTS * sb.n_slots * PURGE_LOG_ENTRY_BYTES
-    meta += 2 * fmt.align_up(log) + STORE_SLACK_BYTES
-    data = fmt.align_up(sb.data_file_bytes)
-    return [meta + data] + [data + fmt.ALIGN_BYTES] * (sb.n_paths - 1)
-
-
-def layout_charge(layout: Layout, n_paths: int) -> list[int]:
-    """``store_charge`` of the store ``layout`` would create over ``n_paths`` roots.
-
-    Raises:
-        FormatError: the layout holds no complete set.
-    """
-    ways, slot_bytes, n_slots = layout.geometry(n_paths)
-    sb = fmt.Superblock(
-        chunk_bytes=layout.chunk_bytes,
-        slot_bytes=slot_bytes,
-        n_slots=n_slots,
-        ways=ways,
-        n_paths=n_paths,
-        created_ns=0,
-        identity=layout.identity,
-    )
-    return store_charge(sb)
-
-
-@dataclasses.dataclass
-class Share:
-    """One entry of a root and what it holds against the budget.
-
-    Attributes:
-        name: the entry's name under the root.
-        kind: ``store`` (a superblock), ``incomplete`` (a store's main
-            directory without a superblock: being created, or a creation
-            killed), ``removing`` (a removal killed midway), ``part`` (a
-            striped store's data directory, or anything else nvmetier did
-            not make) or ``root`` (the budget record and lock).
-        disk_bytes: allocated bytes now (``du``).
-        charge_bytes: what it counts against the budget
-            (``max(disk_bytes, store_charge)`` for a store).
-        last_use_ns: the latest open, close or write (wall clock).
-        pids: processes attached.
-        live: held by a process (attached, opening, closing, purging).
-        model: the model of the store's layout identity.
-        n_paths: roots the store spans.
-        capacity_bytes: data bytes of the store.
-    """
-
-    name: str
-    path: str
-    kind: str
-    disk_bytes: int = 0
-    charge_bytes: int = 0
-    last_use_ns: int = 0
-    pids: list[int] = dataclasses.field(default_factory=list)
-    live: bool = False
-    model: str | None = None
-    n_paths: int = 1
-    capacity_bytes: int = 0
-
-    def to_json(self, budget_bytes: int | None) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["share_of_budget_pct"] = (
-            None if not budget_bytes else round(100.0 * self.disk_bytes / budget_bytes, 2)
-        )
-        return out
-
-
-def last_use_ns(store_dir: str) -> int:
-    """When the store was last opened, closed or written: the latest mtime of
-    its lock (stamped at every open and close), table, superblock and index."""
-    latest = 0
-    for name in (LOCK_NAME, TABLE_NAME, SUPERBLOCK_NAME, "index", INIT_LOCK_NAME):
-        with contextlib.suppress(OSError):
-            latest = max(latest, os.stat(os.path.join(store_dir, name)).st_mtime_ns)
-    if not latest:
-        with contextlib.suppress(OSError):
-            latest = os.stat(store_dir).st_mtime_ns
-    return latest
-
-
+# ------------------------------------------------------------ last use
 def touch_last_use(store_dir: str) -> None:
     """Stamp the store used now (its ``lock`` file's mtime): at every open
     and close, so the least recently used store is the one to give way."""
     with contextlib.suppress(OSError):
         os.utime(os.path.join(store_dir, LOCK_NAME))
-
-
-def _held(store_dir: str) -> bool:
-    from nvmetier.locks import store_held
-
-    with contextlib.suppress(OSError):
-        return store_held(store_dir)
-    return False
-
-
-def root_shares(root: str, skip: str | None = None) -> list[Share]:
-    """Every entry of ``root`` with its share (``skip``: a name left out).
-    Never raises: an entry that cannot be read counts what ``du`` sees."""
-    out: list[Share] = []
-    try:
-        names = sorted(os.listdir(root))
-    except OSError:
-        return out
-    for name in names:
-        if name == skip:
-            continue
-        path = os.path.join(root, name)
-        disk = allocated_bytes(path)
-        if name == BUDGET_NAME or name.startswith(f"{BUDGET_NAME}.tmp-"):
-            out.append(Share(name, path, "root", disk, disk))
-            continue
-        if not os.path.isdir(path) or os.path.islink(path):
-            out.append(Share(name, path, "part", disk, disk))
-            continue
-        if REMOVING_TAG in name:
-            out.append(Share(name, path, "removing", disk, disk))
-            continue
-        share = Share(name, path, "part", disk, disk, last_use_ns=last_use_ns(path))
-        sb_path = os.path.join(path, SUPERBLOCK_NAME)
-        try:
-            with open(sb_path, "rb") as f:
-                sb = fmt.unpack_superblock(f.read(), where=sb_path)
-        except (OSError, FormatError):
-            if os.path.exists(os.path.join(path, INIT_LOCK_NAME)):
-                share.kind = "incomplete"
-                share.live = _held(path)
-            out.append(share)
-            continue
-        share.kind = "store"
-        share.n_paths = sb.n_paths
-        share.capacity_bytes = sb.n_slots * sb.slot_bytes
-        share.charge_bytes = max(disk, store_charge(sb)[0])
-        model = sb.identity.get("model_name", sb.identity.get("model"))
-        share.model = None if model is None else str(model)
-        share.live = _held(path)
-        share.pids = sharer_pids(path) if share.live else []
-        out.append(share)
-    return out
-
-
-def root_used_bytes(root: str) -> int:
-    """Allocated bytes of everything under ``root`` now (what ``du`` counts,
-    ``root``'s own directory block aside)."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return 0
-    return sum(allocated_bytes(os.path.join(root, n)) for n in names)
 
 
 _usage_cache: dict[str, tuple[float, int, int]] = {}
@@ -503,46 +380,6 @@ def root_usage_cached(root: str) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ give way
-def _remove_if_free(dirs: Sequence[str], why: str) -> bool:
-    """Remove the store (or incomplete store) in ``dirs`` if no process
-    holds it: its ``lock.init`` and ``lock`` both taken without waiting (a
-    stopped process keeps both). Removed as ``reclaim`` removes a store:
-    renamed aside under ``lock.init``, then deleted."""
-    main = dirs[0]
-    init_path = os.path.join(main, INIT_LOCK_NAME)
-    try:
-        init_fd = os.open(init_path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        try:
-            fcntl.flock(init_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # being opened, closed, purged or repaired now
-        mark_init_busy(init_fd)
-        if not _is_linked(init_fd, init_path):
-            return False
-        try:
-            lock_fd = os.open(os.path.join(main, LOCK_NAME), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            lock_fd = -1
-        except OSError:
-            return False
-        try:
-            if lock_fd >= 0:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # attached (or stopped while attached): it stays
-        finally:
-            if lock_fd >= 0:
-                os.close(lock_fd)
-        logger.warning("nvmetier: removing %s: %s", main, why)
-        _remove_dirs(dirs)
-        return True
-    finally:
-        os.close(init_fd)
-
-
 def _sweep_removing(root: str) -> None:
     """Delete the ``.removing-`` directories under ``root``: stores already
     renamed aside by a removal that a crash cut short (no process uses them;
@@ -551,6 +388,12 @@ def _sweep_removing(root: str) -> None:
         for name in os.listdir(root):
             if REMOVING_TAG in name:
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def remove_store(dirs: Sequence[str], why: str) -> bool:
+    """Remove the store in ``dirs`` whole if no process holds it (the one
+    removal the budget makes: a hook point). Returns whether it was removed."""
+    return _reclaim_if_free(dirs, why)
 
 
 def _victim_dirs(share: Share, roots: Sequence[str]) -> list[str] | None:
@@ -588,7 +431,7 @@ def give_way(
             gone = not os.path.exists(share.path)
         else:
             dirs = _victim_dirs(share, roots)
-            gone = dirs is not None and _remove_if_free(
+            gone = dirs is not None and remove_store(
                 dirs,
                 f"{why} (least recently used: "
                 f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(share.last_use_ns / 1e9))}, "
@@ -695,9 +538,8 @@ def admit(
     room = []
     fs_notes = []
     for r, u, b in zip(roots, used, budgets, strict=True):
-        total, free = space(
-            os.path.join(r, store_name) if os.path.isdir(os.path.join(r, store_name)) else r
-        )
+        own = os.path.join(r, store_name)  # made by the opener's lock.init: same filesystem
+        total, free = space(own if os.path.isdir(own) else r)
         reserve = policy.reserve_bytes(total)
         fs_room = max(0, free - reserve)
         fs_notes.append((r, free, reserve))
@@ -811,6 +653,29 @@ def shrunk_note(store_dir: str) -> int | None:
         return int(doc["asked_capacity_bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def accepts_shrunk(store_dir: str, sb: fmt.Superblock, layout: Layout, policy: Policy) -> bool:
+    """Whether the store in ``store_dir`` (superblock ``sb``), whose geometry
+    is not what ``layout`` asks, is the one this configuration asked for and
+    got smaller (its ``shrunk`` note names ``layout.capacity_bytes``).
+
+    Raises:
+        ConfigError: it was made smaller than this process's floor.
+    """
+    asked = shrunk_note(store_dir)
+    n_paths = len(layout.capacity_per_path or ()) or sb.n_paths
+    if asked != layout.capacity_bytes or sb.n_paths != n_paths:
+        return False
+    floor = policy.floor_bytes(layout.capacity_bytes)
+    made = sb.n_slots * sb.slot_bytes
+    if made < floor * 9 // 10:
+        raise ConfigError(
+            f"store {store_dir!r} was made {format_size(made)} under the root budget, below "
+            f"min_capacity_bytes={floor} ({format_size(floor)}); lower min_capacity_bytes, or "
+            "remove the store to create it again"
+        )
+    return True
 
 
 def clear_shrunk_note(store_dir: str) -> None:

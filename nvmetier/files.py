@@ -385,7 +385,7 @@ class StoreFiles:
         if not exists and not create:
             raise FormatError(f"{main!r} is not an nvmetier store (no superblock)")
         if create:
-            self._record_budget(roots)
+            budget.record_stated(roots, self._policy)
         self._init_fd = _lock_init(self.dirs)
         try:
             self._lock(main)
@@ -415,19 +415,6 @@ class StoreFiles:
             # close it, by then maybe another thread's new file.
             init_fd, self._init_fd = self._init_fd, -1
             _unlock_file(init_fd)
-
-    def _record_budget(self, roots: Sequence[str]) -> None:
-        """A stated root budget: refuse one that differs from a root's record
-        (lock-free), record it where none is (under the root lock)."""
-        policy = self._policy
-        budget.check_stated(roots, policy)
-        if policy.budget_bytes is None:
-            return
-        if all(budget.read_budget(r) is not None for r in roots):
-            return
-        with budget.root_lock(roots):
-            for r in roots:
-                budget.effective_budget(r, policy)
 
     # --- lock -----------------------------------------------------------------
     def _lock(self, main: str) -> None:
@@ -594,17 +581,9 @@ class StoreFiles:
         except ConfigError:
             # A store made smaller under the root budget or the filesystem
             # reserve is the one this configuration asked for.
-            asked = budget.shrunk_note(self.dirs[0])
-            if asked != layout.capacity_bytes or self.sb.n_paths != len(self.dirs):
+            if not budget.accepts_shrunk(self.dirs[0], self.sb, layout, self._policy):
                 raise
-            floor = self._policy.floor_bytes(layout.capacity_bytes)
-            if self.sb.n_slots * self.sb.slot_bytes < floor * 9 // 10:
-                raise ConfigError(
-                    f"store {self.dirs[0]!r} was made {self.sb.n_slots * self.sb.slot_bytes} "
-                    f"bytes under the root budget, below min_capacity_bytes={floor}; lower "
-                    "min_capacity_bytes, or remove the store to create it again"
-                ) from None
-            self.shrunk_from = asked
+            self.shrunk_from = layout.capacity_bytes
 
     def _create(self, layout: Layout) -> None:
         """Create the store under the root lock: the budget's admission

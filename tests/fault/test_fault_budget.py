@@ -146,3 +146,21 @@ def test_processes_killed_at_random_instants_never_pass_the_budget(tmp_path) -> 
                 store, _n = open_and_verify(tmp_path, rng.randrange(6), min_capacity_bytes=4 * MiB)
                 store.close()
     assert sampler.peak <= LIMIT, sampler.peak
+
+
+@pytest.mark.skipif(not SLOW, reason="NVMETIER_SLOW=1: rounds of four processes creating at once")
+def test_four_processes_creating_at_once_never_pass_the_budget(tmp_path) -> None:
+    with Sampler(tmp_path) as sampler:
+        for round_ in range(5):
+            models = [4 * round_ + m for m in range(4)]
+            procs = [spawn(tmp_path, m, "hold", 4 * MiB) for m in models]
+            answers = [p.stdout.readline().split() for p in procs]  # type: ignore[union-attr]
+            # All live at once: 40 MiB holds two full stores and one or two
+            # at their floor; whoever finds no room is refused, cleanly.
+            ok = [a for a in answers if a and a[0] == "ok"]
+            assert len(ok) >= 2, answers
+            assert all(a[0] in ("ok", "err") for a in answers), answers
+            assert all(a[1] == "StoreSpaceError" for a in answers if a[0] == "err"), answers
+            for p in procs:
+                p.communicate("", timeout=60)
+    assert sampler.peak <= LIMIT, sampler.peak
