@@ -598,7 +598,13 @@ class StoreFiles:
                 usage = shutil.disk_usage(d)
                 return usage.total, usage.free
 
-            admission = budget.admit(roots, name, layout, self._policy, space)
+            try:
+                admission = budget.admit(roots, name, layout, self._policy, space)
+            except StoreSpaceError:
+                # Refused before any file: the directories made for it go
+                # (under lock.init, nobody else attached), not left as clutter.
+                _remove_dirs(self.dirs)
+                raise
             self.removed_for_budget = [s.name for s in admission.removed]
             self.shrunk_from = admission.shrunk_from
             self._create_locked(admission.layout)
