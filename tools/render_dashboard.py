@@ -9,8 +9,8 @@ model of the serve suite) with nvmetier as its secondary tier, sized small so
 that a few minutes of traffic show every kind of event: an 8 MiB store (~15
 prompts of 8 chunks, so it evicts), a 60 s retention (so old prompts
 expire), a CPU tier of 1 MiB (16 chunks) and 24 "GPU" blocks (so repeats come
-back from the disk, not from vLLM's caches), and a second server joining the
-store a quarter of the way in (sharers).
+back from the disk, not from vLLM's caches), and a second server attached to
+the store for the first half (sharers).
 While a client sends prompts (new ones, repeats of recent ones, and repeats
 of ones older than the retention), it scrapes ``/metrics`` every
 ``--interval`` seconds, keeps the samples the dashboard reads
@@ -108,15 +108,6 @@ def workload(server: ServerProcess, duration_s: float, stop: threading.Event) ->
         time.sleep(0.3)
 
 
-def report_ready(server: ServerProcess) -> None:
-    """Say when ``server`` answers, or why it did not."""
-    try:
-        server.wait_ready()
-        print("render_dashboard: the second server is up and shares the store")
-    except (RuntimeError, TimeoutError) as exc:
-        print(f"render_dashboard: the second server did not start: {exc}", file=sys.stderr)
-
-
 def wanted_names(dashboard: dict[str, Any]) -> set[str]:
     names: set[str] = set()
     for _title, _ref, expr in promql.dashboard_expressions(dashboard):
@@ -136,21 +127,27 @@ def collect(args: argparse.Namespace, dashboard: dict[str, Any]) -> list[dict[st
         root = os.path.join(tmp, "kv")
         first = start_server(model, root, tmp, "first")
         servers = [first]
+        # The second server starts with the first (started later, on a
+        # loaded 2-core machine, it took minutes) and stops half way.
+        sharer = start_server(model, root, tmp, "sharer") if args.sharer else None
+        if sharer is not None:
+            servers.append(sharer)
         stop = threading.Event()
         try:
-            first.wait_ready()
+            for server in servers:
+                server.wait_ready()
             sender = threading.Thread(
                 target=workload, args=(first, args.duration, stop), daemon=True
             )
             t0 = time.time()
             sender.start()
-            sharer: ServerProcess | None = None
             while sender.is_alive():
-                elapsed = time.time() - t0
-                if sharer is None and elapsed > args.duration / 4 and args.sharer:
-                    sharer = start_server(model, root, tmp, "sharer")
-                    servers.append(sharer)
-                    threading.Thread(target=report_ready, args=(sharer,), daemon=True).start()
+                if sharer is not None and time.time() - t0 > args.duration / 2:
+                    # SIGTERM: it detaches from the store (in the background:
+                    # the scrapes go on meanwhile).
+                    threading.Thread(target=sharer.stop, daemon=True).start()
+                    sharer = None
+                elapsed = time.time() - t0  # when this scrape is taken
                 samples = {
                     k: [
                         ({**lab, "model_name": "tiny"} if "model_name" in lab else dict(lab), v)
@@ -177,6 +174,47 @@ UNIT_SCALE = {
 }
 
 
+def scrape_series(scrapes: list[dict[str, Any]]) -> list[tuple[float, promql.Scrape]]:
+    """Saved scrapes as (time, samples), the evaluator's input."""
+    return [
+        (float(s["t"]), {k: [(lab, v) for lab, v in vals] for k, vals in s["samples"].items()})
+        for s in scrapes
+    ]
+
+
+def variables_for(interval_s: float) -> dict[str, str]:
+    """Grafana's variables as the render sets them: every model, and
+    ``$__rate_interval`` as 4 scrape intervals (Grafana's own minimum)."""
+    return {"model_name": ".*", "__rate_interval": f"{int(4 * interval_s)}s"}
+
+
+def target_lines(
+    target: dict[str, Any],
+    series: list[tuple[float, promql.Scrape]],
+    variables: dict[str, str],
+) -> dict[str, list[float]]:
+    """One panel target evaluated at every scrape: legend -> values (NaN
+    where undefined: no samples yet, 0/0)."""
+    node = promql.parse(promql.substitute(target["expr"], variables))
+    lines: dict[str, list[float]] = {}
+    for i, (t, _) in enumerate(series):
+        value = promql.evaluate(node, series[: i + 1], t)
+        if not isinstance(value, dict):
+            value = {frozenset(): value}
+        for labels, v in value.items():
+            name = promql.legend(target.get("legendFormat", ""), labels)
+            col = lines.setdefault(name, [math.nan] * len(series))
+            col[i] = v if math.isfinite(v) else math.nan
+    return lines
+
+
+def load_scrapes(path: str) -> tuple[list[dict[str, Any]], float]:
+    """Saved scrapes and their interval (seconds)."""
+    with lzma.open(path, "rt", encoding="utf-8") as f:
+        saved = json.load(f)
+    return saved["scrapes"], float(saved["interval_s"])
+
+
 def render(
     dashboard: dict[str, Any], scrapes: list[dict[str, Any]], out: str, interval: float
 ) -> None:
@@ -185,8 +223,8 @@ def render(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series = [(float(s["t"]), s["samples"]) for s in scrapes]
-    variables = {"model_name": ".*", "__rate_interval": f"{int(4 * interval)}s"}
+    series = scrape_series(scrapes)
+    variables = variables_for(interval)
     times = [t for t, _ in series]
     panels = dashboard["panels"]
     rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
@@ -215,20 +253,11 @@ def render(
         ax.set_title(p["title"], fontsize=9, loc="left")
         drawn = missing = 0
         for target in p["targets"]:
-            node = promql.parse(promql.substitute(target["expr"], variables))
-            lines: dict[str, list[float]] = {}
-            for i, (t, _) in enumerate(series):
-                value = promql.evaluate(node, series[: i + 1], t)
-                if not isinstance(value, dict):
-                    value = {frozenset(): value}
-                for labels, v in value.items():
-                    name = promql.legend(target.get("legendFormat", ""), labels)
-                    col = lines.setdefault(name, [math.nan] * len(series))
-                    col[i] = v * scale if math.isfinite(v) else math.nan
+            lines = target_lines(target, series, variables)
             if not lines:
                 missing += 1
             for name, ys in lines.items():
-                ax.plot(times, ys, label=name, linewidth=1.2)
+                ax.plot(times, [y * scale for y in ys], label=name, linewidth=1.2)
                 drawn += 1
         absent = sorted(
             n
@@ -282,15 +311,13 @@ def main(argv: list[str] | None = None) -> int:
         "--no-sharer",
         dest="sharer",
         action="store_false",
-        help="do not start a second server on the store half way",
+        help="no second server on the store for the first half",
     )
     args = ap.parse_args(argv)
     with open(args.dashboard, encoding="utf-8") as f:
         dashboard = json.load(f)
     if args.from_scrapes:
-        with lzma.open(args.scrapes, "rt", encoding="utf-8") as f:
-            saved = json.load(f)
-        scrapes, interval = saved["scrapes"], float(saved["interval_s"])
+        scrapes, interval = load_scrapes(args.scrapes)
     else:
         scrapes, interval = collect(args, dashboard), args.interval
         with lzma.open(args.scrapes, "wt", encoding="utf-8") as f:

@@ -111,7 +111,7 @@ def fill_store(root: str, **config: Any) -> dict[str, Any]:
     mm = mmap.mmap(-1, 64 * ROW)
     buffer = memoryview(mm)
     try:
-        store = make_store(root, buffer, engine="threads", **config)
+        store = make_store(root, buffer, **config)
         try:
             (stored,) = store_keys(store, buffer, KEYS)
             loaded, good = load_keys(store, buffer, KEYS)
@@ -128,7 +128,7 @@ def reload_store(root: str, **config: Any) -> int:
     mm = mmap.mmap(-1, 64 * ROW)
     buffer = memoryview(mm)
     try:
-        store = make_store(root, buffer, engine="threads", **config)
+        store = make_store(root, buffer, **config)
         try:
             _outcome, good = load_keys(store, buffer, KEYS)
         finally:
@@ -256,7 +256,7 @@ def test_preallocated_store_counts_in_full_against_a_size_limit(volume) -> None:
     mm = mmap.mmap(-1, 64 * ROW)
     buffer = memoryview(mm)
     try:
-        store = make_store(volume, buffer, engine="threads", capacity_bytes=capacity)
+        store = make_store(volume, buffer, capacity_bytes=capacity)
         try:
             assert store.stats()["bytes_used"] == 0
             allocated = du_bytes(volume)
