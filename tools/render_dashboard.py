@@ -108,6 +108,17 @@ def workload(server: ServerProcess, duration_s: float, stop: threading.Event) ->
         time.sleep(0.3)
 
 
+def stop_and_report(server: ServerProcess) -> None:
+    """Stop ``server`` as the kubelet does (SIGTERM to ``vllm serve``) and say
+    how long it took: what terminationGracePeriodSeconds must cover."""
+    t0 = time.monotonic()
+    code = server.stop()
+    print(
+        f"render_dashboard: the second server stopped {time.monotonic() - t0:.1f} s after "
+        f"SIGTERM (exit status {code})"
+    )
+
+
 def wanted_names(dashboard: dict[str, Any]) -> set[str]:
     names: set[str] = set()
     for _title, _ref, expr in promql.dashboard_expressions(dashboard):
@@ -145,7 +156,7 @@ def collect(args: argparse.Namespace, dashboard: dict[str, Any]) -> list[dict[st
                 if sharer is not None and time.time() - t0 > args.duration / 2:
                     # SIGTERM: it detaches from the store (in the background:
                     # the scrapes go on meanwhile).
-                    threading.Thread(target=sharer.stop, daemon=True).start()
+                    threading.Thread(target=stop_and_report, args=(sharer,), daemon=True).start()
                     sharer = None
                 elapsed = time.time() - t0  # when this scrape is taken
                 samples = {

@@ -66,6 +66,7 @@ SETS = {
     "full": [31, 32, 33],
     "dp": [41, 42],
     "fs": [51, 52],
+    "dashboard": [61],
 }
 ALL_SEEDS = [s for seeds in SETS.values() for s in seeds]
 PROMPTS = {s: make_prompt(s) for s in ALL_SEEDS}
@@ -199,22 +200,22 @@ def test_warm_restart_loads_from_disk_and_recomputes_nothing(
 
 
 def test_dashboard_names_only_series_a_server_with_the_tier_exports(
-    restarted: ServerProcess,
+    restarted: ServerProcess, reference: dict[int, list[int]]
 ) -> None:
     """Every metric that an expression of docs/grafana/nvmetier.json names is
     on this real server's /metrics, so the dashboard cannot drift from the
-    code. The restart prompts make the server load from disk first (vLLM
-    creates some of its series at their first event); after
+    code. vLLM creates some of its series at their first event, so the server
+    first loads from disk (the restart prompts; after
     test_warm_restart_loads_from_disk_and_recomputes_nothing they come from
-    vLLM's caches, the series exist already."""
+    vLLM's caches, and those series exist already) and stores (a new prompt)."""
     with open(DASHBOARD, encoding="utf-8") as f:
         dashboard = json.load(f)
     names: set[str] = set()
     for _title, _ref, expr in promql.dashboard_expressions(dashboard):
         names |= promql.metric_names(expr)
     assert len(names) >= 20
-    for s in SETS["restart"]:
-        restarted.complete(PROMPTS[s], MAX_TOKENS)
+    for s in SETS["restart"] + SETS["dashboard"]:
+        assert restarted.complete(PROMPTS[s], MAX_TOKENS) == reference[s], f"prompt {s}"
 
     def missing() -> set[str]:
         # Pending the root-budget change: PENDING_ROOT_BUDGET_METRICS goes
