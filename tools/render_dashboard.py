@@ -9,8 +9,9 @@ model of the serve suite) with nvmetier as its secondary tier, sized small so
 that a few minutes of traffic show every kind of event: an 8 MiB store (~15
 prompts of 8 chunks, so it evicts), a 60 s retention (so old prompts
 expire), a CPU tier of 1 MiB (16 chunks) and 24 "GPU" blocks (so repeats come
-back from the disk, not from vLLM's caches), and a second server attached to
-the store for the first half (sharers).
+back from the disk, not from vLLM's caches), a 12 MiB root budget
+(``root_budget_bytes``; ``--tier-extra`` sets other keys), and a second
+server attached to the store for the first half (sharers).
 While a client sends prompts (new ones, repeats of recent ones, and repeats
 of ones older than the retention), it scrapes ``/metrics`` every
 ``--interval`` seconds, keeps the samples the dashboard reads
@@ -21,8 +22,8 @@ panels on the dashboard's grid with matplotlib (``--out``).
 
 The picture is therefore computed from real samples by our evaluator and
 drawn by matplotlib; it is not a Grafana screenshot (styling differs).
-Panels whose series the server does not export (the root budget's, until
-that change is merged) say so instead of drawing zeros.
+A panel whose series the server does not export says so (naming them)
+instead of drawing zeros.
 """
 
 from __future__ import annotations
@@ -66,10 +67,11 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
     return [rng.randrange(2, VOCAB) for _ in range(BLOCK * blocks + 8)]
 
 
-def start_server(model: str, root: str, log_dir: str, name: str) -> ServerProcess:
-    kv = kv_transfer_config(
-        "nvme", root, "8MiB", cpu_bytes=1 << 20, tier_extra={"retention": "60s"}
-    )
+def start_server(
+    model: str, root: str, log_dir: str, name: str, tier_extra: dict[str, Any]
+) -> ServerProcess:
+    extra = {"retention": "60s", **tier_extra}
+    kv = kv_transfer_config("nvme", root, "8MiB", cpu_bytes=1 << 20, tier_extra=extra)
     port = free_port()
     argv = cpu_serve_argv(
         model,
@@ -136,11 +138,11 @@ def collect(args: argparse.Namespace, dashboard: dict[str, Any]) -> list[dict[st
     with tempfile.TemporaryDirectory(prefix="nvmetier-dash-") as tmp:
         model = make_model(os.path.join(tmp, "tiny"), "tiny")
         root = os.path.join(tmp, "kv")
-        first = start_server(model, root, tmp, "first")
+        first = start_server(model, root, tmp, "first", args.tier_extra)
         servers = [first]
         # The second server starts with the first (started later, on a
         # loaded 2-core machine, it took minutes) and stops half way.
-        sharer = start_server(model, root, tmp, "sharer") if args.sharer else None
+        sharer = start_server(model, root, tmp, "sharer", args.tier_extra) if args.sharer else None
         if sharer is not None:
             servers.append(sharer)
         stop = threading.Event()
@@ -323,6 +325,13 @@ def main(argv: list[str] | None = None) -> int:
         dest="sharer",
         action="store_false",
         help="no second server on the store for the first half",
+    )
+    ap.add_argument(
+        "--tier-extra",
+        type=json.loads,
+        default={"root_budget_bytes": "12MiB"},
+        help="more keys of the tier's config, JSON (default: %(default)s, a root budget, "
+        "so the budget panels have data)",
     )
     args = ap.parse_args(argv)
     with open(args.dashboard, encoding="utf-8") as f:

@@ -21,6 +21,7 @@ from nvmetier.config import TierConfig, parse_size
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MANIFEST = os.path.join(REPO, "docs", "k8s", "vllm-nvmetier.yaml")
 OPERATIONS = os.path.join(REPO, "docs", "operations.md")
+K8S_SECTION = "## Running on Kubernetes"
 # The oldest Kubernetes minor still maintained, and the newest the schemas know.
 K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
 # Tier keys of the root-budget change (issue 30, items 1-2) that TierConfig
@@ -50,9 +51,13 @@ def manifest_docs() -> list[dict[str, Any]]:
 
 
 def recipe_docs() -> list[tuple[str, dict[str, Any]]]:
-    """Every YAML object of docs/operations.md's ```yaml blocks, with a label."""
+    """Every object of the ```yaml blocks of docs/operations.md's Kubernetes
+    section (other sections' YAML is tier config), with a label."""
     with open(OPERATIONS, encoding="utf-8") as f:
         text = f.read()
+    start = text.index(K8S_SECTION)
+    end = text.find("\n## ", start + len(K8S_SECTION))
+    text = text[start : end if end >= 0 else len(text)]
     out = []
     for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", text, re.S)):
         for doc in yaml.safe_load_all(block):
