@@ -307,10 +307,10 @@ def render(
         defaults = p.get("fieldConfig", {}).get("defaults", {})
         if "min" in defaults or "max" in defaults:  # the panel's fixed axis, as Grafana
             lo, hi = ax.get_ylim()
-            ax.set_ylim(
-                defaults["min"] * scale if "min" in defaults else lo,
-                defaults["max"] * scale if "max" in defaults else hi,
-            )
+            lo = defaults["min"] * scale if "min" in defaults else lo
+            hi = defaults["max"] * scale if "max" in defaults else hi
+            pad = 0.03 * (hi - lo)  # a line at the bound stays visible
+            ax.set_ylim(lo - pad, hi + pad)
         ax.grid(alpha=0.3)
         if drawn:
             ax.legend(fontsize=6, loc="upper left", ncol=2 if drawn > 3 else 1)
