@@ -35,6 +35,7 @@ from typing import Any
 
 import pytest
 
+from nvmetier.bench import promql
 from nvmetier.bench.serve import ServerProcess, metric_sum
 
 from .conftest import Servers
@@ -43,6 +44,12 @@ BLOCK = 32  # vLLM's CPU block size; one offloaded chunk per block
 CHUNK_BLOCKS = 8  # full blocks per prompt
 MAX_TOKENS = 8
 VOCAB = 512  # the tiny model's
+DASHBOARD = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "docs",
+    "grafana",
+    "nvmetier.json",
+)
 
 
 def make_prompt(seed: int) -> list[int]:
@@ -58,6 +65,7 @@ SETS = {
     "full": [31, 32, 33],
     "dp": [41, 42],
     "fs": [51, 52],
+    "dashboard": [61],
 }
 ALL_SEEDS = [s for seeds in SETS.values() for s in seeds]
 PROMPTS = {s: make_prompt(s) for s in ALL_SEEDS}
@@ -188,6 +196,33 @@ def test_warm_restart_loads_from_disk_and_recomputes_nothing(
     assert restarted.offload_bytes("GPU_to_CPU") == stored0, "KV was recomputed and stored"
     assert restarted.offload_bytes("CPU_to_GPU") > loaded0
     assert nvme(restarted, "ops_read_total") - reads0 == len(SETS["restart"]) * CHUNK_BLOCKS
+
+
+def test_dashboard_names_only_series_a_server_with_the_tier_exports(
+    restarted: ServerProcess, reference: dict[int, list[int]]
+) -> None:
+    """Every metric that an expression of docs/grafana/nvmetier.json names is
+    on this real server's /metrics, so the dashboard cannot drift from the
+    code. vLLM creates some of its series at their first event, so the server
+    first loads from disk (the restart prompts; after
+    test_warm_restart_loads_from_disk_and_recomputes_nothing they come from
+    vLLM's caches, and those series exist already) and stores (a new prompt)."""
+    with open(DASHBOARD, encoding="utf-8") as f:
+        dashboard = json.load(f)
+    names: set[str] = set()
+    for _title, _ref, expr in promql.dashboard_expressions(dashboard):
+        names |= promql.metric_names(expr)
+    assert len(names) >= 20
+    for s in SETS["restart"] + SETS["dashboard"]:
+        assert restarted.complete(PROMPTS[s], MAX_TOKENS) == reference[s], f"prompt {s}"
+
+    def missing() -> set[str]:
+        return names - set(restarted.metrics())
+
+    deadline = time.monotonic() + 60  # stats reach the API server each step
+    while missing() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert missing() == set(), "series the dashboard names but the server does not export"
 
 
 def group_maps(server: ServerProcess, needle: str) -> dict[int, list[str]]:
