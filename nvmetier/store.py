@@ -520,9 +520,29 @@ class BlockStore:
                 counts.pop(next(iter(counts)))
         return False
 
+    def count_lookup(self, key: bytes) -> None:
+        """A lookup of ``key`` that vLLM's adapter answered MISS without
+        asking the table (the promotion guard withheld it): counted for
+        ``admit_after_lookups`` as a miss of ``lookup`` would be, unless the
+        key is READY already. Never blocks."""
+        if self.config.admit_after_lookups and not self.contains(key):
+            counts = self._lookup_counts
+            counts[key] = counts.get(key, 0) + 1
+            if len(counts) > _MAX_LOOKUP_COUNTS:
+                counts.pop(next(iter(counts)))
+
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is READY, without leasing it or counting."""
         return bool(self._table.contains(self._mac(key) if self._keys else key))
+
+    def contains_call(self) -> Callable[[bytes], Any]:
+        """The cheapest callable equal to ``contains`` (truthy when READY):
+        the table's own ``contains``, behind the native key MAC for a sealed
+        store (no Python frame either way); the promotion guard's plan asks it
+        once per chunk of a request."""
+        if self._keys is not None:
+            return self._keys.mac_then(self._table.contains)
+        return self._table.contains  # type: ignore[no-any-return]
 
     def slot_of(self, key: bytes) -> int | None:
         """The slot holding ``key`` READY, or None (tools and tests: where a

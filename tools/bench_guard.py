@@ -13,6 +13,9 @@ Runs on any nvmetier checkout (only the harness and vLLM's public calls), so
 the same script measures two commits:
 
     python tools/bench_guard.py --prompt-chunks 39 --cpu-chunks 13 --requests 200
+    python tools/bench_guard.py --prompt-chunks 256 --cpu-chunks 256 --requests 1024
+
+(the second: 262,144 stored keys, requests of 256.)
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ def main() -> None:
             "type": "NvmeTierManager",
             "module_path": "nvmetier.vllm",
             "root_dir": root,
-            "capacity_bytes": "256MiB",
+            # Room for every prompt twice over (no eviction while timing).
+            "capacity_bytes": max(
+                256 << 20, 2 * args.requests * args.prompt_chunks * (args.chunk_bytes + 4096)
+            ),
         }
         n = args.prompt_chunks
         prompts = [[key_of(100_000 * (r + 1) + i) for i in range(n)] for r in range(args.requests)]

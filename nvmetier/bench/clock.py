@@ -99,6 +99,15 @@ class _TierClock:
         timing's own cost per call (``self_ns``)."""
         return max(0.0, self.inside_ns - self.calls * self.self_ns) / 1e9
 
+    def per_chunk_line(self, what: str, chunks: int) -> str:
+        """The phase's vLLM-thread time inside the tier per chunk, timing cost
+        subtracted (a line of the bench's output)."""
+        us = self.inside_corrected_s() * 1e6 / max(1, chunks)
+        return (
+            f"  vLLM's thread inside the tier: {us:.2f} us per chunk {what} "
+            f"({self.calls} calls, {self.self_ns:.0f} ns of timing each subtracted)"
+        )
+
     def report(self) -> dict[str, Any]:
         """The figures a phase reports (JSON ``extra``)."""
         return {

@@ -60,6 +60,7 @@ from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refuse
 from nvmetier.vllm import compat, recency
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 from nvmetier.vllm.cpu_view import (
+    POSITIONS_ATTR,
     PrimaryView,
     connector_groups,
     connector_max_model_len,
@@ -84,6 +85,9 @@ ENGINE_WRAPPER: Callable[[IoEngine], IoEngine] | None = None
 
 _warned_random_seed = False
 _HIT, _MISS = LookupResult.HIT, LookupResult.MISS
+# What on_new_request returns: vLLM reads only its policy (the default), so
+# one instance serves every request.
+_REQUEST_CONTEXT = RequestOffloadingContext()
 
 # The tier type names under which vLLM may build this tier: the plugin's short
 # name and the class name used with module_path.
@@ -414,6 +418,8 @@ class NvmeTierManager(SecondaryTierManager):
         # table directly unless the store counts lookups (admit_after_lookups).
         # (A sealed store's calls map keys to their MACs first, natively.)
         self._lookup = store.lookup_call()
+        # The guard's answer over this store's lookup, built at the next lookup.
+        self._answer: Callable[[OffloadKey, ReqContext], bool] = self._first_lookup
         self._poll = store.poll_raw()
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).
@@ -456,8 +462,9 @@ class NvmeTierManager(SecondaryTierManager):
             )
             return
         # The plan asks the disk without leasing a slot: only the walk's own
-        # lookups (of the keys the plan answers HIT for) lease.
-        self._guard.attach(PrimaryView(primary), lambda key: self.store.contains(key))
+        # lookups (of the keys the plan answers HIT for) lease. (The store is
+        # not replaced after this: the seed check came first.)
+        self._guard.attach(PrimaryView(primary), self.store.contains_call())
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -504,19 +511,25 @@ class NvmeTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ lookups
     @override
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        # HIT only for the chunks the request's plan will load through the CPU
+        # tier (nvmetier.vllm.promotion says why: otherwise a read storm); the
+        # guard's lookup_call asks the disk for those alone.
+        return _HIT if self._answer(key, req_context) else _MISS
+
+    def _first_lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
+        """The first lookup (and the first after the store was replaced):
+        check the seed, give the guard its view, then answer through the
+        guard's ``lookup_call`` from now on."""
         if not self._seed_checked:
             self._check_seed()
         if not self._guard_wired:
             self._wire_guard()
-        guard = self._guard
-        # HIT only for the chunks the request's plan will load through the CPU
-        # tier (nvmetier.vllm.promotion says why: otherwise a read storm).
-        if not guard.admits(key, req_context):
-            return _MISS
-        if not self._lookup(key):
-            return _MISS
-        guard.note_hit(key, req_context)
-        return _HIT
+        # Write admission counts the lookups of absent chunks: those the guard
+        # withholds without asking the disk count too.
+        store = self.store
+        withheld = store.count_lookup if store.counts_lookups else None
+        self._answer = self._guard.lookup_call(self._lookup, withheld)
+        return self._answer(key, req_context)
 
     @override
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -525,16 +538,18 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._guard.track(req_context)
-        return RequestOffloadingContext()
+        return _REQUEST_CONTEXT
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._guard.finish(req_context.req_id)
         # vLLM never asks the disk about chunks the GPU or the CPU tier served,
         # nor calls touch: refresh the disk's recency of every chunk the
-        # request used, here, once per request (nvmetier.vllm.recency).
+        # request used, here, once per request (nvmetier.vllm.recency). A
+        # request that recorded no key (None: this vLLM records none, which
+        # recency warns about once) has nothing to refresh.
         max_chunks = self.config.recency_refresh_chunks
-        if max_chunks:
+        if max_chunks and getattr(req_context, POSITIONS_ATTR, None) != {}:
             keys = recency.request_keys(req_context, max_chunks)
             if keys:
                 if not self._seed_checked:
@@ -574,16 +589,17 @@ class NvmeTierManager(SecondaryTierManager):
         done = self._poll()  # one native call: completions applied, finished jobs out
         if not done:
             return ()
-        out = []
+        out: list[JobResult] = []
+        append = out.append
         for raw in done:
             job_id, success, ok_keys, secs, moved, error, is_load = raw
             if error is not None:
                 log_failed_job(raw)
             if is_load:  # the guard pins what landed for requests waiting on it
                 self._guard.load_finished(job_id, success, ok_keys)
-            if not success and not is_load and not compat.REPORTS_STORE_FAILURES:
+            elif not success and not compat.REPORTS_STORE_FAILURES:
                 self._report_store_failed()
-            out.append(JobResult(job_id, success, ok_keys or None, secs, moved))
+            append(JobResult(job_id, success, ok_keys or None, secs, moved))
         return out
 
     def _report_store_failed(self) -> None:

@@ -28,14 +28,15 @@ Tested on vLLM 0.32 and 0.33 (tests/vllm run in both environments).
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import FrameType
 from typing import Any
 
 from vllm.v1.kv_offload.base import get_offload_group_idx
 
-# Residency of a chunk in the CPU tier (``PrimaryView.state``).
-ABSENT, PENDING, READY = 0, 1, 2
+# Residency of a chunk in the CPU tier (``PrimaryView.state``); ``residency``
+# tells a ready chunk someone pinned (not evictable) apart as ``READY_HELD``.
+ABSENT, PENDING, READY, READY_HELD = 0, 1, 2, 3
 
 
 class PrimaryView:
@@ -64,6 +65,44 @@ class PrimaryView:
         if result is self._hit:
             return READY
         return PENDING if result is self._pending else ABSENT
+
+    def state_call(self) -> Callable[[Any], int]:
+        """``state`` as one small function: vLLM's policy map read the way
+        its ``lookup`` reads it (the guard's plan asks once per chunk)."""
+        get = getattr(self._policy, "get", None)
+        if get is None:
+            return self.state
+
+        def state(key: Any) -> int:
+            chunk = get(key)
+            if chunk is None:
+                return ABSENT
+            return READY if chunk.is_ready else PENDING
+
+        return state
+
+    def residency_call(self) -> Callable[[Any], int]:
+        """``state`` with a ready chunk's pins: ``READY`` (evictable),
+        ``READY_HELD`` (pinned: ``evictable`` is False), ``PENDING`` or
+        ``ABSENT``; one policy read per chunk."""
+        get = getattr(self._policy, "get", None)
+        if get is None:
+
+            def slow(key: Any) -> int:
+                got = self.state(key)
+                return READY_HELD if got == READY and not self.evictable(key) else got
+
+            return slow
+
+        def residency(key: Any) -> int:
+            chunk = get(key)
+            if chunk is None:
+                return ABSENT
+            if not chunk.is_ready:
+                return PENDING
+            return READY_HELD if getattr(chunk, "ref_cnt", 0) else READY
+
+        return residency
 
     def room(self) -> int | None:
         """Chunks a promotion can take now: free plus evictable (None: unknown)."""

@@ -22,6 +22,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     ReqContext,
     ScheduleEndContext,
+    get_offload_group_idx,
     make_offload_key,
 )
 from vllm.v1.kv_offload.config import (
@@ -116,6 +117,18 @@ def payload_of(key: bytes, n: int) -> np.ndarray:
     return (base ^ word).view(np.uint8)
 
 
+def record_positions(ctx: ReqContext, keys: Sequence[bytes], tokens_per_chunk: int = 16) -> None:
+    """Record ``keys`` in ``ctx`` as vLLM's connector does for a prompt
+    (``update_offload_keys``): each key's end token, chunk after chunk from the
+    prompt's first token, counted per KV group. The promotion guard plans a
+    request from these; without them it falls back to per-request budgets."""
+    counts: dict[int, int] = {}
+    for key in keys:
+        group = get_offload_group_idx(key)
+        n = counts[group] = counts.get(group, 0) + 1
+        ctx.set_offload_key_position(key, n * tokens_per_chunk)
+
+
 class SimulatedEngine:
     """Drives the orchestrator the way the scheduler and GPU worker do."""
 
@@ -126,6 +139,9 @@ class SimulatedEngine:
         view = self.primary.get_kv_memoryview()
         self.rows = np.frombuffer(view, dtype=np.uint8).reshape(view.shape)
         self.chunk_bytes = int(view.strides[0])
+        # Tokens per chunk of the first KV group (16 for make_config's).
+        groups = config.groups
+        self.tokens_per_chunk = int(groups[0].tokens_per_block) * int(config.cache.blocks_per_chunk)
         self._req_ids = itertools.count()
         self.tiers = self.manager.secondary_tiers
 
@@ -201,12 +217,23 @@ class SimulatedEngine:
                 self.manager.on_reset_flushed()
 
     # ------------------------------------------------------------ load
-    def promote(self, keys: Sequence[bytes], timeout_s: float = 60.0) -> dict[bytes, LookupResult]:
+    def promote(
+        self, keys: Sequence[bytes], timeout_s: float = 60.0, *, positions: bool = True
+    ) -> dict[bytes, LookupResult]:
         """Look ``keys`` up until each is HIT or MISS (promoting from the tiers).
 
+        ``keys`` are a prompt's chunks in order: their positions are recorded
+        in the request's context as vLLM's connector records them, so the
+        tier's promotion guard plans the request exactly as in a deployment
+        (``positions=False``: a request with none, which the guard bounds by
+        its budget alone and whose every key the disk is asked about).
         Returns the final lookup result per key.
         """
-        ctx = self._req("load")
+        ctx = ReqContext(req_id=f"load-{next(self._req_ids)}")
+        if positions:
+            record_positions(ctx, keys, self.tokens_per_chunk)
+        with self.manager.lock:
+            self.manager.on_new_request(ctx)
         result: dict[bytes, LookupResult] = {}
         pending = list(keys)
         deadline = time.monotonic() + timeout_s

@@ -7,7 +7,9 @@ start-up size check live in ``nvmetier.vllm.sizing``, re-exported here.)
 
 Threads: every method runs on vLLM's scheduler thread under the
 orchestrator's lock (through ``NvmeTierManager``); nothing blocks, nothing
-does I/O.
+does I/O. The work is per request, not per key: the tier's lookup
+(``lookup_call``) plans at a request's first lookup of a step, and answers
+the request's further keys in that step from the plan's set.
 
 Why a guard. vLLM loads a disk hit through the CPU tier: a HIT makes the
 orchestrator reserve a CPU slot at once (``prepare_write``, evicting the least
@@ -72,11 +74,20 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
-from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView, request_keys
+from nvmetier.vllm.cpu_view import (
+    ABSENT,
+    READY,
+    PrimaryView,
+    key_positions,
+    request_keys,
+)
 from nvmetier.vllm.sizing import (  # re-exported: the names this module always had
     check_cpu_tier_size,
     group_chunking,
@@ -126,6 +137,24 @@ class _Group:
     tokens_per_chunk: int
     window: int | None
     keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
+
+
+class _Hot:
+    """The request whose lookups ``lookup_call`` answers from its plan's set.
+
+    Set after a lookup of a planned round that cannot plan again this step
+    (see ``PromotionGuard._heat``); its HITs are kept in ``hits`` and moved
+    into the round (count, landing, not-yet-loaded) by ``_cool``, which every
+    other method of the guard calls first."""
+
+    __slots__ = ("ctx", "hits", "planned", "req_id", "rnd")
+
+    def __init__(self) -> None:
+        self.ctx: Any = None
+        self.req_id = ""
+        self.rnd: _Round | None = None
+        self.planned: set[Any] = set()
+        self.hits: list[Any] = []
 
 
 class PromotionGuard:
@@ -184,22 +213,130 @@ class PromotionGuard:
         self._last_size_log = -math.inf
         self._view: PrimaryView | None = None
         self._on_disk: Callable[[Any], bool] | None = None
+        self._state: Callable[[Any], int] = _absent
+        self._residency: Callable[[Any], int] = _absent
         self._pinned_step = -1
         # Requests vLLM has not scheduled yet (on_new_request, and again when
         # preempted): req_id -> context. Their CPU chunks are protected before
         # any promotion of a step (``_protect_waiting``).
         self._waiting: dict[str, Any] = {}
         self._protected_step = -1
-        # Promotion jobs of planned rounds in flight: job id -> keys.
+        # Promotion jobs of planned rounds in flight: job id -> keys, and
+        # their keys together (PENDING in the CPU tier until load_finished:
+        # _pin_landed need not ask about them every step).
         self._load_jobs: dict[int, Collection[Any]] = {}
+        self._in_flight: set[Any] = set()
         self._protect_spent: set[str] = set()
+        self._hot = _Hot()
 
     # ------------------------------------------------------------ wiring
     def attach(self, view: PrimaryView, on_disk: Callable[[Any], bool]) -> None:
         """Plan from now on against the CPU tier ``view``; ``on_disk(key)``
         says whether the tier holds a key (no I/O)."""
+        self._cool()
         self._view = view
         self._on_disk = on_disk
+        self._state = view.state_call()
+        self._residency = view.residency_call()
+
+    # ------------------------------------------------------------ the tier's lookup
+    def lookup_call(
+        self,
+        disk_lookup: Callable[[Any], Any],
+        withheld: Callable[[Any], None] | None = None,
+    ) -> Callable[[Any, Any], bool]:
+        """The tier's whole answer to vLLM's ``lookup(key, ctx)`` as one
+        function: ``admits``, then ``disk_lookup(key)`` (the disk's answer,
+        truthy for a hit), then ``note_hit``; True for HIT. ``withheld(key)``,
+        if given, is told of every key ``admits`` refused (the disk was not
+        asked: a store's write admission counts it as asked for).
+
+        Per request, not per key: the request's first lookup of a step takes
+        the full path (its plan, the step's pins); every further lookup of the
+        same request in that step, once it can plan no more, is one check of
+        the plan's set (``_Hot``), the disk's answer for a planned key, and a
+        list append for a HIT.
+        """
+        hot = self._hot
+
+        def slow(key: Any, ctx: Any) -> bool:
+            if not self.admits(key, ctx):
+                if withheld is not None:
+                    withheld(key)
+                self._heat(ctx)
+                return False
+            hit = bool(disk_lookup(key))
+            if hit:
+                self.note_hit(key, ctx)
+            self._heat(ctx)
+            return hit
+
+        if withheld is not None:
+
+            def counted(key: Any, ctx: Any) -> bool:
+                if ctx is hot.ctx:
+                    planned = hot.planned
+                    if key in planned:
+                        if disk_lookup(key):
+                            planned.discard(key)
+                            hot.hits.append(key)
+                            return True
+                        return False
+                    self.lookups_withheld += 1
+                    withheld(key)
+                    return False
+                return slow(key, ctx)
+
+            return counted
+
+        def lookup(key: Any, ctx: Any) -> bool:
+            if ctx is hot.ctx:
+                planned = hot.planned
+                if key in planned:
+                    if disk_lookup(key):
+                        planned.discard(key)
+                        hot.hits.append(key)
+                        return True
+                    return False
+                self.lookups_withheld += 1
+                return False
+            return slow(key, ctx)
+
+        return lookup
+
+    def _heat(self, ctx: Any) -> None:
+        """Answer the request's next lookups from its plan's set, if no lookup
+        of it can change the plan before the step ends: a planned round (not
+        one that only protects) that planned this step, is closed, or made
+        its last plan; the step's landed promotions already pinned."""
+        if not self.enabled or self._view is None or self._pinned_step != self._step:
+            return
+        rnd = self._rounds.get(ctx.req_id)
+        if rnd is None or not rnd.plans or rnd.protect_only:
+            return
+        if rnd.closed or rnd.step == self._step or rnd.plans >= MAX_PLANS:
+            hot = self._hot
+            hot.ctx = ctx
+            hot.req_id = ctx.req_id
+            hot.rnd = rnd
+            hot.planned = rnd.planned
+
+    def _cool(self) -> None:
+        """Move the hot request's HITs into its round, as ``note_hit`` would
+        have one by one, and stop answering from its set."""
+        hot = self._hot
+        if hot.ctx is None:
+            return
+        hits = hot.hits
+        rnd = hot.rnd
+        if hits and rnd is not None:
+            rnd.hits += len(hits)
+            rnd.landing.update(hits)
+            self._unloaded.update(dict.fromkeys(hits, hot.req_id))
+        hits.clear()
+        hot.ctx = None
+        hot.rnd = None
+        hot.planned = set()
 
     # ------------------------------------------------------------ lookups
     def admits(self, key: Any, ctx: Any) -> bool:
@@ -209,6 +346,8 @@ class PromotionGuard:
         False (counted in ``lookups_withheld``) for every key outside the
         request's plan; the tier then answers MISS without asking the disk.
         """
+        if self._hot.ctx is not None:
+            self._cool()
         if not self.enabled:
             return True
         if self._view is None:
@@ -251,6 +390,8 @@ class PromotionGuard:
 
     def note_hit(self, key: Any, ctx: Any) -> None:
         """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
+        if self._hot.ctx is not None:
+            self._cool()
         req_id = ctx.req_id
         if self._unloaded.get(key) == req_id:  # a key looked up twice counts once
             return
@@ -267,16 +408,17 @@ class PromotionGuard:
 
     def note_loaded(self, keys: Iterable[Any]) -> None:
         """vLLM submitted a load (promotion) of ``keys``."""
+        self._cool()
         if self._unloaded:
-            pop = self._unloaded.pop
-            for key in keys:
-                pop(key, None)
+            # dict.pop over the keys at C speed (no Python frame per key).
+            deque(map(self._unloaded.pop, keys, repeat(None)), maxlen=0)
 
     def note_load_job(self, job_id: int, keys: Collection[Any], ctx: Any) -> None:
         """vLLM submitted promotion job ``job_id`` of ``keys`` for ``ctx``."""
         self.note_loaded(keys)
         if self._view is not None and self._rounds:
             self._load_jobs[job_id] = keys
+            self._in_flight.update(keys)
 
     def load_finished(self, job_id: int, success: bool, ok_keys: Collection[Any] | None) -> None:
         """Promotion job ``job_id`` finished (the tier is about to report it).
@@ -291,6 +433,8 @@ class PromotionGuard:
         view = self._view
         if keys is None or view is None:
             return
+        self._in_flight.difference_update(keys)
+        self._cool()
         landed = set(keys if ok_keys is None and success else ok_keys or ())
         if not landed:
             return
@@ -299,7 +443,7 @@ class PromotionGuard:
         for rnd in self._rounds.values():
             if not rnd.landing or rnd.generation != generation:
                 continue
-            mine = [k for k in rnd.landing if k in landed]
+            mine = list(rnd.landing & landed)
             if not mine:
                 continue
             if not made_ready:
@@ -319,6 +463,7 @@ class PromotionGuard:
     ) -> None:
         """End of a scheduler step (after vLLM submitted its promotions and
         pinned the loads of the requests it scheduled)."""
+        self._cool()
         self._step += 1
         rounds = self._rounds
         waiting = self._waiting
@@ -361,6 +506,7 @@ class PromotionGuard:
 
     def finish(self, req_id: str) -> None:
         """The request finished: drop its pins and forget its round."""
+        self._cool()
         self._waiting.pop(req_id, None)
         self._protect_spent.discard(req_id)
         rnd = self._rounds.pop(req_id, None)
@@ -370,13 +516,16 @@ class PromotionGuard:
     def release_all(self) -> None:
         """Drop every pin and round (before vLLM resets the CPU tier, or at
         shutdown): requests plan afresh at their next lookup."""
+        self._cool()
         for rnd in self._rounds.values():
             self._release(rnd)
         self._rounds.clear()
         self._load_jobs.clear()
+        self._in_flight.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for the tier's metrics."""
+        self._cool()
         return {
             "hits_not_loaded": self.hits_not_loaded,
             "lookups_withheld": self.lookups_withheld,
@@ -388,6 +537,10 @@ class PromotionGuard:
     def _layout_of(self, ctx: Any) -> list[_Group]:
         """The request's KV groups, full attention first (vLLM's walk order),
         each with its chunk keys from the start; empty when unknown."""
+        if len(self._layout) == 1:
+            dense = self._layout_one_group(ctx)
+            if dense is not None:
+                return dense
         by_group = request_keys(ctx)
         out: list[_Group] = []
         for index, ends in sorted(by_group.items()):
@@ -396,12 +549,21 @@ class PromotionGuard:
                 tpc = _gcd_of(ends)
                 if tpc <= 0:
                     return []
-            keys: list[Any] = []
-            while (len(keys) + 1) * tpc in ends:
-                keys.append(ends[(len(keys) + 1) * tpc])
-            out.append(_Group(index, tpc, window, keys))
+            out.append(_Group(index, tpc, window, _chunk_keys(ends, tpc)))
         out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.index))
         return out
+
+    def _layout_one_group(self, ctx: Any) -> list[_Group] | None:
+        """``_layout_of`` for a model of one KV group, at C speed: every key
+        the request recorded is of that group (None: not so, or unknown)."""
+        positions = key_positions(ctx)
+        if not positions:
+            return None
+        ((index, (tpc, window)),) = self._layout.items()
+        if set(map(_GROUP_SUFFIX, positions)) != {index.to_bytes(4, "big")}:
+            return None
+        ends = dict(zip(map(int, positions.values()), positions, strict=True))
+        return [_Group(index, tpc, window, _chunk_keys(ends, tpc))]
 
     def _protect_waiting(self, planning: str) -> None:
         """Before the step's first promotion: pin the CPU chunks each waiting
@@ -452,7 +614,7 @@ class PromotionGuard:
         rnd.plans += 1
         rnd.step = self._step
         rnd.planned = set()
-        state = view.state
+        state = self._state
         start = self._walk_start(groups, first_key, int(position), state, on_disk)
         step = _lcm_bounded([g.tokens_per_chunk for g in groups])
         end_tokens = min(len(g.keys) * g.tokens_per_chunk for g in groups)
@@ -460,6 +622,10 @@ class PromotionGuard:
         room = view.room()
         if room is None:
             room = self.cpu_chunks
+        full = [g for g in groups if g.window is None]
+        windows = [g for g in groups if g.window is not None]
+        if len(full) == 1 and not windows:
+            return self._plan_dense(rnd, full[0], start, budget, room, promote)
         known: dict[Any, int] = {}  # key -> READY / PENDING / ABSENT, or NOWHERE
 
         def classify(key: Any) -> int:
@@ -476,8 +642,6 @@ class PromotionGuard:
 
         # Full groups accumulate from the start (counted once, O(prompt));
         # windows are counted afresh per end (O(window) each).
-        full = [g for g in groups if g.window is None]
-        windows = [g for g in groups if g.window is not None]
         full_next = {g.index: start // g.tokens_per_chunk for g in full}
         full_need = full_promos = full_pins = 0
         best_end = no_disk_end = 0
@@ -553,6 +717,68 @@ class PromotionGuard:
         rnd.landing.update(k for k in rnd.needed if known[k] != READY and k not in rnd.pinned)
         return True
 
+    def _plan_dense(
+        self, rnd: _Round, group: _Group, start: int, budget: int, room: int, promote: bool
+    ) -> bool:
+        """``_plan`` for one full-attention group (a dense model): the same
+        choice, in one pass over the request's chunks from the start, one CPU
+        tier read (and, for a chunk it lacks, one disk read) per chunk.
+
+        Every end adds one chunk, so promotions and pins only grow: once an
+        end is not affordable no later one is, and the pass stops there
+        unless the request could still need more chunks than the CPU tier
+        holds (the warning's count)."""
+        view = self._view
+        on_disk = self._on_disk
+        assert view is not None and on_disk is not None
+        residency = self._residency
+        keys = group.keys
+        tpc = group.tokens_per_chunk
+        first = start // tpc
+        pinned = rnd.pinned
+        may_stop = len(keys) - first <= self.cpu_chunks
+        wheres: list[int] = []
+        append = wheres.append
+        need = promos = pins = best = no_disk = 0
+        for key in keys[first:]:
+            where = residency(key)
+            if where == ABSENT:
+                if not on_disk(key):
+                    break
+                promos += 1
+            elif where == READY and key not in pinned:
+                pins += 1  # pinning it takes a slot of room
+            append(where)
+            need += 1
+            if not promos:
+                no_disk = need
+            elif promote and promos <= budget and promos + pins <= room:
+                best = need
+            elif may_stop:
+                break  # no later end is affordable
+        if need > self.cpu_chunks:
+            self._warn_request_larger(need)
+        if best <= no_disk:
+            best = no_disk  # the CPU tier alone serves as much: no HIT
+        needed = keys[first : first + best]
+        wheres = wheres[:best]
+        rnd.needed = set(needed)
+        marked = list(zip(needed, wheres, strict=True))
+        rnd.planned = {k for k, w in marked if w == ABSENT}
+        generation = view.generation()
+        if rnd.pinned and rnd.generation != generation:
+            rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
+        rnd.generation = generation
+        pinned = rnd.pinned
+        to_pin = [k for k, w in marked if w >= READY and k not in pinned]
+        if to_pin:
+            view.pin(to_pin, rnd.ctx)
+            pinned.update(to_pin)
+        rnd.landing.update(
+            k for k, w in zip(needed, wheres, strict=True) if w < READY and k not in pinned
+        )
+        return True
+
     @staticmethod
     def _walk_start(
         groups: list[_Group],
@@ -599,8 +825,10 @@ class PromotionGuard:
                 rnd.landing.clear()
                 continue
             ready = []
-            for key in list(rnd.landing):
-                where = view.state(key)
+            state = self._state
+            # A key of a promotion in flight stays PENDING until load_finished.
+            for key in rnd.landing - self._in_flight if self._in_flight else list(rnd.landing):
+                where = state(key)
                 if where == READY:
                     ready.append(key)
                     rnd.landing.discard(key)
@@ -716,6 +944,11 @@ class PromotionGuard:
         self._not_logged_reqs = 0
 
 
+def _absent(key: Any) -> int:
+    """The CPU tier's answer before the guard has a view of it."""
+    return ABSENT
+
+
 def _protect_anchor(groups: list[_Group], view: Any) -> Any:
     """The key a waiting request's walk would first ask the tier about, had
     it reached it: its first full-attention chunk the CPU tier does not hold
@@ -739,6 +972,19 @@ def _window_keys(group: _Group, start: int, end: int) -> list[Any]:
     stop = end // group.tokens_per_chunk
     lo = max(start // group.tokens_per_chunk, stop - group.window)
     return group.keys[lo:stop]
+
+
+# The last 4 bytes of an offload key: its KV group (vLLM's make_offload_key).
+_GROUP_SUFFIX = itemgetter(slice(-4, None))
+
+
+def _chunk_keys(ends: dict[int, Any], tpc: int) -> list[Any]:
+    """A group's keys by chunk from the start: the key ending at token
+    ``(i + 1) * tpc`` for each i, up to the first chunk with none."""
+    keys = list(map(ends.get, range(tpc, (len(ends) + 1) * tpc, tpc)))
+    if None in keys:
+        del keys[keys.index(None) :]
+    return keys
 
 
 def _gcd_of(ends: dict[int, Any]) -> int:

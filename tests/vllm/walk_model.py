@@ -29,7 +29,8 @@ Per step:
 
 ``MemoryTier`` is a secondary tier over a dict with the real
 ``PromotionGuard`` wired exactly as ``NvmeTierManager`` wires it (lookup ->
-``admits`` -> disk -> ``note_hit``; ``submit_load`` -> ``note_loaded``;
+``lookup_call``: ``admits`` -> disk -> ``note_hit``, with its per-request fast
+answer; ``submit_load`` -> ``note_loaded``;
 ``on_schedule_end`` -> ``end_step``; ``drain_jobs`` -> ``release_all``).
 """
 
@@ -116,6 +117,7 @@ class MemoryTier(SecondaryTierManager):
             groups=kv_groups(offloading_spec, connector_groups()),
         )
         self._wired = False
+        self._answer: Callable[[bytes, ReqContext], bool] = lambda key, ctx: False
         self.reads: list[tuple[int, bytes]] = []  # (step, key) of every chunk read
         # HITs of this step: the orchestrator reserves their CPU slots at once
         # and submits the loads at the step's end.
@@ -127,11 +129,11 @@ class MemoryTier(SecondaryTierManager):
             primary = find_primary(self._spec, self)
             if primary is not None:
                 self.guard.attach(PrimaryView(primary), self.disk.__contains__)
-        if not self.answers or not self.guard.admits(key, req_context):
+            # The tier's production path: admits, the disk, note_hit, with the
+            # guard's per-request fast answer (as NvmeTierManager.lookup).
+            self._answer = self.guard.lookup_call(self.disk.__contains__)
+        if not self.answers or not self._answer(key, req_context):
             return MISS
-        if key not in self.disk:
-            return MISS
-        self.guard.note_hit(key, req_context)
         self._answered_hit.add(key)
         return HIT
 
