@@ -84,15 +84,17 @@ def busy_cores(start: tuple[int, int], end: tuple[int, int]) -> float:
 
 def xxh3_s_per_gb(bs: int, total_bytes: int = 512 << 20) -> float:
     """CPU seconds per GB that XXH3-64 takes over ``bs``-byte chunks (the
-    floor of a checksummed tier's own work). Warm data: a chunk just written
-    by a device's DMA costs more (cache misses)."""
-    import xxhash
+    floor of a checksummed tier's own work), with the tier's own native build
+    (``nvmetier._table.xxh3``: AVX-512 or AVX2 where the CPU has them). Warm
+    data: a chunk just written by a device's DMA costs more (cache misses;
+    ``--profile`` also measures that, ``nvmetier.bench.cpuprof``)."""
+    from nvmetier import _table
 
     chunk = memoryview(os.urandom(bs))
     n = max(1, total_bytes // bs)
     t0 = time.thread_time()
     for i in range(n):
-        xxhash.xxh3_64_intdigest(chunk, i)
+        _table.xxh3(chunk, i)
     dt = time.thread_time() - t0
     return dt / (n * bs / 1e9)
 

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _note_drop, _phases
+from nvmetier.bench.cpuprof import CpuProfile
 from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests
 from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
@@ -124,7 +125,7 @@ def run_tier_level(
             if phase == "read" and timed:
                 _note_drop(args, log)
             _settle_heap()
-            res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed)
+            res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed, log)
             if timed:
                 rq = res.extra.get("disk_requests_per_chunk")
                 log(_phase_line(res) + (f" disk_reqs/chunk={rq}" if rq is not None else ""))
@@ -174,6 +175,7 @@ def _tier_phase(
     jc: int,
     args: argparse.Namespace,
     timed: bool,
+    log: Callable = print,
 ) -> PhaseResult:
     """Keep ``iodepth`` chunks outstanding as jobs of ``jc`` chunks."""
     is_load = phase == "read"
@@ -186,6 +188,7 @@ def _tier_phase(
     perf = time.perf_counter
     deadline = perf() + (args.runtime if timed and args.runtime > 0 else 1e12)
     disk0 = disk_requests(args.dir)
+    cprof = CpuProfile(bs) if timed and getattr(args, "profile", False) else None
     cpu = _Cpu()
     t0 = perf()
     while True:
@@ -237,6 +240,7 @@ def _tier_phase(
         # when the kernel split chunks (scattered pages, max_sectors_kb).
         per_chunk = round((disk1[i] - disk0[i]) / ops, 2)
     mode = getattr(args, "staging_mode", "auto")
+    profiled = {"cpu_profile": cprof.report(moved, log)} if cprof is not None else {}
     return PhaseResult(
         level="tier",
         target=tier_target(store.engine_name, mode, getattr(args, "primary_shm_dir", None)),
@@ -255,5 +259,6 @@ def _tier_phase(
             "latency_unit": "job",
             "wrong_bytes_loaded": bad_bytes,
             "disk_requests_per_chunk": per_chunk,
+            **profiled,
         },
     )

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _bs, _note_drop
+from nvmetier.bench.cpuprof import CpuProfile
 from nvmetier.bench.machine import (
     _Cpu,
     _settle_heap,
@@ -254,6 +255,7 @@ def run_vllm_level(
         eng.rows[:] = base
         xxh3_cost = xxh3_s_per_gb(bs)
         _settle_heap()
+        cprof = CpuProfile(bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         t0 = time.perf_counter()
@@ -297,6 +299,8 @@ def run_vllm_level(
             "store_batch": batch,
             "primary_full_waits": full_waits,
         }
+        if cprof is not None:
+            extra["cpu_profile"] = cprof.report(n * bs, log, inside_s=clock.inside_corrected_s())
         if which != "fs":
             st = eng.tiers[0].store.stats()
             stored_bytes = int(st.get("bytes_written", 0))
@@ -332,6 +336,7 @@ def run_vllm_level(
         job_lat: list[float] = []
         lookup_s = 0.0
         retry_s = args.retry_ms / 1000.0
+        cprof = CpuProfile(bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         busy = 0.0
@@ -378,6 +383,11 @@ def run_vllm_level(
         usr, sys_ = cpu.stop()
         tier_s = clock.tier_s(cpu, usr, sys_)
         verified = _vllm_verify(eng, last, index_of, base)
+        profiled = (
+            {"cpu_profile": cprof.report(loaded * bs, log, inside_s=clock.inside_corrected_s())}
+            if cprof is not None
+            else {}
+        )
         res = PhaseResult(
             "vllm",
             which,
@@ -401,6 +411,7 @@ def run_vllm_level(
                 "lookup_and_submit_s": round(lookup_s, 4),
                 "verified_sample": f"{verified}/{len(last)}",
                 "latency_unit": "promotion batch",
+                **profiled,
             },
             tier_cpu_s=tier_s,
         )
