@@ -323,8 +323,11 @@ def decide(
         try:
             res = probe(make, files.dirs, row_bytes)
         except (OSError, ValueError, RuntimeError) as exc:
-            logger.warning("nvmetier: the staging probe in %s could not run: %s", main, exc)
-            return stage, f"{reason} (the staging probe could not run: {exc})", None
+            # The text only: a log record holding the exception would hold
+            # its frames, and through them the caller's buffer.
+            why = str(exc)
+            logger.warning("nvmetier: the staging probe in %s could not run: %s", main, why)
+            return stage, f"{reason} (the staging probe could not run: {why})", None
         save(main, engine_name, res)
     if devices:
         with _MEMO_LOCK:

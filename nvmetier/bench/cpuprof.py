@@ -36,8 +36,10 @@ def _native_modules() -> list[Any]:
     return mods
 
 
-def thread_times() -> dict[int, tuple[str, float, float]]:
-    """{tid: (name, user s, system s)} of this process's live threads."""
+def thread_times() -> dict[int, tuple[str, float, float, float]]:
+    """{tid: (name, user s, system s, total s)} of this process's live
+    threads: user and system from ``stat`` (clock ticks, 10 ms resolution),
+    the total from the scheduler's nanosecond run time (``schedstat``)."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, tuple[str, float, float]] = {}
     with contextlib.suppress(OSError):
@@ -51,7 +53,13 @@ def thread_times() -> dict[int, tuple[str, float, float]]:
             if name.startswith("iou-wrk-"):
                 name = "iou-wrk (kernel io_uring workers)"
             fields = stat[stat.rindex(")") + 2 :].split()
-            out[int(tid)] = (name, int(fields[11]) / tick, int(fields[12]) / tick)
+            user, system = int(fields[11]) / tick, int(fields[12]) / tick
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                total = user + system
+            out[int(tid)] = (name, user, system, total)
     return out
 
 
@@ -110,9 +118,12 @@ class CpuProfile:
         gb = max(moved_bytes, 1) / GB
         by_name: dict[str, list[float]] = {}
         main_u = main_s = 0.0
-        for tid, (name, u, s) in t1.items():
-            _n, u0, s0 = self._t0.get(tid, (name, 0.0, 0.0))
-            du, ds = u - u0, s - s0
+        for tid, (name, u, s, t) in t1.items():
+            _n, u0, s0, t0 = self._t0.get(tid, (name, 0.0, 0.0, 0.0))
+            # The precise total, split as the (coarse) ticks split it.
+            ticks = (u - u0) + (s - s0)
+            share = (u - u0) / ticks if ticks > 0 else 1.0
+            du, ds = (t - t0) * share, (t - t0) * (1.0 - share)
             if tid == self._main:
                 main_u, main_s = du, ds
                 continue
