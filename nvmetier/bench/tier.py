@@ -188,7 +188,7 @@ def _tier_phase(
     perf = time.perf_counter
     deadline = perf() + (args.runtime if timed and args.runtime > 0 else 1e12)
     disk0 = disk_requests(args.dir)
-    cprof = CpuProfile(bs) if timed and getattr(args, "profile", False) else None
+    cprof = CpuProfile(bs, n * bs) if timed and getattr(args, "profile", False) else None
     cpu = _Cpu()
     t0 = perf()
     while True:

@@ -225,6 +225,9 @@ def run_vllm_level(
     eng = SimulatedEngine(make_config([tier], chunk_bytes=bs, cpu_chunks=cpu_chunks))
     m = eng.manager
     clock = _TierClock(eng.tiers[0])
+    reason = getattr(getattr(eng.tiers[0], "store", None), "staging_reason", None)
+    if reason:
+        log(f"  {which} bs={_bs(bs)}: {reason}")
     keys = [key_of(i) for i in range(n)]
     index_of = {k: i for i, k in enumerate(keys)}
     base = np.frombuffer(os.urandom(bs), dtype=np.uint8)
@@ -255,7 +258,7 @@ def run_vllm_level(
         eng.rows[:] = base
         xxh3_cost = xxh3_s_per_gb(bs)
         _settle_heap()
-        cprof = CpuProfile(bs) if getattr(args, "profile", False) else None
+        cprof = CpuProfile(bs, n * bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         t0 = time.perf_counter()
@@ -336,7 +339,7 @@ def run_vllm_level(
         job_lat: list[float] = []
         lookup_s = 0.0
         retry_s = args.retry_ms / 1000.0
-        cprof = CpuProfile(bs) if getattr(args, "profile", False) else None
+        cprof = CpuProfile(bs, n * bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         busy = 0.0
