@@ -1,9 +1,11 @@
 """``staging: auto`` decided by measurement: the probe and its kept result.
 
 Owns ``probe`` (a short run of both modes on the store's own drives, with
-the store's own engine, over a scratch buffer in 4 KiB pages as vLLM's
-``/dev/shm`` region is: the CPU seconds per GB of every thread the engine
-runs plus the caller's, and the GB/s) and the small file ``staging`` beside
+the store's own engine, over the first rows of the store's primary, whose
+bytes it puts back (how physically scattered those pages are decides what
+unstaged ops cost a drive), else over shared scratch memory in 4 KiB pages:
+the CPU seconds per GB of every thread the engine runs plus the caller's,
+and the GB/s each way) and the small file ``staging`` beside
 the superblock that keeps the result per engine, so a reopen reuses it.
 
 Why: on drives that take 4 KiB-page ops at full speed (RAM-backed loop
@@ -12,9 +14,13 @@ drive that splits such ops (a virtio disk with a low segment limit) staging
 is what reaches the drive's speed. The page size alone cannot tell them
 apart; moving a few MiB both ways can.
 
-Rule (``choose``): the mode whose GB/s is at least ``BW_MARGIN`` times the
-other's wins; otherwise the one with fewer CPU seconds per GB (the tier's
-cost on a node where cores are shared with vLLM).
+Rule (``choose``): the mode that moves at least ``BW_MARGIN`` times the
+other's GB/s in loads or in stores (and is not that much slower the other
+way) wins, except that a virtio disk without indirect descriptors
+(``ring_bound_drive``: its ring holds about one unstaged scattered chunk at
+a time, which a burst of a few MiB does not show) always stages; otherwise
+the one with fewer CPU seconds per GB (the tier's cost on a node where cores
+are shared with vLLM).
 
 Called by ``BlockStore.__init__`` on the opening thread for ``staging:
 auto`` with O_DIRECT on, a plaintext store and a primary in 4 KiB pages,
@@ -91,9 +97,18 @@ def _cpu_since(before: dict[int, float], caller_t0: float) -> float:
 
 
 def _scratch(length: int) -> mmap.mmap:
-    """Anonymous memory in 4 KiB pages, populated (vLLM's region is a
-    ``/dev/shm`` file in 4 KiB pages)."""
-    m = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    """Shared memory in 4 KiB pages, populated, from the allocator vLLM's
+    region comes from (shmem: vLLM maps a ``/dev/shm`` file; a memfd is
+    the same kind of page, physically scattered alike). Fresh private
+    memory would not do: its pages often come physically contiguous, so
+    the block layer merges them and the probe would not see what a real
+    primary costs a drive that splits scattered pages."""
+    fd = os.memfd_create("nvmetier-staging-probe", getattr(os, "MFD_CLOEXEC", 1))
+    try:
+        os.ftruncate(fd, length)
+        m = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
     with contextlib.suppress(OSError, AttributeError):
         m.madvise(_MADV_NOHUGEPAGE)
     pattern = os.urandom(1 << 16)
@@ -135,7 +150,10 @@ def _probe_files(dirs: Sequence[str], size: int) -> list[int]:
 
 
 def probe(
-    make: Callable[[memoryview, list[int], bool], Any], dirs: Sequence[str], chunk_bytes: int
+    make: Callable[[memoryview, list[int], bool], Any],
+    dirs: Sequence[str],
+    chunk_bytes: int,
+    primary: memoryview | None = None,
 ) -> dict[str, Any]:
     """Measure both modes: ``make(buffer, fds, staging)`` builds the store's
     engine over a scratch buffer and scratch files on the store's drives
@@ -148,9 +166,20 @@ def probe(
     per_mode = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, 8 * n_files * chunk_bytes))
     n_ops = max(n_files, per_mode // chunk_bytes)
     rows = max(1, min(n_ops, PROBE_BUFFER_BYTES // chunk_bytes))
+    span = rows * chunk_bytes
     fds = _probe_files(dirs, -(-n_ops // n_files) * chunk_bytes)
-    scratch = _scratch(rows * chunk_bytes)
-    view = memoryview(scratch)
+    # The primary's own pages when it has room: how scattered they are
+    # (64 to 512 pieces per 2 MiB, varying from one region to the next) is
+    # what decides whether a drive splits unstaged ops. Its bytes are put
+    # back after.
+    scratch: mmap.mmap | None = None
+    saved: bytes | None = None
+    if primary is not None and len(primary) >= span and not primary.readonly:
+        view = primary[:span]
+        saved = bytes(view)
+    else:
+        scratch = _scratch(span)
+        view = memoryview(scratch)
     best: dict[str, dict[str, float]] = {}
     try:
         from nvmetier.engine.base import OP_READ, OP_WRITE, Op
@@ -184,24 +213,31 @@ def probe(
                         walls.append((wall, _cpu_since(before, t_caller) - cpu0))
                 finally:
                     engine.close()
-                moved = 2 * n_ops * chunk_bytes / 1e9
-                wall = sum(w for w, _c in walls)
-                cpu = sum(c for _w, c in walls)
-                row = {"gbps": moved / wall if wall > 0 else 0.0, "cpu_s_per_gb": cpu / moved}
+                one_way = n_ops * chunk_bytes / 1e9
+                (w_wall, w_cpu), (r_wall, r_cpu) = walls
+                row = {
+                    "gbps": 2 * one_way / max(1e-9, w_wall + r_wall),
+                    "write_gbps": one_way / max(1e-9, w_wall),
+                    "read_gbps": one_way / max(1e-9, r_wall),
+                    "cpu_s_per_gb": (w_cpu + r_cpu) / (2 * one_way),
+                }
                 prev = best.get(mode)
-                if prev is None:
-                    best[mode] = row
-                else:  # the better round of each: a shared machine's noise is one-sided
-                    best[mode] = {
-                        "gbps": max(prev["gbps"], row["gbps"]),
-                        "cpu_s_per_gb": min(prev["cpu_s_per_gb"], row["cpu_s_per_gb"]),
-                    }
+                # The better round of each figure: a shared machine's noise is
+                # one-sided (it only ever slows a round down).
+                best[mode] = (
+                    row
+                    if prev is None
+                    else {k: (min if k == "cpu_s_per_gb" else max)(prev[k], row[k]) for k in row}
+                )
     finally:
+        if saved is not None:
+            view[:] = saved
         view.release()
-        scratch.close()
+        if scratch is not None:
+            scratch.close()
         for fd in fds:
             os.close(fd)
-    stage, why = choose(best["on"], best["off"])
+    stage, why = choose(best["on"], best["off"], ring_bound_drive(dirs))
     return {
         "staging": "on" if stage else "off",
         "why": why,
@@ -214,15 +250,63 @@ def probe(
     }
 
 
-def choose(on: dict[str, float], off: dict[str, float]) -> tuple[bool, str]:
-    """(stage, why) from the two modes' figures (see the module's rule)."""
+def ring_bound_drive(dirs: Sequence[str]) -> str | None:
+    """The first of ``dirs``' block devices that is virtio-blk without
+    indirect descriptors (``VIRTIO_RING_F_INDIRECT_DESC``, feature bit 28,
+    off), else None. Every segment of a request takes one of such a ring's
+    descriptors, so an unstaged chunk of scattered 4 KiB pages (hundreds of
+    segments) leaves room for about one request in the device at a time
+    (docs/bench.md, "Tier-level loads"): a burst of a few MiB does not show
+    it, sustained loads beside other I/O do. Never raises."""
+    for d in dirs:
+        try:
+            st = os.stat(d)
+            dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+            sys_dev = os.path.realpath(f"/sys/dev/block/{dev}")
+            if os.path.exists(os.path.join(sys_dev, "partition")):
+                sys_dev = os.path.dirname(sys_dev)
+            driver = os.path.basename(os.path.realpath(os.path.join(sys_dev, "device", "driver")))
+            if driver != "virtio_blk":
+                continue
+            with open(os.path.join(sys_dev, "device", "features")) as f:
+                bits = f.read().strip()
+            if len(bits) > 28 and bits[28] == "0":
+                return os.path.basename(sys_dev)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def choose(
+    on: dict[str, float], off: dict[str, float], ring_bound: str | None = None
+) -> tuple[bool, str]:
+    """(stage, why) from the two modes' figures (see the module's rule): a
+    mode wins on bandwidth when, in loads or in stores, it moves at least
+    ``BW_MARGIN`` times the other's GB/s and is not that much slower the
+    other way; else the one with fewer CPU seconds per GB."""
     figures = (
-        f"staging on {on['gbps']:.2f} GB/s at {on['cpu_s_per_gb']:.3f} CPU s/GB, off "
-        f"{off['gbps']:.2f} GB/s at {off['cpu_s_per_gb']:.3f}"
+        f"staging on: loads {on['read_gbps']:.2f} GB/s, stores {on['write_gbps']:.2f} GB/s, "
+        f"{on['cpu_s_per_gb']:.3f} CPU s/GB; off: loads {off['read_gbps']:.2f}, stores "
+        f"{off['write_gbps']:.2f}, {off['cpu_s_per_gb']:.3f}"
     )
-    if on["gbps"] >= BW_MARGIN * off["gbps"]:
+
+    def faster(a: dict[str, float], b: dict[str, float]) -> bool:
+        ways = ("read_gbps", "write_gbps")
+        return any(a[w] >= BW_MARGIN * b[w] for w in ways) and not any(
+            b[w] >= BW_MARGIN * a[w] for w in ways
+        )
+
+    if faster(on, off):
         return True, f"staging on: it moves more bytes on these drives ({figures})"
-    if off["gbps"] >= BW_MARGIN * on["gbps"]:
+    # A short burst on a shared virtio disk has been seen to favour either
+    # mode; sustained loads there were 0.55x fio unstaged (docs/bench.md).
+    if ring_bound:
+        return True, (
+            f"staging on: {ring_bound} is virtio-blk without indirect descriptors, where an "
+            "unstaged chunk of scattered pages fills the ring, which a short probe does not "
+            f"show ({figures})"
+        )
+    if faster(off, on):
         return False, f"staging off: it moves more bytes on these drives ({figures})"
     if off["cpu_s_per_gb"] <= on["cpu_s_per_gb"]:
         return False, f"staging off: as fast, and fewer CPU seconds per GB ({figures})"
@@ -280,14 +364,21 @@ def describe_choice(res: dict[str, Any], reused: bool) -> str:
 
 
 def decide(
-    files: Any, engine_name: str, config: Any, row_bytes: int, stage: bool, reason: str
+    files: Any,
+    engine_name: str,
+    config: Any,
+    row_bytes: int,
+    stage: bool,
+    reason: str,
+    primary: memoryview | None = None,
 ) -> tuple[bool, str, dict[str, Any] | None]:
     """``staging: auto`` on a primary in 4 KiB pages, for ``BlockStore``:
     (stage, why, the probe's result) from the result kept with the store for
     this engine, chunk size and drive count, else from a probe now (then
     kept). The page-size rule (``stage``, ``reason``) stands when the probe
     cannot run. ``files`` is the store's ``StoreFiles``, ``config`` its
-    ``TierConfig``."""
+    ``TierConfig``, ``primary`` its buffer (borrowed for the probe while the
+    store opens, its bytes put back; nothing else may use it meanwhile)."""
     from nvmetier.engine import make_engine
 
     main = files.dirs[0]
@@ -321,7 +412,7 @@ def decide(
             )
 
         try:
-            res = probe(make, files.dirs, row_bytes)
+            res = probe(make, files.dirs, row_bytes, primary)
         except (OSError, ValueError, RuntimeError) as exc:
             # The text only: a log record holding the exception would hold
             # its frames, and through them the caller's buffer.

@@ -297,7 +297,13 @@ class BlockStore:
             self.staging_probe: dict[str, Any] | None = None
             if stage and config.staging == "auto" and self.files.o_direct and not self._operator:
                 stage, self.staging_reason, self.staging_probe = staging_probe.decide(
-                    self.files, engine_name, config, row_bytes, stage, self.staging_reason
+                    self.files,
+                    engine_name,
+                    config,
+                    row_bytes,
+                    stage,
+                    self.staging_reason,
+                    self._buf,
                 )
             slot_bytes = self.sb.slot_bytes
 

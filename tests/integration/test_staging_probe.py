@@ -67,20 +67,33 @@ def _needs_o_direct(path: str) -> None:
         pytest.skip(f"O_DIRECT unavailable in {path}: {why}")
 
 
-def test_choose_prefers_bandwidth_then_cpu() -> None:
-    fast = {"gbps": 3.0, "cpu_s_per_gb": 0.2}
-    slow = {"gbps": 2.0, "cpu_s_per_gb": 0.1}
-    stage, why = staging_probe.choose(fast, slow)
+def _fig(read: float, write: float, cpu: float) -> dict[str, float]:
+    return {"read_gbps": read, "write_gbps": write, "cpu_s_per_gb": cpu, "gbps": 0.0}
+
+
+def test_choose_prefers_bandwidth_either_way_then_cpu() -> None:
+    # A virtio disk: staging loads much faster, stores as fast, at more CPU.
+    stage, why = staging_probe.choose(_fig(2.0, 1.5, 0.2), _fig(1.1, 1.5, 0.12))
     assert stage and why.startswith("staging on: it moves more bytes")
-    stage, why = staging_probe.choose(slow, fast)
+    # Loop drives: unstaged is faster both ways.
+    stage, why = staging_probe.choose(_fig(1.7, 1.7, 0.2), _fig(2.6, 2.9, 0.1))
     assert not stage and why.startswith("staging off: it moves more bytes")
-    # Within the margin: the fewer CPU seconds per GB wins.
-    near_on = {"gbps": 2.1, "cpu_s_per_gb": 0.19}
-    near_off = {"gbps": 2.0, "cpu_s_per_gb": 0.12}
-    stage, why = staging_probe.choose(near_on, near_off)
+    # Faster one way, slower the other: bandwidth does not decide, CPU does.
+    stage, why = staging_probe.choose(_fig(2.0, 1.0, 0.2), _fig(1.0, 2.0, 0.1))
+    assert not stage and "fewer CPU seconds per GB" in why
+    # Within the margin both ways: the fewer CPU seconds per GB wins.
+    stage, why = staging_probe.choose(_fig(2.1, 2.0, 0.19), _fig(2.0, 2.0, 0.12))
     assert not stage and "fewer CPU seconds per GB" in why and "0.120" in why
-    stage, _ = staging_probe.choose(near_off | {"cpu_s_per_gb": 0.1}, near_on)
+    stage, _ = staging_probe.choose(_fig(2.0, 2.0, 0.1), _fig(2.1, 2.0, 0.19))
     assert stage
+    # A ring-bound virtio disk stages whatever a burst showed.
+    for off in (_fig(2.0, 2.0, 0.12), _fig(2.6, 2.6, 0.12)):
+        stage, why = staging_probe.choose(_fig(2.0, 2.0, 0.19), off, "vda")
+        assert stage and "vda is virtio-blk without indirect descriptors" in why
+
+
+def test_ring_bound_drive_is_none_for_tmpfs() -> None:
+    assert staging_probe.ring_bound_drive(["/dev/shm"]) is None
 
 
 @pytest.mark.parametrize("name", ENGINES)
@@ -96,7 +109,9 @@ def test_store_probes_at_creation_keeps_it_and_reuses_it_on_reopen(
         assert probed is not None and probed["staging"] in ("on", "off")
         assert d["staging"] is (probed["staging"] == "on")
         assert probed["chunk_bytes"] == ROW and probed["drives"] == 1
-        assert probed["on"]["gbps"] > 0 and probed["off"]["cpu_s_per_gb"] > 0
+        for mode in ("on", "off"):
+            assert probed[mode]["read_gbps"] > 0 and probed[mode]["write_gbps"] > 0
+            assert probed[mode]["cpu_s_per_gb"] > 0
         assert d["staging_reason"].startswith(f"staging {probed['staging']}: ")
         assert "probed" in d["staging_reason"]
         store_dir = store.files.dirs[0]
@@ -115,7 +130,7 @@ def test_store_probes_at_creation_keeps_it_and_reuses_it_on_reopen(
     try:
         d = store.describe()
         assert d["staging_probe"]["measured_at"] == probed["measured_at"]
-        assert d["staging_reason"].endswith("kept with the store]")
+        assert "kept with the store]" in d["staging_reason"]
     finally:
         store.close()
 
@@ -183,3 +198,25 @@ def test_a_second_store_on_the_same_drive_reuses_this_process_probe(
         assert staging_probe.load(second.files.dirs[0])["threads"] == probed
     finally:
         second.close()
+
+
+def test_the_probe_borrows_the_primary_and_puts_its_bytes_back(tmp_path) -> None:
+    """A primary with room for the probe's rows lends them (their physical
+    scatter is what the drives see) and gets its bytes back."""
+    _needs_o_direct(str(tmp_path))
+    region = vllm_like_primary(32 << 20, tag="test-probe")
+    try:
+        pattern = os.urandom(1 << 20)
+        for off in range(0, len(region), len(pattern)):
+            region[off : off + len(pattern)] = pattern
+        store = _open(str(tmp_path), region, "threads")
+        try:
+            assert store.describe()["staging_probe"] is not None
+        finally:
+            store.close()
+        assert all(
+            region[off : off + len(pattern)] == pattern
+            for off in range(0, len(region), len(pattern))
+        )
+    finally:
+        region.close()
