@@ -39,7 +39,7 @@ def thread_times() -> dict[int, tuple[str, float, float, float]]:
     threads: user and system from ``stat`` (clock ticks, 10 ms resolution),
     the total from the scheduler's nanosecond run time (``schedstat``)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, float, float]] = {}
+    out: dict[int, tuple[str, float, float, float]] = {}
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
             try:

@@ -281,4 +281,4 @@ def test_tier_level_profile_breaks_the_cpu_down_per_gb(tmp_path, capsys) -> None
         assert prof["tier_s_per_gb"] > 0
         assert prof["threads"] and "main (caller)" in prof["threads"]
         assert prof["xxh3"]["impl"] in ("avx512", "avx2", "baseline")
-        assert 0 < prof["xxh3"]["warm_s_per_gb"] and 0 < prof["xxh3"]["cold_s_per_gb"]
+        assert prof["xxh3"]["warm_s_per_gb"] > 0 and prof["xxh3"]["cold_s_per_gb"] > 0
