@@ -5,8 +5,9 @@ the calling thread (plus the threads of the engines and stores it builds, and
 the replica processes of the trace level) and blocks for the length of the
 run; it is a tool, never imported by the tier.
 
-Modules, lowest first (no level imports another): ``machine`` and ``common``
-(shared helpers), ``report`` (results, tables, plots, ``--summarize``), one
+Modules, lowest first (no level imports another): ``machine``, ``common``
+and ``cpuprof`` (shared helpers; ``cpuprof`` is ``--profile`` at the tier and
+vllm levels), ``report`` (results, tables, plots, ``--summarize``), one
 module per level (``engine``, ``tier``, ``vllm``, ``reopen``, ``trace``) plus
 ``fio``, and ``main`` (the command line). This package re-exports what the
 command line and the tests use.
@@ -39,6 +40,9 @@ a read pass. Note this differs from fio, where ``rw`` is a mixed workload.
 Latency is completion latency as the submitter sees it (submit to reap), per
 op at the engine level and per job at the tier level. CPU is ``os.times()`` of
 the whole process (all threads), per 10^9 bytes moved. GB/s is 10^9 bytes/s.
+``--profile`` at the tier and vllm levels breaks the tier's CPU down per
+thread (user and system), hashing and staging copies, against one XXH3 pass
+measured in the same run (``cpuprof``); at the reopen level it is cProfile.
 """
 
 from nvmetier.bench.common import GB, LEVELS, PCTS, RW_MODES

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nvmetier.bench.machine import vllm_like_primary
+
 GB = 1e9
 
 
@@ -75,8 +77,6 @@ def xxh3_floor(bs: int, cold_bytes: int = 256 << 20) -> dict[str, Any]:
     for i in range(n):
         _table.xxh3(warm_chunk, i)
     warm = (time.thread_time() - t0) / (n * bs / GB)
-    from nvmetier.bench.tier import vllm_like_primary  # (tier imports this module)
-
     # The memory the tier hashes: a /dev/shm region in 4 KiB pages, as vLLM's.
     big = vllm_like_primary(max(bs, cold_bytes // bs * bs), tag="xxh3-floor")
     view = memoryview(big)

@@ -22,7 +22,7 @@ import numpy as np
 
 from nvmetier.bench.common import _note_drop, _phases
 from nvmetier.bench.cpuprof import CpuProfile
-from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests
+from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests, vllm_like_primary
 from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
 
@@ -49,9 +49,6 @@ def _tier_config(
     )
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
 def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
     """The tier level's target name: ``nvmetier-ENGINE``, then ``-staging-MODE``
     unless auto, then ``@DIR`` for a primary outside ``/dev/shm``."""
@@ -59,34 +56,6 @@ def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
     if shm_dir and shm_dir.rstrip("/") != "/dev/shm":
         name += "@" + shm_dir.rstrip("/")
     return name
-
-
-def vllm_like_primary(length: int, tag: str = "bench", shm_dir: str | None = None) -> mmap.mmap:
-    """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
-
-    vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
-    ``ftruncate``s it, maps it ``MAP_SHARED`` and pre-faults the whole region
-    with one ``MADV_POPULATE_WRITE`` (a per-page write where the kernel lacks
-    it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
-    4 KiB and physically scattered unless the host enables shmem huge pages
-    (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
-    ``shm_dir`` (else ``NVMETIER_BENCH_SHM_DIR``, else ``/dev/shm``) picks
-    another tmpfs, e.g. one mounted ``huge=within_size``, to measure that case.
-    """
-    shm_dir = shm_dir or os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
-    path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.unlink(path)
-        os.ftruncate(fd, length)
-        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        buf.madvise(_MADV_POPULATE_WRITE, 0, length)
-    except OSError:
-        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] |= 0
-    return buf
 
 
 def run_tier_level(
