@@ -158,8 +158,9 @@ class TierConfig:
             ``nvmetier.memory``); otherwise a plaintext store with O_DIRECT
             measures both modes on its drives when it is created (a few MiB
             each way) and stages only if that moves 1.25x more bytes, or as
-            many at fewer CPU seconds per GB (``nvmetier.staging_probe``;
-            kept beside the superblock, shown by ``nvmetier info``). Costs
+            many at fewer CPU seconds per GB; a virtio disk without indirect
+            descriptors always stages (``nvmetier.staging_probe``; kept
+            beside the superblock, shown by ``nvmetier info``). Costs
             one memcpy per chunk, fused with the XXH3 pass (~0.05-0.1 CPU
             s/GB), and up to twice ``max_inflight_bytes`` of RAM.
         ways: slots per hash set (associativity of the slot index). None
