@@ -5,9 +5,11 @@ the calling thread (plus the threads of the engines and stores it builds, and
 the replica processes of the trace level) and blocks for the length of the
 run; it is a tool, never imported by the tier.
 
-Modules, lowest first (no level imports another): ``machine``, ``common``
-and ``cpuprof`` (shared helpers; ``cpuprof`` is ``--profile`` at the tier and
-vllm levels), ``report`` (results, tables, plots, ``--summarize``), one
+Modules, lowest first (no level imports another, and the import graph has no
+cycle: tests/bench/test_bench_imports.py): ``machine``, ``common`` and
+``cpuprof`` (shared helpers; ``cpuprof`` is ``--profile`` at the tier and
+vllm levels), ``clock`` (the CPU a tier costs, for the ``vllm`` and
+``trace`` levels), ``report`` (results, tables, plots, ``--summarize``), one
 module per level (``engine``, ``tier``, ``vllm``, ``reopen``, ``trace``) plus
 ``fio``, and ``main`` (the command line). This package re-exports what the
 command line and the tests use.
@@ -45,6 +47,7 @@ thread (user and system), hashing and staging copies, against one XXH3 pass
 measured in the same run (``cpuprof``); at the reopen level it is cProfile.
 """
 
+from nvmetier.bench.clock import _TierClock
 from nvmetier.bench.common import GB, LEVELS, PCTS, RW_MODES
 from nvmetier.bench.machine import drop_caches, machine_info
 from nvmetier.bench.main import build_parser, main
@@ -56,7 +59,6 @@ from nvmetier.bench.report import (
     summarize,
     summary_table,
 )
-from nvmetier.bench.vllm import _TierClock
 
 __all__ = [
     "GB",
