@@ -1,12 +1,12 @@
 """``staging: auto`` decided by measurement: the probe and its kept result.
 
 Owns ``probe`` (a short run of both modes on the store's own drives, with
-the store's own engine, over the first rows of the store's primary, whose
-bytes it puts back (how physically scattered those pages are decides what
-unstaged ops cost a drive), else over shared scratch memory in 4 KiB pages:
-the CPU seconds per GB of every thread the engine runs plus the caller's,
-and the GB/s each way) and the small file ``staging`` beside
-the superblock that keeps the result per engine, so a reopen reuses it.
+the store's own engine, over shared scratch memory in 4 KiB pages from the
+allocator vLLM's region comes from (never the primary itself, which may
+already hold KV another process reads): the CPU seconds per GB of every
+thread the engine runs plus the caller's, and the GB/s each way) and the
+small file ``staging`` beside the superblock that keeps the result per
+engine, so a reopen reuses it.
 
 Why: on drives that take 4 KiB-page ops at full speed (RAM-backed loop
 drives, many NVMe drives) staging's copy costs CPU and bandwidth; on a
@@ -153,7 +153,6 @@ def probe(
     make: Callable[[memoryview, list[int], bool], Any],
     dirs: Sequence[str],
     chunk_bytes: int,
-    primary: memoryview | None = None,
 ) -> dict[str, Any]:
     """Measure both modes: ``make(buffer, fds, staging)`` builds the store's
     engine over a scratch buffer and scratch files on the store's drives
@@ -168,18 +167,11 @@ def probe(
     rows = max(1, min(n_ops, PROBE_BUFFER_BYTES // chunk_bytes))
     span = rows * chunk_bytes
     fds = _probe_files(dirs, -(-n_ops // n_files) * chunk_bytes)
-    # The primary's own pages when it has room: how scattered they are
-    # (64 to 512 pieces per 2 MiB, varying from one region to the next) is
-    # what decides whether a drive splits unstaged ops. Its bytes are put
-    # back after.
-    scratch: mmap.mmap | None = None
-    saved: bytes | None = None
-    if primary is not None and len(primary) >= span and not primary.readonly:
-        view = primary[:span]
-        saved = bytes(view)
-    else:
-        scratch = _scratch(span)
-        view = memoryview(scratch)
+    # Never the store's primary: vLLM may already hold KV in it (a store is
+    # reopened at the first data-path call when the block-hash seed turns out
+    # random), and another process (the GPU worker) reads and writes it.
+    scratch = _scratch(span)
+    view = memoryview(scratch)
     best: dict[str, dict[str, float]] = {}
     try:
         from nvmetier.engine.base import OP_READ, OP_WRITE, Op
@@ -230,11 +222,8 @@ def probe(
                     else {k: (min if k == "cpu_s_per_gb" else max)(prev[k], row[k]) for k in row}
                 )
     finally:
-        if saved is not None:
-            view[:] = saved
         view.release()
-        if scratch is not None:
-            scratch.close()
+        scratch.close()
         for fd in fds:
             os.close(fd)
     stage, why = choose(best["on"], best["off"], ring_bound_drive(dirs))
@@ -370,15 +359,13 @@ def decide(
     row_bytes: int,
     stage: bool,
     reason: str,
-    primary: memoryview | None = None,
 ) -> tuple[bool, str, dict[str, Any] | None]:
     """``staging: auto`` on a primary in 4 KiB pages, for ``BlockStore``:
     (stage, why, the probe's result) from the result kept with the store for
     this engine, chunk size and drive count, else from a probe now (then
     kept). The page-size rule (``stage``, ``reason``) stands when the probe
     cannot run. ``files`` is the store's ``StoreFiles``, ``config`` its
-    ``TierConfig``, ``primary`` its buffer (borrowed for the probe while the
-    store opens, its bytes put back; nothing else may use it meanwhile)."""
+    ``TierConfig``."""
     from nvmetier.engine import make_engine
 
     main = files.dirs[0]
@@ -412,7 +399,7 @@ def decide(
             )
 
         try:
-            res = probe(make, files.dirs, row_bytes, primary)
+            res = probe(make, files.dirs, row_bytes)
         except (OSError, ValueError, RuntimeError) as exc:
             # The text only: a log record holding the exception would hold
             # its frames, and through them the caller's buffer.

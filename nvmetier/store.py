@@ -308,7 +308,6 @@ class BlockStore:
                     row_bytes,
                     stage,
                     self.staging_reason,
-                    self._buf,
                 )
             slot_bytes = self.sb.slot_bytes
 

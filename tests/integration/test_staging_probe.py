@@ -200,9 +200,10 @@ def test_a_second_store_on_the_same_drive_reuses_this_process_probe(
         second.close()
 
 
-def test_the_probe_borrows_the_primary_and_puts_its_bytes_back(tmp_path) -> None:
-    """A primary with room for the probe's rows lends them (their physical
-    scatter is what the drives see) and gets its bytes back."""
+def test_the_probe_never_touches_the_primary(tmp_path) -> None:
+    """The probe moves its own scratch memory: a primary vLLM may already
+    have filled (a store reopened at the first data-path call) keeps its
+    bytes."""
     _needs_o_direct(str(tmp_path))
     region = vllm_like_primary(32 << 20, tag="test-probe")
     try:
