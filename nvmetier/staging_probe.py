@@ -170,7 +170,12 @@ def probe(
     # Never the store's primary: vLLM may already hold KV in it (a store is
     # reopened at the first data-path call when the block-hash seed turns out
     # random), and another process (the GPU worker) reads and writes it.
-    scratch = _scratch(span)
+    try:
+        scratch = _scratch(span)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     view = memoryview(scratch)
     best: dict[str, dict[str, float]] = {}
     try:
