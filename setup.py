@@ -74,6 +74,8 @@ TABLE_SOURCES = [
     "native/nvt_core.c",
     "native/nvt_hash.c",
     "native/nvt_hash_avx2.c",
+    "native/nvt_hash_avx512.c",
+    "native/nvt_hash_py.c",
 ]
 
 # AES-256-GCM through OpenSSL libcrypto (libssl-dev), optional like the
@@ -85,7 +87,14 @@ extra_objects, libraries = _uring_link_args()
 # libcrypto): it links libcrypto too.
 native_sources = sorted(
     set(glob.glob("native/*.c")) - set(TABLE_SOURCES) - set(CRYPTO_SOURCES)
-    | {"native/nvt_hash.c", "native/nvt_hash_avx2.c", "native/nvt_crypto.c", "native/nvt_seal.c"}
+    | {
+        "native/nvt_hash.c",
+        "native/nvt_hash_avx2.c",
+        "native/nvt_hash_avx512.c",
+        "native/nvt_hash_py.c",
+        "native/nvt_crypto.c",
+        "native/nvt_seal.c",
+    }
 )
 ext_modules = [
     Extension(

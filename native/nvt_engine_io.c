@@ -155,7 +155,7 @@ static void io_finish(nvt_worker *w, unsigned idx, int64_t result, uint64_t chec
         /* A staged read that asked for no hash lands in the buffer now; a
          * failed op leaves the buffer untouched (as a direct op's might not). */
         if (s->op.kind == NVT_OP_READ && result > 0 && !w->e->sealed)
-            memcpy(w->e->buf + s->op.buf_offset, s->stage, (size_t)s->op.length);
+            nvt_copy(w->e->buf + s->op.buf_offset, s->stage, (size_t)s->op.length);
         nvt_stage_give(w, s->stage_first, s->stage_units);
         s->stage = NULL;
     }
@@ -347,7 +347,7 @@ static void io_run(nvt_worker *w) {
             nvt_slot *s = &w->slots[w->taken[i]];
             nvt_stage_take(w, s, e->sealed ? e->seal.slot_bytes : (uint64_t)s->op.length);
             if (s->stage && s->op.kind == NVT_OP_WRITE && !s->op.checksum && !e->sealed)
-                memcpy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
+                nvt_copy(s->stage, e->buf + s->op.buf_offset, (size_t)s->op.length);
             if (e->sealed) {
                 /* Sealed here, on this worker, before the SQE (the key
                  * table's read lock is the only one shared with others). */

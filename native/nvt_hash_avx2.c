@@ -21,8 +21,8 @@ uint64_t nvt_xxh3_copy_avx2(void *dst, const void *src, size_t len, uint64_t see
     XXH3_state_t st;
     memset(&st, 0, sizeof(st)); /* reset leaves fields GCC cannot see set */
     XXH3_64bits_reset_withSeed(&st, seed);
-    for (size_t off = 0; off < len; off += (64u << 10)) {
-        size_t n = len - off < (64u << 10) ? len - off : (64u << 10);
+    for (size_t off = 0; off < len; off += NVT_HASH_COPY_BLOCK) {
+        size_t n = len - off < NVT_HASH_COPY_BLOCK ? len - off : NVT_HASH_COPY_BLOCK;
         memcpy((uint8_t *)dst + off, (const uint8_t *)src + off, n);
         XXH3_64bits_update(&st, (const uint8_t *)dst + off, n);
     }

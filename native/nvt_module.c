@@ -14,6 +14,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "nvt_hash_py.h"
 
 #include <errno.h>
 #include <string.h>
@@ -683,7 +684,7 @@ PyMODINIT_FUNC PyInit__uring(void) {
     Py_INCREF(&NvtEngineType);
     if (PyModule_AddObject(m, "Engine", (PyObject *)&NvtEngineType) < 0 ||
         PyModule_AddIntConstant(m, "OP_READ", NVT_OP_READ) < 0 ||
-        PyModule_AddIntConstant(m, "OP_WRITE", NVT_OP_WRITE) < 0) {
+        PyModule_AddIntConstant(m, "OP_WRITE", NVT_OP_WRITE) < 0 || nvt_hash_py_add(m) < 0) {
         Py_DECREF(&NvtEngineType);
         Py_DECREF(m);
         return NULL;

@@ -35,6 +35,7 @@
  * object per chunk on the caller's thread beyond the keys vLLM hands us.
  */
 #include "nvt_table_type.h"
+#include "nvt_hash_py.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -682,7 +683,8 @@ PyMODINIT_FUNC PyInit__table(void) {
         PyModule_AddIntConstant(m, "OP_BYTES", (long)sizeof(nvt_op)) < 0 ||
         PyModule_AddIntConstant(m, "COMPLETION_BYTES", (long)sizeof(nvt_completion)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SHARERS", NVT_MAX_SHARERS) < 0 ||
-        PyModule_AddIntConstant(m, "REGISTRY_LOCK_BASE", (long)NVT_REGISTRY_LOCK_BASE) < 0) {
+        PyModule_AddIntConstant(m, "REGISTRY_LOCK_BASE", (long)NVT_REGISTRY_LOCK_BASE) < 0 ||
+        nvt_hash_py_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

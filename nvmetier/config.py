@@ -152,11 +152,17 @@ class TierConfig:
             between the primary and the drive. vLLM's CPU primary is a
             ``/dev/shm`` mapping of scattered 4 KiB pages, each one a block
             segment: a 2 MiB chunk becomes several block requests and fills
-            a virtio ring or an NVMe drive's PRP/SGL budget. ``auto`` stages
-            when the primary is not huge-page backed and the host allows
-            transparent huge pages for private memory (see
-            ``nvmetier.memory``). Costs one memcpy per chunk (~0.15 CPU s/GB)
-            and up to ``max_inflight_bytes`` of RAM.
+            a virtio ring or an NVMe drive's PRP/SGL budget. ``auto``
+            never stages a huge-page-backed primary, nor where the host
+            refuses transparent huge pages for private memory (see
+            ``nvmetier.memory``); otherwise a plaintext store with O_DIRECT
+            measures both modes on its drives when it is created (a few MiB
+            each way) and stages only if that moves 1.25x more bytes, or as
+            many at fewer CPU seconds per GB; a virtio disk without indirect
+            descriptors always stages (``nvmetier.staging_probe``; kept
+            beside the superblock, shown by ``nvmetier info``). Costs
+            one memcpy per chunk, fused with the XXH3 pass (~0.05-0.1 CPU
+            s/GB), and up to twice ``max_inflight_bytes`` of RAM.
         ways: slots per hash set (associativity of the slot index). None
             (the default): ``DEFAULT_WAYS``, or fewer when the capacity holds
             fewer slots; an explicit value that does not fit is an error.

@@ -25,7 +25,7 @@ import textwrap
 import time
 from typing import Any
 
-from nvmetier import budget, recovery
+from nvmetier import budget, recovery, staging_probe
 from nvmetier import format as fmt
 from nvmetier.config import format_duration, format_size
 from nvmetier.errors import FormatError
@@ -90,6 +90,9 @@ class StoreInfo:
     # fingerprint of the latest process to open it (None: unknown).
     encryption: str | None = None
     key_fingerprint: str | None = None
+    # staging: auto, as the probe decided it (nvmetier.staging_probe), by
+    # engine: {"uring": {"staging": "off", "why": ..., "on": ..., "off": ...}}.
+    staging: dict[str, Any] = dataclasses.field(default_factory=dict)
     # The root budget (nvmetier.budget): allocated bytes of the store's
     # files in its main root (du), their share of the root's budget (None:
     # no budget), and when it was last opened, closed or written.
@@ -192,6 +195,7 @@ def store_info(
         return out
     out.format_version = sb.format_version
     out.identity = sb.identity
+    out.staging = staging_probe.load(store_dir)
     if sb.identity.get("encryption"):
         out.encryption = str(sb.identity["encryption"])
         out.key_fingerprint = table_key_fingerprint(store_dir)
@@ -401,6 +405,12 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
             )
         )
         lines.append(f"  clean shutdown:  {clean}")
+        for engine, res in sorted((s.get("staging") or {}).items()):
+            lines.append(
+                f"  staging ({engine}): {res.get('staging')} with staging: auto, "
+                f"{_chunk(res.get('chunk_bytes'))} chunks on {res.get('drives')} drive(s) "
+                f"(probed {res.get('measured_at')}): {res.get('why')}"
+            )
         share = (
             f" ({s['budget_share_pct']:.1f}% of the root budget)"
             if s.get("budget_share_pct") is not None
@@ -428,6 +438,10 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
     return "\n".join(lines)
 
 
+def _chunk(n: Any) -> str:
+    return format_size(int(n)) if isinstance(n, int) else "?"
+
+
 def _pages_line(shm: dict[str, Any]) -> str:
     """What vLLM's CPU tier (a /dev/shm file) gets here, and what the tier does."""
     modes = (
@@ -440,7 +454,9 @@ def _pages_line(shm: dict[str, Any]) -> str:
         return f"2 MiB huge pages ({modes}): loads move straight into it"
     staged = shm.get("thp_enabled") in ("always", "madvise")
     return f"4 KiB pages ({modes}): " + (
-        "loads and stores are staged through huge pages (staging: auto)"
+        "staging: auto stages loads and stores through huge pages where a probe of "
+        "the drives finds it moves more bytes, or as many at less CPU (each store's "
+        "staging line)"
         if staged
         else "THP is off, so staging cannot help; see docs/vllm.md"
     )

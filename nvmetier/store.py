@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier import budget, crypto
+from nvmetier import budget, crypto, staging_probe
 from nvmetier import format as fmt
 from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
@@ -299,6 +299,16 @@ class BlockStore:
             self.open_time_s = time.monotonic() - t0
             self.primary = describe_primary(self._buf)
             stage, self.staging_reason = staging_wanted(config.staging, self._buf)
+            self.staging_probe: dict[str, Any] | None = None
+            if stage and config.staging == "auto" and self.files.o_direct and not self._operator:
+                stage, self.staging_reason, self.staging_probe = staging_probe.decide(
+                    self.files,
+                    engine_name,
+                    config,
+                    row_bytes,
+                    stage,
+                    self.staging_reason,
+                )
             slot_bytes = self.sb.slot_bytes
 
             def inner(buf: memoryview, sealing: Sealing | None = None) -> IoEngine:
@@ -846,6 +856,7 @@ class BlockStore:
             "engine_reason": self.engine_reason,
             "sharing": self.config.sharing,
             "staging_reason": self.staging_reason,
+            "staging_probe": self.staging_probe,
             **self.primary,
             **self.engine.describe(),
             "encryption": ENCRYPTION_ID if self._keys else None,

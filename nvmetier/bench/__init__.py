@@ -6,8 +6,9 @@ the replica processes of the trace level) and blocks for the length of the
 run; it is a tool, never imported by the tier.
 
 Modules, lowest first (no level imports another, and the import graph has no
-cycle: tests/bench/test_bench_imports.py): ``machine`` and ``common``
-(shared helpers), ``clock`` (the CPU a tier costs, for the ``vllm`` and
+cycle: tests/bench/test_bench_imports.py): ``machine``, ``common`` and
+``cpuprof`` (shared helpers; ``cpuprof`` is ``--profile`` at the tier and
+vllm levels), ``clock`` (the CPU a tier costs, for the ``vllm`` and
 ``trace`` levels), ``report`` (results, tables, plots, ``--summarize``), one
 module per level (``engine``, ``tier``, ``vllm``, ``reopen``, ``trace``) plus
 ``fio``, and ``main`` (the command line). This package re-exports what the
@@ -41,6 +42,9 @@ a read pass. Note this differs from fio, where ``rw`` is a mixed workload.
 Latency is completion latency as the submitter sees it (submit to reap), per
 op at the engine level and per job at the tier level. CPU is ``os.times()`` of
 the whole process (all threads), per 10^9 bytes moved. GB/s is 10^9 bytes/s.
+``--profile`` at the tier and vllm levels breaks the tier's CPU down per
+thread (user and system), hashing and staging copies, against one XXH3 pass
+measured in the same run (``cpuprof``); at the reopen level it is cProfile.
 """
 
 from nvmetier.bench.clock import _TierClock

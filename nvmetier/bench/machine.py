@@ -9,11 +9,14 @@ else of the benchmark.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import platform
 import shutil
 import time
 from typing import Any
+
+import numpy as np
 
 from nvmetier.config import format_size
 
@@ -84,15 +87,17 @@ def busy_cores(start: tuple[int, int], end: tuple[int, int]) -> float:
 
 def xxh3_s_per_gb(bs: int, total_bytes: int = 512 << 20) -> float:
     """CPU seconds per GB that XXH3-64 takes over ``bs``-byte chunks (the
-    floor of a checksummed tier's own work). Warm data: a chunk just written
-    by a device's DMA costs more (cache misses)."""
-    import xxhash
+    floor of a checksummed tier's own work), with the tier's own native build
+    (``nvmetier._table.xxh3``: AVX-512 or AVX2 where the CPU has them). Warm
+    data: a chunk just written by a device's DMA costs more (cache misses;
+    ``--profile`` also measures that, ``nvmetier.bench.cpuprof``)."""
+    from nvmetier import _table
 
     chunk = memoryview(os.urandom(bs))
     n = max(1, total_bytes // bs)
     t0 = time.thread_time()
     for i in range(n):
-        xxhash.xxh3_64_intdigest(chunk, i)
+        _table.xxh3(chunk, i)
     dt = time.thread_time() - t0
     return dt / (n * bs / 1e9)
 
@@ -157,3 +162,34 @@ def disk_requests(path: str) -> tuple[int, int] | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def vllm_like_primary(length: int, tag: str = "bench", shm_dir: str | None = None) -> mmap.mmap:
+    """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
+
+    vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
+    ``ftruncate``s it, maps it ``MAP_SHARED`` and pre-faults the whole region
+    with one ``MADV_POPULATE_WRITE`` (a per-page write where the kernel lacks
+    it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
+    4 KiB and physically scattered unless the host enables shmem huge pages
+    (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
+    ``shm_dir`` (else ``NVMETIER_BENCH_SHM_DIR``, else ``/dev/shm``) picks
+    another tmpfs, e.g. one mounted ``huge=within_size``, to measure that case.
+    """
+    shm_dir = shm_dir or os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
+    path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.unlink(path)
+        os.ftruncate(fd, length)
+        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    try:
+        buf.madvise(_MADV_POPULATE_WRITE, 0, length)
+    except OSError:
+        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] |= 0
+    return buf

@@ -188,7 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--lookups", type=int, default=20000, help="vllm level: lookups timed")
     p.add_argument("--slots", default="1m", help="reopen level: slots in the store (1m = 2^20)")
-    p.add_argument("--profile", action="store_true", help="reopen level: cProfile the open")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="reopen level: cProfile the open; tier and vllm levels: the tier's CPU per GB "
+        "by thread (user/system), hashing and staging copies (native counters), against "
+        "one XXH3 pass measured in the same run",
+    )
     t = p.add_argument_group(
         "trace level",
         "replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length, "

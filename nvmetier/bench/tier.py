@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from nvmetier.bench.common import _note_drop, _phases
-from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests
+from nvmetier.bench.cpuprof import CpuProfile
+from nvmetier.bench.machine import _Cpu, _settle_heap, disk_requests, vllm_like_primary
 from nvmetier.bench.report import PhaseResult, _percentiles, _phase_line
 from nvmetier.config import TierConfig
 
@@ -48,9 +49,6 @@ def _tier_config(
     )
 
 
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-
-
 def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
     """The tier level's target name: ``nvmetier-ENGINE``, then ``-staging-MODE``
     unless auto, then ``@DIR`` for a primary outside ``/dev/shm``."""
@@ -58,34 +56,6 @@ def tier_target(engine: str, staging: str, shm_dir: str | None) -> str:
     if shm_dir and shm_dir.rstrip("/") != "/dev/shm":
         name += "@" + shm_dir.rstrip("/")
     return name
-
-
-def vllm_like_primary(length: int, tag: str = "bench", shm_dir: str | None = None) -> mmap.mmap:
-    """A primary of ``length`` bytes made as vLLM's CPU tier makes its own.
-
-    vLLM 0.33's ``SharedOffloadRegion`` creates ``/dev/shm/vllm_offload_*.mmap``,
-    ``ftruncate``s it, maps it ``MAP_SHARED`` and pre-faults the whole region
-    with one ``MADV_POPULATE_WRITE`` (a per-page write where the kernel lacks
-    it); the file is unlinked once mapped. Its pages are whatever tmpfs gives:
-    4 KiB and physically scattered unless the host enables shmem huge pages
-    (``shmem_enabled`` or a ``huge=`` mount; see docs/vllm.md).
-    ``shm_dir`` (else ``NVMETIER_BENCH_SHM_DIR``, else ``/dev/shm``) picks
-    another tmpfs, e.g. one mounted ``huge=within_size``, to measure that case.
-    """
-    shm_dir = shm_dir or os.environ.get("NVMETIER_BENCH_SHM_DIR", "/dev/shm")
-    path = os.path.join(shm_dir, f"nvmetier_{tag}_{os.getpid()}.mmap")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.unlink(path)
-        os.ftruncate(fd, length)
-        buf = mmap.mmap(fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    try:
-        buf.madvise(_MADV_POPULATE_WRITE, 0, length)
-    except OSError:
-        np.frombuffer(buf, dtype=np.uint8)[:: mmap.PAGESIZE] |= 0
-    return buf
 
 
 def run_tier_level(
@@ -124,7 +94,7 @@ def run_tier_level(
             if phase == "read" and timed:
                 _note_drop(args, log)
             _settle_heap()
-            res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed)
+            res = _tier_phase(store, buf, bs, keys, order, phase, jc, args, timed, log)
             if timed:
                 rq = res.extra.get("disk_requests_per_chunk")
                 log(_phase_line(res) + (f" disk_reqs/chunk={rq}" if rq is not None else ""))
@@ -174,6 +144,7 @@ def _tier_phase(
     jc: int,
     args: argparse.Namespace,
     timed: bool,
+    log: Callable = print,
 ) -> PhaseResult:
     """Keep ``iodepth`` chunks outstanding as jobs of ``jc`` chunks."""
     is_load = phase == "read"
@@ -186,6 +157,7 @@ def _tier_phase(
     perf = time.perf_counter
     deadline = perf() + (args.runtime if timed and args.runtime > 0 else 1e12)
     disk0 = disk_requests(args.dir)
+    cprof = CpuProfile(bs, n * bs) if timed and getattr(args, "profile", False) else None
     cpu = _Cpu()
     t0 = perf()
     while True:
@@ -237,6 +209,7 @@ def _tier_phase(
         # when the kernel split chunks (scattered pages, max_sectors_kb).
         per_chunk = round((disk1[i] - disk0[i]) / ops, 2)
     mode = getattr(args, "staging_mode", "auto")
+    profiled = {"cpu_profile": cprof.report(moved, log)} if cprof is not None else {}
     return PhaseResult(
         level="tier",
         target=tier_target(store.engine_name, mode, getattr(args, "primary_shm_dir", None)),
@@ -255,5 +228,6 @@ def _tier_phase(
             "latency_unit": "job",
             "wrong_bytes_loaded": bad_bytes,
             "disk_requests_per_chunk": per_chunk,
+            **profiled,
         },
     )

@@ -21,6 +21,7 @@ import numpy as np
 
 from nvmetier.bench.clock import _TierClock
 from nvmetier.bench.common import _bs, _note_drop, parse_tier_options
+from nvmetier.bench.cpuprof import CpuProfile
 from nvmetier.bench.machine import (
     _settle_heap,
     busy_cores,
@@ -120,6 +121,9 @@ def run_vllm_level(
     eng = SimulatedEngine(make_config([tier], chunk_bytes=bs, cpu_chunks=cpu_chunks))
     m = eng.manager
     clock = _TierClock(eng.tiers[0])
+    reason = getattr(getattr(eng.tiers[0], "store", None), "staging_reason", None)
+    if reason:
+        log(f"  {which} bs={_bs(bs)}: {reason}")
     keys = [key_of(i) for i in range(n)]
     index_of = {k: i for i, k in enumerate(keys)}
     base = np.frombuffer(os.urandom(bs), dtype=np.uint8)
@@ -150,6 +154,7 @@ def run_vllm_level(
         eng.rows[:] = base
         xxh3_cost = xxh3_s_per_gb(bs)
         _settle_heap()
+        cprof = CpuProfile(bs, n * bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         t0 = time.perf_counter()
@@ -193,6 +198,8 @@ def run_vllm_level(
             "store_batch": batch,
             "primary_full_waits": full_waits,
         }
+        if cprof is not None:
+            extra["cpu_profile"] = cprof.report(n * bs, log, inside_s=clock.inside_corrected_s())
         if which != "fs":
             st = eng.tiers[0].store.stats()
             stored_bytes = int(st.get("bytes_written", 0))
@@ -229,6 +236,7 @@ def run_vllm_level(
         job_lat: list[float] = []
         lookup_s = 0.0
         retry_s = args.retry_ms / 1000.0
+        cprof = CpuProfile(bs, n * bs) if getattr(args, "profile", False) else None
         prof = _EngineProfile(eng.tiers[0])
         cpu = clock.start()
         busy = 0.0
@@ -278,6 +286,11 @@ def run_vllm_level(
         usr, sys_ = cpu.stop()
         tier_s = clock.tier_s(cpu, usr, sys_)
         verified = _vllm_verify(eng, last, index_of, base)
+        profiled = (
+            {"cpu_profile": cprof.report(loaded * bs, log, inside_s=clock.inside_corrected_s())}
+            if cprof is not None
+            else {}
+        )
         res = PhaseResult(
             "vllm",
             which,
@@ -301,6 +314,7 @@ def run_vllm_level(
                 "lookup_and_submit_s": round(lookup_s, 4),
                 "verified_sample": f"{verified}/{len(last)}",
                 "latency_unit": "promotion batch",
+                **profiled,
             },
             tier_cpu_s=tier_s,
         )

@@ -4,7 +4,8 @@ Owns: ``n_threads`` daemon worker threads and one op queue. The files and
 the buffer are borrowed (the store opens and closes them).
 
 Threads: workers block in the syscalls with the GIL released; the checksum is
-computed by python-xxhash on the worker. A worker survives any exception an op
+computed on the worker by the native XXH3 (``nvmetier._table.xxh3``: the
+widest vector build the CPU has, the GIL released). A worker survives any exception an op
 raises: the op completes with an error (``-EBADF``/``-EFAULT``/``-EINVAL`` for
 an op that fails the same checks as the io_uring engine's, ``-EIO`` for
 anything unexpected, logged once per engine) and the worker takes the next op,
@@ -26,9 +27,10 @@ workers, so the caller's thread pays per job, not per op.
 
 With ``staging`` each worker moves its ops through its own arena of
 transparent huge pages (mapped on first use, grown to the largest op): a
-read lands there and is copied into the buffer, then hashed; a write is
-copied there, hashed and written from there (see ``nvmetier.memory`` for
-why). The copies run in ``ctypes.memmove``, which releases the GIL.
+read lands there and is copied into the buffer and hashed in one pass; a
+write is copied there and hashed in one pass, and written from there (see
+``nvmetier.memory`` for why). The copies run natively
+(``nvmetier._table.xxh3_copy``), with the GIL released.
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import xxhash
 
+from nvmetier._table import copy as _copy
+from nvmetier._table import xxh3 as _xxh3
+from nvmetier._table import xxh3_copy as _xxh3_copy
 from nvmetier.engine.base import (
     COMPLETION_DTYPE,
     OP_DTYPE,
@@ -186,11 +190,6 @@ class ThreadEngine(IoEngine):
         self._buf = memoryview(buffer).cast("B")
         self._buf_len = len(self._buf)
         self._staging = staging
-        self._buf_addr = (
-            ctypes.addressof(ctypes.c_char.from_buffer(self._buf))
-            if staging and self._buf_len
-            else 0
-        )
         self._staged_bytes = 0  # racy sum over workers: a rate, not accounting
         self._fds = list(fds)
         self._ops: queue.SimpleQueue[Op | bytes | None] = queue.SimpleQueue()
@@ -378,12 +377,12 @@ class ThreadEngine(IoEngine):
             checksum = 0
             if kind == OP_WRITE:
                 if want_sum:
-                    checksum = xxhash.xxh3_64_intdigest(view, seed)
+                    checksum = _xxh3(view, seed)
                 n = os.pwritev(fds[file_idx], [view], file_off) if length else 0
             else:
                 n = os.preadv(fds[file_idx], [view], file_off) if length else 0
                 if want_sum and n == length:
-                    checksum = xxhash.xxh3_64_intdigest(view, seed)
+                    checksum = _xxh3(view, seed)
             if n != length:
                 return Completion(op_id, -errno.EIO, 0)
             return Completion(op_id, n, checksum)
@@ -401,25 +400,25 @@ class ThreadEngine(IoEngine):
         stage.ensure(length)
         assert stage.view is not None
         tmp = stage.view[:length]
+        view = self._buf[buf_off:end]
         try:
             checksum = 0
             if kind == OP_WRITE:
-                # Hash the copy: the bytes written are the bytes hashed.
-                ctypes.memmove(stage.addr, self._buf_addr + buf_off, length)
+                # Copy and hash the copy in one pass (GIL released): the
+                # bytes written are the bytes hashed.
                 if want_sum:
-                    checksum = xxhash.xxh3_64_intdigest(tmp, seed)
+                    checksum = _xxh3_copy(tmp, view, seed)
+                else:
+                    _copy(tmp, view)
                 n = os.pwritev(fds[file_idx], [tmp], file_off)
             else:
                 n = os.preadv(fds[file_idx], [tmp], file_off)
                 if n == length:
-                    # Copy out, then hash the bytes the caller gets.
-                    ctypes.memmove(self._buf_addr + buf_off, stage.addr, length)
+                    # Copy out and hash the bytes the caller gets, one pass.
                     if want_sum:
-                        view = self._buf[buf_off:end]
-                        try:
-                            checksum = xxhash.xxh3_64_intdigest(view, seed)
-                        finally:
-                            view.release()
+                        checksum = _xxh3_copy(view, tmp, seed)
+                    else:
+                        _copy(view, tmp)
             if n != length:
                 return Completion(op_id, -errno.EIO, 0)
             self._staged_bytes += length
@@ -427,6 +426,7 @@ class ThreadEngine(IoEngine):
         except OSError as exc:
             return Completion(op_id, -(exc.errno or errno.EIO), 0)
         finally:
+            view.release()
             tmp.release()
 
     def _worker_buffers(self, sealing: Sealing) -> tuple[memoryview, memoryview]:

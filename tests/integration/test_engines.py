@@ -165,19 +165,23 @@ def test_thread_engine_store_fails_a_job_whose_worker_raised_and_the_key_stores_
     buf = memoryview(region)
     store = make_store(str(tmp_path), buf, engine="threads", io_threads=1)
     calls = {"n": 0}
-    real = threads.xxhash.xxh3_64_intdigest
+    real, real_copy = threads._xxh3, threads._xxh3_copy
 
-    def flaky(data, seed):  # type: ignore[no-untyped-def]
+    def flaky(*args):  # type: ignore[no-untyped-def]
         calls["n"] += 1
         if calls["n"] == 1:
             raise MemoryError("injected")
-        return real(data, seed)
+        return (real if len(args) == 2 else real_copy)(*args)
 
     try:
-        monkeypatch.setattr(threads.xxhash, "xxh3_64_intdigest", flaky)
+        # Direct ops hash with _xxh3, staged ones copy and hash with _xxh3_copy.
+        monkeypatch.setattr(threads, "_xxh3", flaky)
+        monkeypatch.setattr(threads, "_xxh3_copy", flaky)
         (first,) = store_keys(store, buf, [key(1)])
         assert not first.success
-        monkeypatch.setattr(threads.xxhash, "xxh3_64_intdigest", real)
+        assert calls["n"] == 1
+        monkeypatch.setattr(threads, "_xxh3", real)
+        monkeypatch.setattr(threads, "_xxh3_copy", real_copy)
         (second,) = store_keys(store, buf, [key(1)], job_id=3)
         assert second.success
         outcome, good = load_keys(store, buf, [key(1)])

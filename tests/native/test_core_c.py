@@ -13,7 +13,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NATIVE = os.path.join(ROOT, "native")
-SOURCES = ["nvt_core.c", "nvt_hash.c", "nvt_hash_avx2.c"]
+SOURCES = ["nvt_core.c", "nvt_hash.c", "nvt_hash_avx2.c", "nvt_hash_avx512.c"]
 
 
 def test_the_core_runs_from_c_alone(tmp_path) -> None:
