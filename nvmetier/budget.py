@@ -568,6 +568,23 @@ def admit(
     return Admission(chosen, removed, shrunk, budgets[0])
 
 
+def scratch_room(roots: Sequence[str], policy: Policy, space: SpaceFn = fs_space) -> int:
+    """Bytes a short-lived scratch file may take on each of ``roots`` now
+    without passing a root's budget (every store's charge counted) or the
+    filesystem reserve: the least over the roots. Call with the root lock
+    held, and keep it while the scratch exists (the staging probe)."""
+    room: list[int] = []
+    for r in roots:
+        total, free = space(r)
+        fits = max(0, free - policy.reserve_bytes(total))
+        b = read_budget(r)
+        if b is not None:
+            used = sum(s.charge_bytes for s in root_shares(r))
+            fits = min(fits, max(0, b - used))
+        room.append(fits)
+    return min(room, default=0)
+
+
 def _refusal(
     roots: Sequence[str],
     store_name: str,

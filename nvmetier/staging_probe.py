@@ -36,6 +36,7 @@ caller then keeps the page-size rule (``nvmetier.memory.staging_wanted``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -44,6 +45,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from nvmetier import budget
 
 logger = logging.getLogger(__name__)
 
@@ -162,11 +165,11 @@ def probe(
     on, off, on), the better round of each mode kept. Returns the result
     (``choose`` applied); raises OSError when the probe cannot run."""
     n_files = len(dirs)
-    per_mode = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, 8 * n_files * chunk_bytes))
-    n_ops = max(n_files, per_mode // chunk_bytes)
+    file_bytes = probe_file_bytes(n_files, chunk_bytes)
+    n_ops = max(n_files, file_bytes * n_files // chunk_bytes)
     rows = max(1, min(n_ops, PROBE_BUFFER_BYTES // chunk_bytes))
     span = rows * chunk_bytes
-    fds = _probe_files(dirs, -(-n_ops // n_files) * chunk_bytes)
+    fds = _probe_files(dirs, file_bytes)
     # Never the store's primary: vLLM may already hold KV in it (a store is
     # reopened at the first data-path call when the block-hash seed turns out
     # random), and another process (the GPU worker) reads and writes it.
@@ -357,6 +360,36 @@ def describe_choice(res: dict[str, Any], reused: bool) -> str:
     return f"{res.get('why', res.get('staging'))} [{when}]"
 
 
+def probe_file_bytes(n_files: int, chunk_bytes: int) -> int:
+    """The size of each drive's scratch file in ``probe``."""
+    per_mode = min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, 8 * n_files * chunk_bytes))
+    n_ops = max(n_files, per_mode // chunk_bytes)
+    return -(-n_ops // n_files) * chunk_bytes
+
+
+def _probe_within_budget(
+    make: Callable[[memoryview, list[int], bool], Any],
+    dirs: Sequence[str],
+    chunk_bytes: int,
+    config: Any,
+) -> dict[str, Any]:
+    """``probe`` under the root lock, when its scratch files fit the root
+    budget and the filesystem reserve (nvmetier.budget): a transient file is
+    still bytes on disk, and an emptyDir's sizeLimit counts it. Raises
+    OSError(ENOSPC) when they do not fit (the page-size rule then stands)."""
+    roots = [os.path.dirname(os.path.normpath(d)) for d in dirs]
+    need = probe_file_bytes(len(dirs), chunk_bytes)
+    with budget.root_lock(roots):
+        room = budget.scratch_room(roots, budget.Policy.from_config(config))
+        if need > room:
+            raise OSError(
+                errno.ENOSPC,
+                f"its scratch files ({need} bytes a drive) do not fit the root budget and "
+                f"the filesystem reserve ({room} bytes left)",
+            )
+        return probe(make, dirs, chunk_bytes)
+
+
 def decide(
     files: Any,
     engine_name: str,
@@ -404,7 +437,7 @@ def decide(
             )
 
         try:
-            res = probe(make, files.dirs, row_bytes)
+            res = _probe_within_budget(make, files.dirs, row_bytes, config)
         except (OSError, ValueError, RuntimeError) as exc:
             # The text only: a log record holding the exception would hold
             # its frames, and through them the caller's buffer.

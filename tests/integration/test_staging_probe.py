@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from nvmetier import budget as root_budget
 from nvmetier import staging_probe
 from nvmetier.bench.tier import vllm_like_primary
 from nvmetier.config import TierConfig
@@ -221,3 +222,34 @@ def test_the_probe_never_touches_the_primary(tmp_path) -> None:
         )
     finally:
         region.close()
+
+
+def test_the_probe_stays_inside_the_root_budget(
+    shm_region: mmap.mmap, tmp_path, monkeypatch
+) -> None:
+    """A budget with room for the store but not for the probe's scratch
+    files: no probe runs (its transient files would pass the budget an
+    emptyDir's sizeLimit is set from), the page-size rule stands and says
+    why, and the root's charges stay within the budget."""
+    sizing = str(tmp_path / "sizing")
+    root = str(tmp_path / "budgeted")
+    os.makedirs(sizing)
+    os.makedirs(root)
+    _needs_o_direct(root)
+    # The store's own charge, from a store of the same config elsewhere.
+    _open(sizing, shm_region, "threads").close()
+    charge = sum(s.charge_bytes for s in root_budget.root_shares(sizing))
+    budget_bytes = charge + staging_probe.probe_file_bytes(1, ROW) // 2
+    staging_probe._MEMO.clear()
+    calls: list[int] = []
+    real = staging_probe.probe
+    monkeypatch.setattr(staging_probe, "probe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    store = _open(root, shm_region, "threads", root_budget_bytes=budget_bytes)
+    try:
+        d = store.describe()
+        assert d["staging"] is True  # a 4 KiB-page primary: the page-size rule
+        assert "do not fit the root budget" in d["staging_reason"]
+        assert calls == []
+        assert sum(s.charge_bytes for s in root_budget.root_shares(root)) <= budget_bytes
+    finally:
+        store.close()
