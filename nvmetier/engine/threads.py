@@ -41,6 +41,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -48,6 +49,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
+from nvmetier.crashsim import hook as _hook
 from nvmetier.engine.base import (
     COMPLETION_DTYPE,
     OP_DTYPE,
@@ -89,6 +91,9 @@ def _op_error(
         return -errno.EINVAL
     return 0
 
+
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_PUBLISH_EARLY = _hook.planted("publish-before-write")
 
 class _Stage:
     """One worker's staging arena: private memory advised for huge pages,
@@ -318,7 +323,17 @@ class ThreadEngine(IoEngine):
                     for rest in batch[1:]:
                         self._ops.put(rest)
                     op = batch[0]
+                # Crash-state recording (tests only; one load and compare when
+                # off): what the files held before this write, then after it.
+                rec = _hook.recorder
+                if rec is not None and op.kind == OP_WRITE:
+                    rec.checkpoint()
+                if _PUBLISH_EARLY and op.kind == OP_WRITE and self._sealing is None:
+                    self._publish_early(op, stage)
+                    continue
                 comp = self._run(op, stage)
+                if rec is not None and op.kind == OP_WRITE:
+                    rec.checkpoint()
             except BaseException as exc:  # a dead worker would strand its op
                 comp = self._unexpected(op, exc)
                 if comp is None:
@@ -330,6 +345,28 @@ class ThreadEngine(IoEngine):
                     self._done.put(comp)
             except BaseException as exc:  # e.g. an op_id that does not pack
                 self._unexpected(op, exc)
+
+    def _publish_early(self, op: Op, stage: _Stage | None) -> None:
+        """The planted bug ``publish-before-write`` (tests only): report the
+        write complete, with the checksum of the bytes it will write, then
+        write them a moment later, so the table publishes the record first."""
+        op_id, _kind, _file_idx, _file_off, buf_off, length, seed, want_sum = op
+        view = self._buf[buf_off : buf_off + length]
+        try:
+            checksum = xxhash.xxh3_64_intdigest(view, seed) if want_sum else 0
+        finally:
+            view.release()
+        if isinstance(op, _RawOp):
+            self._done_raw.put(_PACKED.pack(op_id, length, checksum))
+        else:
+            self._done.put(Completion(op_id, length, checksum))
+        time.sleep(0.05)
+        rec = _hook.recorder
+        if rec is not None:
+            rec.checkpoint()
+        self._run(op, stage)
+        if rec is not None:
+            rec.checkpoint()
 
     def _unexpected(self, op: Op | bytes, exc: BaseException) -> Completion | None:
         """Log ``exc`` (once per engine) and return ``op``'s failed completion,
