@@ -97,7 +97,6 @@ BUSY_RETRY_S = 5.0
 PURGE_LOCK_TIMEOUT_S = 10.0
 
 
-
 @dataclasses.dataclass
 class PurgeResult:
     """What a purge did to one store.

@@ -54,7 +54,7 @@ def check_media(root: str, spec: dict[str, Any], volatile: bool, work: str) -> l
         raw = f.read()
     try:
         sb = fmt.unpack_superblock(raw, where=sb_path)
-    except Exception as exc:  # noqa: BLE001 - any failure is the finding
+    except Exception as exc:
         return [f"superblock not whole after a crash: {exc}"]
     for name, size in (("index", sb.index_bytes), ("data", sb.data_file_bytes)):
         p = os.path.join(sdir, name)
@@ -133,10 +133,10 @@ def _check_epochs(sdir: str, sb: fmt.Superblock) -> list[str]:
     out = []
     row = sb.chunk_bytes - sealed.TRAILER_BYTES
     with open(os.path.join(sdir, "data"), "rb") as f:
-        data = f.read()
+        image = f.read()
     for slot in range(sb.n_slots):
         base = slot * sb.slot_bytes
-        parsed = sealed.parse_trailer(data[base + row : base + sb.chunk_bytes])
+        parsed = sealed.parse_trailer(image[base + row : base + sb.chunk_bytes])
         if parsed is None:
             continue
         _nonce, _tag, epoch, fp = parsed
@@ -169,9 +169,12 @@ def check_restart(
     *,
     engine: str,
     verify: bool,
+    served: list[int] | None = None,
 ) -> list[str]:
     """Open the state under ``root`` as the next start would, load every key
-    the oracle knows, and check what comes back."""
+    the oracle knows, and check what comes back. ``served`` (when given)
+    gets the number of chunks the loads returned appended, -1 when the open
+    refused the state."""
     from nvmetier.config import TierConfig
     from nvmetier.store import BlockStore
 
@@ -194,13 +197,15 @@ def check_restart(
                 row_bytes=row,
                 engine=engine,
             )
-        except Exception as exc:  # noqa: BLE001 - classified below
+        except Exception as exc:
             if type(exc).__name__ in _DOCUMENTED_OPEN_ERRORS:
+                if served is not None:
+                    served.append(-1)
                 return []
             return [f"open ({engine}, verify={verify}) failed: {type(exc).__name__}: {exc}"]
         out: list[str] = []
         try:
-            out.extend(_check_loads(store, buf, keys, oracle, purged, row, engine, verify))
+            out.extend(_check_loads(store, buf, keys, oracle, purged, row, engine, verify, served))
             out.extend(_check_capacity(store))
         finally:
             store.close()
@@ -220,13 +225,18 @@ def _check_loads(
     row: int,
     engine: str,
     verify: bool,
+    served: list[int] | None,
 ) -> list[str]:
     if not keys:
+        if served is not None:
+            served.append(0)
         return []
     store.submit_load(1, keys, list(range(len(keys))))
     store.wait_idle(30.0)
     (outcome,) = store.poll()
     ok = keys if outcome.success else list(outcome.successful_keys or [])
+    if served is not None:
+        served.append(len(ok))
     out = []
     for k in ok:
         i = keys.index(k)

@@ -56,12 +56,15 @@ class Report:
     restarts: int  # of them, opened as a restart
     seed: int
     findings: list[Finding]
+    refused: int = 0  # restarts that refused the state (a documented error)
+    served: int = 0  # chunks the restarts' loads returned (each checked)
 
     def summary(self) -> str:
         return (
             f"crashsim {self.workload}: {self.ops} ops, {self.points} points, "
             f"{self.states} distinct crash states checked, {self.restarts} opened as a "
-            f"restart (seed {self.seed}), {len(self.findings)} violations"
+            f"restart ({self.refused} refused with a documented error, {self.served} "
+            f"chunks served and checked; seed {self.seed}), {len(self.findings)} violations"
         )
 
 
@@ -98,6 +101,20 @@ def choices_at(model: FsModel, per_point: int, rng: random.Random) -> list[Choic
     return out
 
 
+def _sample(
+    ops: list[dict[str, Any]], states: list[Choice], budget: int, rng: random.Random
+) -> list[Choice]:
+    """``budget`` of ``states`` (in point order): those at a point right after
+    a sync, a name change or a note first (where orders matter), then any."""
+    marks = ("fsync", "fsync_dir", "rename", "link", "unlink", "create", "note")
+    first = [i for i, c in enumerate(states) if c.point and ops[c.point - 1]["op"] in marks]
+    rest = [i for i in range(len(states)) if i not in set(first)]
+    rng.shuffle(first)
+    rng.shuffle(rest)
+    keep = sorted((first + rest)[:budget])
+    return [states[i] for i in keep]
+
+
 def _oracle(ops: list[dict[str, Any]], point: int) -> tuple[dict[bytes, set[str]], set[bytes]]:
     """Keys -> digests of every payload stored before ``point``, and the
     keys a finished purge removed (not stored again since)."""
@@ -122,8 +139,13 @@ def _uring_available() -> bool:
 
 
 def check_choice(
-    model: FsModel, ops: list[dict[str, Any]], spec: dict[str, Any], choice: Choice,
-    work: str, restart: tuple[str, bool] | None,
+    model: FsModel,
+    ops: list[dict[str, Any]],
+    spec: dict[str, Any],
+    choice: Choice,
+    work: str,
+    restart: tuple[str, bool] | None,
+    served: list[int] | None = None,
 ) -> list[str]:
     """Materialise ``choice`` (at ``model.point``) under ``work`` and check it."""
     root = os.path.join(work, "state")
@@ -133,7 +155,9 @@ def check_choice(
     if restart is not None and not problems:
         oracle, purged = _oracle(ops, choice.point)
         engine, verify = restart
-        problems = checks.check_restart(root, spec, oracle, purged, engine=engine, verify=verify)
+        problems = checks.check_restart(
+            root, spec, oracle, purged, engine=engine, verify=verify, served=served
+        )
     return problems
 
 
@@ -142,6 +166,7 @@ def explore(
     *,
     per_point: int = 24,
     restarts: int = 12,
+    states_budget: int = -1,
     seed: int = 31,
     stop_after: int = 3,
     work_dir: str | None = None,
@@ -152,6 +177,9 @@ def explore(
         per_point: at most this many power-loss states per point (all of
             them while the subsets fit).
         restarts: states opened as a restart (-1: every state).
+        states_budget: distinct states checked at all (-1: every one);
+            past it a sample drawn with ``seed``, the killed-process states
+            and the states right after a sync or a name change first.
         seed: of the random subsets and of the restart sample (printed).
         stop_after: stop once this many violations were found (0: never).
     """
@@ -170,14 +198,19 @@ def explore(
                 seen.add(d)
                 states.append(ch)
     rng = random.Random(seed)
+    if 0 <= states_budget < len(states):
+        states = _sample(ops, states, states_budget, rng)
     pick = set(range(len(states)))
     if 0 <= restarts < len(states):
         pick = set(rng.sample(range(len(states)), restarts))
     # Pass 2: check each, in point order (one forward replay).
     findings: list[Finding] = []
     model = FsModel(rec_dir, ops)
+    if work_dir is None and os.path.isdir("/dev/shm"):
+        work_dir = "/dev/shm"  # states are small and many: memory, not the disk
     work = tempfile.mkdtemp(prefix="crashsim-", dir=work_dir)
     n_restarts = 0
+    served: list[int] = []
     try:
         for n, ch in enumerate(states):
             model.advance(ch.point)
@@ -185,11 +218,21 @@ def explore(
             if n in pick:
                 restart = (engines[n_restarts % len(engines)], n_restarts // len(engines) % 2 == 0)
                 n_restarts += 1
-            problems = check_choice(model, ops, spec, ch, work, restart)
+            problems = check_choice(model, ops, spec, ch, work, restart, served)
             if problems:
                 findings.append(Finding(ch, problems, rec_dir))
                 if stop_after and len(findings) >= stop_after:
                     break
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Report(spec["workload"], len(ops), len(ops) + 1, len(states), n_restarts, seed, findings)
+    return Report(
+        spec["workload"],
+        len(ops),
+        len(ops) + 1,
+        len(states),
+        n_restarts,
+        seed,
+        findings,
+        refused=served.count(-1),
+        served=sum(n for n in served if n > 0),
+    )

@@ -89,7 +89,7 @@ class FsModel:
             b = self._blobs[name] = read_blob(self.rec_dir, name)
         return b
 
-    def _inode_of(self, path: str) -> Inode | None:
+    def _inode_of(self, path: str) -> Inode:
         i = self.names.get(path)
         if i is None:
             # A diffed file written before its create was recorded (it is
@@ -168,7 +168,7 @@ class FsModel:
 
     def units(self) -> list[Unit]:
         """Every unsynced page now, in operation order."""
-        out = []
+        out: list[Unit] = []
         for n, ino in enumerate(self.inodes):
             out.extend(Unit(n, i, off, data) for i, off, data in ino.pending)
         return sorted(out, key=lambda u: u.op)
@@ -180,7 +180,7 @@ class FsModel:
         names = self._names_after(choice.ns_prefix)
         units = self.units()
         content: dict[int, bytearray] = {}
-        for name, i in names.items():
+        for _name, i in names.items():
             if i not in content:
                 content[i] = bytearray(self.inodes[i].durable)
         for n in sorted(choice.units):

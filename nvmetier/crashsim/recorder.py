@@ -103,7 +103,7 @@ class Recorder:
         return name
 
     def _diffed_files(self) -> list[str]:
-        out = []
+        out: list[str] = []
         for top, _dirs, names in os.walk(self.root):
             out.extend(os.path.join(top, n) for n in names if n in DIFFED_NAMES)
         return sorted(out)
@@ -111,7 +111,7 @@ class Recorder:
     def _diff_locked(self) -> list[dict[str, Any]]:
         """``write`` entries for every page of a diffed file that changed
         since its last image; the images are updated."""
-        out = []
+        out: list[dict[str, Any]] = []
         for path in self._diffed_files():
             rel = os.path.relpath(path, self.root)
             snap = os.path.join(self.dir, "snap", rel.replace(os.sep, "%"))

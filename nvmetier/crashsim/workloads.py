@@ -28,7 +28,7 @@ from typing import Any
 ROW = 16 << 10
 ROWS = 16
 STORE_NAME = "crash-store"
-IDENTITY = {"model_name": "crash/model", "chunk_bytes": ROW, "dtype": "fp16"}
+IDENTITY: dict[str, Any] = {"model_name": "crash/model", "chunk_bytes": ROW, "dtype": "fp16"}
 CONFIG: dict[str, Any] = {
     "capacity_bytes": "640KiB",  # 36 slots of 16 KiB, 4 ways: evictions come soon
     "ways": 4,
@@ -204,7 +204,9 @@ def _purge_live(c: Ctx, mode: str) -> None:
         purge.purge_store(sdir, older_than_s=0.5)
         c.purged(old)
     else:
-        purge.purge(os.path.join(c.base, "kv"), older_than_s=None, model=IDENTITY["model_name"])
+        purge.purge(
+            os.path.join(c.base, "kv"), older_than_s=None, model=str(IDENTITY["model_name"])
+        )
         c.purged(old + new)
     c.rec.checkpoint()
     s.take_events()

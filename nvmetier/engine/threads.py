@@ -95,6 +95,7 @@ def _op_error(
 # Test-only (issue 31): the planted bug the crash explorer must find.
 _PUBLISH_EARLY = _hook.planted("publish-before-write")
 
+
 class _Stage:
     """One worker's staging arena: private memory advised for huge pages,
     2 MiB-aligned, at least as large as the largest op seen (worker-local)."""
