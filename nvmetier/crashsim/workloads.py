@@ -316,6 +316,9 @@ def record(name: str, out_dir: str, plant: Sequence[str] = (), timeout_s: float 
 
     env = {**os.environ, hook.RECORD_ENV: f"{rec}:{base}", hook.PLANT_ENV: ",".join(plant)}
     env.pop("NVMETIER_ENGINE", None)
+    # The children import this very checkout, wherever they are started from.
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-m", "nvmetier.crashsim", "_run", base, name],
         env=env,
