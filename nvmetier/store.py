@@ -43,9 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier import crypto
+from nvmetier import crypto, purge_log
 from nvmetier import format as fmt
-from nvmetier import purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes
