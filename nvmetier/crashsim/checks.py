@@ -33,6 +33,7 @@ from typing import Any
 
 from nvmetier import format as fmt
 from nvmetier import fsck, purge_log, recovery
+from nvmetier.crashsim.workloads import roots_of
 
 # Errors a restart may refuse a damaged store with (documented in
 # docs/operations.md: a store that is not one, or of another layout).
@@ -40,7 +41,8 @@ _DOCUMENTED_OPEN_ERRORS = ("FormatError", "FormatVersionError", "ConfigError", "
 
 
 def _store_dirs(root: str, spec: dict[str, Any]) -> str:
-    return os.path.join(root, "kv", spec["store_name"])
+    """The main store directory of the state under ``root``."""
+    return os.path.join(root, spec.get("roots", ["kv"])[0], spec["store_name"])
 
 
 def check_media(root: str, spec: dict[str, Any], volatile: bool, work: str) -> list[str]:
@@ -179,7 +181,7 @@ def check_restart(
     from nvmetier.store import BlockStore
 
     cfg = dict(spec["config"])
-    cfg["root_dir"] = os.path.join(root, "kv")
+    cfg["root_dir"] = roots_of(root, spec)
     cfg["verify_checksums"] = verify
     if spec.get("key_file"):
         cfg["encryption"] = {"key_file": spec["key_file"]}

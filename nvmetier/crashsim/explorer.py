@@ -191,6 +191,8 @@ def explore(
     seen: set[str] = set()
     states: list[Choice] = []
     for point in range(len(ops) + 1):
+        if point and ops[point - 1].get("more"):
+            continue  # inside one diff: not an instant the run passed through
         model.advance(point)
         for ch in choices_at(model, per_point, random.Random(seed * 1_000_003 + point)):
             d = state_digest(model.files(ch))

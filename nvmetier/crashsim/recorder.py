@@ -11,9 +11,11 @@ What is recorded, and how:
 - The mapped index and the data files change without a system call of ours
   (the native table writes records into a shared mapping; the io_uring
   engine writes data from its own thread). They are *diffed*: before every
-  operation appended, each ``index`` and ``data`` file under the root is
-  compared page by page (4 KiB) with its last image and every changed run of
-  pages is appended as a ``write``. The thread engine calls ``checkpoint``
+  operation appended, each ``index`` and then each ``data`` file under the
+  root is compared page by page (4 KiB) with its last image and every
+  changed run of pages is appended as a ``write``; the writes of one diff
+  are one instant (no crash point between them: their order within it is
+  not known). The thread engine calls ``checkpoint``
   before and after each data write, so a record written before its data
   write completed is recorded before that write.
 - Small files (``superblock.tmp``, the purge log, ``keys``) are recorded at
@@ -103,10 +105,14 @@ class Recorder:
         return name
 
     def _diffed_files(self) -> list[str]:
+        """Every diffed file, the indexes first: a record is written only
+        after its data write completed, so data read after the index holds
+        the bytes of every record that index image shows (an image of the
+        pair that a running store really passed through)."""
         out: list[str] = []
         for top, _dirs, names in os.walk(self.root):
             out.extend(os.path.join(top, n) for n in names if n in DIFFED_NAMES)
-        return sorted(out)
+        return sorted(out, key=lambda p: (DIFFED_NAMES.index(os.path.basename(p)), p))
 
     def _diff_locked(self) -> list[dict[str, Any]]:
         """``write`` entries for every page of a diffed file that changed
@@ -156,6 +162,10 @@ class Recorder:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 entries = self._diff_locked()
+                # One diff is one instant: no crash point falls inside it
+                # (``more`` marks the entries a later one of it follows).
+                for e in entries[:-1]:
+                    e["more"] = 1
                 if entry is not None:
                     entries.append(entry)
                 pid = os.getpid()

@@ -2,9 +2,10 @@
 clean close), its deaths (``kill -9`` mid-job), its neighbours (two
 sharers, a live purge) and its variants (retention, sealed stores).
 
-Owns: ``WORKLOADS`` (name -> function) and ``record`` (run one in a child
+Owns: ``WORKLOADS`` (name -> ``Workload``) and ``record`` (run one in a child
 process with the recorder on, so every process of the run records). Adding
-a workload is one function of a ``Ctx`` and one line in ``WORKLOADS``.
+a workload is one function of a ``Ctx`` and one line in ``WORKLOADS`` (or
+only the line: an existing function under another configuration).
 Called by tests and by ``python -m nvmetier.crashsim record``; blocks.
 
 Every process of a run records into the same recording (``hook``), so a
@@ -15,6 +16,7 @@ SHA-256 of the bytes, and after each purge the keys it removed.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import mmap
@@ -45,6 +47,12 @@ def payload(k: bytes, version: int = 0) -> bytes:
     return hashlib.shake_128(k + version.to_bytes(4, "little")).digest(ROW)
 
 
+def roots_of(base: str, spec: dict[str, Any]) -> str | list[str]:
+    """The ``root_dir`` of a run (or of a state) under ``base``."""
+    roots = [os.path.join(base, r) for r in spec.get("roots", ["kv"])]
+    return roots[0] if len(roots) == 1 else roots
+
+
 class Ctx:
     """One process's view of a recorded run under ``base`` (stores in
     ``base/kv``)."""
@@ -62,7 +70,7 @@ class Ctx:
         from nvmetier.config import TierConfig
         from nvmetier.store import BlockStore
 
-        cfg = {**self.spec["config"], "root_dir": os.path.join(self.base, "kv"), **overrides}
+        cfg = {**self.spec["config"], "root_dir": roots_of(self.base, self.spec), **overrides}
         if self.spec.get("key_file"):
             cfg["encryption"] = {"key_file": self.spec["key_file"]}
         s = BlockStore(
@@ -226,6 +234,25 @@ def w_purge_model(c: Ctx) -> None:
     _purge_live(c, "model")
 
 
+def w_fsck_repair(c: Ctx) -> None:
+    """A writer killed mid-job, ``nvmetier fsck --repair``, then a restart."""
+    from nvmetier import fsck
+
+    child = c.spawn("writer")
+    assert child.stdout is not None
+    for _ in range(2):
+        child.stdout.readline()
+    child.kill()
+    child.wait()
+    c.rec.checkpoint()
+    fsck.check_store(os.path.join(c.base, "kv", STORE_NAME), deep=True, repair=True)
+    c.rec.checkpoint()
+    s = c.open()
+    c.load(s, _keys(0, 8))
+    c.put(s, _keys(100, 4))
+    c.close(s)
+
+
 def w_sealed(c: Ctx) -> None:
     from nvmetier import purge
 
@@ -258,19 +285,38 @@ def s_sharer(c: Ctx) -> None:
     c.close(s)
 
 
-WORKLOADS: dict[str, tuple[Callable[[Ctx], None], bool]] = {
-    # name: (function, sealed)
-    "create": (w_create, False),
-    "fill": (w_fill, False),
-    "evict": (w_evict, False),
-    "reopen": (w_reopen, False),
-    "kill9": (w_kill9, False),
-    "sharers": (w_sharers, False),
-    "retention": (w_retention, False),
-    "purge_all": (w_purge_all, False),
-    "purge_older": (w_purge_older, False),
-    "purge_model": (w_purge_model, False),
-    "sealed": (w_sealed, True),
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A recorded workload: its function and how its store is configured."""
+
+    fn: Callable[[Ctx], None]
+    sealed: bool = False  # encryption on (a fresh key file per recording)
+    roots: tuple[str, ...] = ("kv",)  # root_dir entries under the run's base
+    config: tuple[tuple[str, Any], ...] = ()  # over CONFIG
+
+    @property
+    def needs_uring(self) -> bool:
+        return dict(self.config).get("io_engine") == "uring"
+
+
+_URING = (("io_engine", "uring"),)
+WORKLOADS: dict[str, Workload] = {
+    "create": Workload(w_create),
+    "fill": Workload(w_fill),
+    "fill_uring": Workload(w_fill, config=_URING),
+    "evict": Workload(w_evict),
+    "reopen": Workload(w_reopen),
+    "two_drives": Workload(w_reopen, roots=("kv", "kv2")),
+    "kill9": Workload(w_kill9),
+    "kill9_uring": Workload(w_kill9, config=_URING),
+    "fsck_repair": Workload(w_fsck_repair),
+    "sharers": Workload(w_sharers),
+    "retention": Workload(w_retention),
+    "purge_all": Workload(w_purge_all),
+    "purge_older": Workload(w_purge_older),
+    "purge_model": Workload(w_purge_model),
+    "sealed": Workload(w_sealed, sealed=True),
+    # The root budget (another branch) is one line here once it exists.
 }
 STEPS: dict[str, Callable[[Ctx], None]] = {"writer": s_writer, "sharer": s_sharer}
 
@@ -289,13 +335,14 @@ def record(name: str, out_dir: str, plant: Sequence[str] = (), timeout_s: float 
         KeyError: no such workload.
         RuntimeError: the workload failed (its stderr in the message).
     """
-    _fn, sealed = WORKLOADS[name]
+    w = WORKLOADS[name]
     base = os.path.join(out_dir, "run")
     rec = os.path.join(out_dir, "rec")
-    os.makedirs(os.path.join(base, "kv"))
+    for r in w.roots:
+        os.makedirs(os.path.join(base, r))
     os.makedirs(rec)
     key_file = None
-    if sealed:
+    if w.sealed:
         key_file = os.path.join(out_dir, "key")
         with open(key_file, "wb") as f:
             f.write(os.urandom(32))
@@ -305,7 +352,8 @@ def record(name: str, out_dir: str, plant: Sequence[str] = (), timeout_s: float 
         "store_name": STORE_NAME,
         "identity": IDENTITY,
         "row_bytes": ROW,
-        "config": CONFIG,
+        "config": {**CONFIG, **dict(w.config)},
+        "roots": list(w.roots),
         "key_file": key_file,
         "plant": list(plant),
     }
@@ -335,5 +383,5 @@ def run_in_child(base: str, name: str, step: bool) -> None:
     c = Ctx(base, spec_of(base))
     if c.rec is None:
         raise RuntimeError("run without a recorder: use record()")
-    (STEPS[name] if step else WORKLOADS[name][0])(c)
+    (STEPS[name] if step else WORKLOADS[name].fn)(c)
     c.rec.checkpoint()
