@@ -93,6 +93,8 @@ EXIT_USAGE = 16
 # How long sets held by another process (stopped, or slow) are retried
 # before they are reported not purged.
 BUSY_RETRY_S = 5.0
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_PURGE_UNSYNCED = hook.planted("purge-unsynced")
 # How long a purge waits for another purge of the same store.
 PURGE_LOCK_TIMEOUT_S = 10.0
 
@@ -427,8 +429,9 @@ def _purge_online(
                 break
             sets = busy
             time.sleep(0.1)
-        index.flush()  # durable: a power loss does not bring purged records back
-        _record_msync(store_dir)
+        if not _PURGE_UNSYNCED:
+            index.flush()  # durable: a power loss does not bring purged records back
+            _record_msync(store_dir)
         if fds is not None:
             for fd in fds:
                 os.fsync(fd)

@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     choice = Choice(a.point, a.ns, units, a.volatile)
     model = FsModel(a.rec, ops)
     model.advance(a.point)
+    if a.point:
+        last = {k: v for k, v in ops[a.point - 1].items() if k != "blob"}
+        print(f"crash after op {a.point - 1} of {len(ops)}: {last}")
+    print("killed process: everything written is kept" if a.volatile else "power loss:")
     for i, u in enumerate(model.units()):
         print(f"unit {i}: op {u.op} {ops[u.op]['path']} offset {u.offset} (+{len(u.data)})")
     for i, (at, op, _t) in enumerate(model.pending_ns):

@@ -45,8 +45,11 @@ def _store_dirs(root: str, spec: dict[str, Any]) -> str:
     return os.path.join(root, spec.get("roots", ["kv"])[0], spec["store_name"])
 
 
-def check_media(root: str, spec: dict[str, Any], volatile: bool, work: str) -> list[str]:
-    """The media checks of the state under ``root`` (``work``: scratch)."""
+def check_media(
+    root: str, spec: dict[str, Any], volatile: bool, work: str, purged: set[bytes] | None = None
+) -> list[str]:
+    """The media checks of the state under ``root`` (``work``: scratch;
+    ``purged``: keys a finished purge removed and nothing stored again)."""
     out: list[str] = []
     sdir = _store_dirs(root, spec)
     sb_path = os.path.join(sdir, "superblock")
@@ -102,7 +105,33 @@ def check_media(root: str, spec: dict[str, Any], volatile: bool, work: str) -> l
             out.append(f"the purge log is not whole ({len(data)} bytes)")
     if "encryption" in sb.identity:
         out.extend(_check_epochs(sdir, sb))
+    if purged:
+        out.extend(_check_purged(sdir, sb, purged, key_set))
     return out
+
+
+def _check_purged(sdir: str, sb: fmt.Superblock, purged: set[bytes], key_set: Any) -> list[str]:
+    """No valid record on the media names a key a finished purge removed
+    (its records are msynced before the purge returns)."""
+    names = set(purged)
+    if key_set is not None:
+        from nvmetier import crypto
+
+        try:
+            ring = crypto.Keyring.open(sdir)
+        except (OSError, crypto.KeyringError):
+            return []
+        try:
+            names = set(ring.store_keys(key_set).key_macs(sorted(purged)))
+        finally:
+            ring.close()
+    with open(os.path.join(sdir, "index"), "rb") as f:
+        index = f.read()
+    scan = recovery.scan_index(index, sb.n_slots, sb.ways)
+    back = [s for s, k in zip(scan.slots.tolist(), scan.keys, strict=True) if k in names]
+    if back:
+        return [f"purge: slot {back[0]} holds a valid record of a key a finished purge removed"]
+    return []
 
 
 def _key_set(spec: dict[str, Any]) -> Any:

@@ -151,9 +151,9 @@ def check_choice(
     root = os.path.join(work, "state")
     shutil.rmtree(root, ignore_errors=True)
     materialize(model.files(choice), root)
-    problems = checks.check_media(root, spec, choice.volatile, work)
+    oracle, purged = _oracle(ops, choice.point)
+    problems = checks.check_media(root, spec, choice.volatile, work, purged)
     if restart is not None and not problems:
-        oracle, purged = _oracle(ops, choice.point)
         engine, verify = restart
         problems = checks.check_restart(
             root, spec, oracle, purged, engine=engine, verify=verify, served=served

@@ -33,6 +33,7 @@ PLANTABLE = {
     "publish-before-write": "a record published before its data write completed",
     "purge-log-no-sync": "the purge log replaced without a sync of its bytes",
     "epoch-unsynced": "a new epoch key (the nonce reservation) sealed under before it is synced",
+    "purge-unsynced": "a live purge returning before its cleared records are msynced",
 }
 
 _planted = frozenset(n for n in os.environ.get(PLANT_ENV, "").split(",") if n)

@@ -253,6 +253,36 @@ def w_fsck_repair(c: Ctx) -> None:
     c.close(s)
 
 
+def w_purge_offline(c: Ctx) -> None:
+    """A purge with no process attached (records zeroed directly), then a restart."""
+    from nvmetier import purge
+
+    s = c.open()
+    c.put(s, _keys(0, 6))
+    c.close(s)
+    purge.purge_store(os.path.join(c.base, "kv", STORE_NAME), older_than_s=None)
+    c.purged(_keys(0, 6))
+    s = c.open()
+    c.load(s, _keys(0, 6))
+    c.put(s, _keys(6, 4))
+    c.close(s)
+
+
+def w_sealed_older(c: Ctx) -> None:
+    """A sealed store's live ``purge --older-than``: the removed slots'
+    nonces and tags overwritten, old epochs destroyed."""
+    from nvmetier import purge
+
+    s = c.open()
+    c.put(s, _keys(0, 4))
+    time.sleep(0.6)
+    c.put(s, _keys(4, 4))
+    purge.purge_store(os.path.join(c.base, "kv", STORE_NAME), older_than_s=0.5)
+    c.purged(_keys(0, 4))
+    c.put(s, _keys(8, 2))
+    c.close(s)
+
+
 def w_sealed(c: Ctx) -> None:
     from nvmetier import purge
 
@@ -315,7 +345,11 @@ WORKLOADS: dict[str, Workload] = {
     "purge_all": Workload(w_purge_all),
     "purge_older": Workload(w_purge_older),
     "purge_model": Workload(w_purge_model),
+    "purge_offline": Workload(w_purge_offline),
     "sealed": Workload(w_sealed, sealed=True),
+    "sealed_older": Workload(w_sealed_older, sealed=True),
+    "sealed_kill9": Workload(w_kill9, sealed=True),
+    "sealed_sharers": Workload(w_sharers, sealed=True),
     # The root budget (another branch) is one line here once it exists.
 }
 STEPS: dict[str, Callable[[Ctx], None]] = {"writer": s_writer, "sharer": s_sharer}

@@ -48,6 +48,7 @@ PLANTED = {
     "publish-before-write": "fill",
     "purge-log-no-sync": "purge_all",
     "epoch-unsynced": "sealed",
+    "purge-unsynced": "purge_all",
 }
 
 
