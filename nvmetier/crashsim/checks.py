@@ -14,9 +14,10 @@ person. Two kinds:
   holds (item 6); ``nvmetier fsck --repair`` then ``fsck`` ends clean.
 - the *restart* check (``check_restart``) opens the state as the next start
   would (``BlockStore``, either engine, ``verify_checksums`` on or off):
-  the open succeeds or refuses with a ``FormatError``/``ConfigError``; every
-  load returns bytes that were stored under its key (the oracle), and none
-  of a key a finished purge removed; the capacity counts each chunk once.
+  the open succeeds or refuses with a ``FormatError``/``ConfigError``; it
+  drops exactly the records fsck reported bad; every load returns bytes that
+  were stored under its key (the oracle), and none of a key a finished
+  purge removed; the capacity counts each chunk once.
 
 Called by the explorer's thread; blocks (reads and opens small stores).
 """
@@ -46,10 +47,17 @@ def _store_dirs(root: str, spec: dict[str, Any]) -> str:
 
 
 def check_media(
-    root: str, spec: dict[str, Any], volatile: bool, work: str, purged: set[bytes] | None = None
+    root: str,
+    spec: dict[str, Any],
+    volatile: bool,
+    work: str,
+    purged: set[bytes] | None = None,
+    facts: dict[str, int] | None = None,
 ) -> list[str]:
     """The media checks of the state under ``root`` (``work``: scratch;
-    ``purged``: keys a finished purge removed and nothing stored again)."""
+    ``purged``: keys a finished purge removed and nothing stored again;
+    ``facts`` gets what the restart check compares with: the records fsck
+    found bad, ``fsck_bad_records``)."""
     out: list[str] = []
     sdir = _store_dirs(root, spec)
     sb_path = os.path.join(sdir, "superblock")
@@ -71,6 +79,10 @@ def check_media(
     key_set = _key_set(spec)
     res = fsck.check_store(sdir, deep=True, keys=key_set)
     payload = [e for e in res.errors if e.kind == "payload"]
+    if facts is not None and not res.operational_error:
+        facts["fsck_bad_records"] = sum(
+            e.kind in ("record", "misplaced", "duplicate") for e in res.errors
+        )
     if sb.clean and res.errors:
         out.append(
             "a clean superblock over an index and data that disagree: "
@@ -201,6 +213,7 @@ def check_restart(
     engine: str,
     verify: bool,
     served: list[int] | None = None,
+    facts: dict[str, int] | None = None,
 ) -> list[str]:
     """Open the state under ``root`` as the next start would, load every key
     the oracle knows, and check what comes back. ``served`` (when given)
@@ -238,6 +251,13 @@ def check_restart(
         try:
             out.extend(_check_loads(store, buf, keys, oracle, purged, row, engine, verify, served))
             out.extend(_check_capacity(store))
+            fsck_bad = (facts or {}).get("fsck_bad_records")
+            dropped = store.stats()["records_dropped_at_open"]
+            if fsck_bad is not None and fsck_bad != dropped:
+                out.append(
+                    f"fsck found {fsck_bad} bad records but the open dropped {dropped}: "
+                    "fsck must see what an open sees"
+                )
         finally:
             store.close()
         return out

@@ -152,11 +152,12 @@ def check_choice(
     shutil.rmtree(root, ignore_errors=True)
     materialize(model.files(choice), root)
     oracle, purged = _oracle(ops, choice.point)
-    problems = checks.check_media(root, spec, choice.volatile, work, purged)
+    facts: dict[str, int] = {}
+    problems = checks.check_media(root, spec, choice.volatile, work, purged, facts)
     if restart is not None and not problems:
         engine, verify = restart
         problems = checks.check_restart(
-            root, spec, oracle, purged, engine=engine, verify=verify, served=served
+            root, spec, oracle, purged, engine=engine, verify=verify, served=served, facts=facts
         )
     return problems
 

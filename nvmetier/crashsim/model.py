@@ -92,8 +92,8 @@ class FsModel:
     def _inode_of(self, path: str) -> Inode:
         i = self.names.get(path)
         if i is None:
-            # A diffed file written before its create was recorded (it is
-            # created by a process's first touch): take it as durable.
+            # A file the recording did not see created (it was there
+            # before, or a process's first touch made it): take it as durable.
             self.inodes.append(Inode(bytearray(), bytearray()))
             i = self.names[path] = self.durable_names[path] = len(self.inodes) - 1
         return self.inodes[i]
@@ -133,11 +133,13 @@ class FsModel:
                 target = len(self.inodes) - 1
                 self.names[path] = target
             elif kind in ("rename", "link"):
+                self._inode_of(path)  # a file from before the recording: durable
                 target = self.names[path]
                 self.names[op["dst"]] = target
                 if kind == "rename":
                     del self.names[path]
             else:
+                self._inode_of(path)
                 target = self.names.pop(path)
             self.pending_ns.append((i, op, target))
         elif kind == "fsync_dir":
