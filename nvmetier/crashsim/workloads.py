@@ -283,6 +283,19 @@ def w_sealed_older(c: Ctx) -> None:
     c.close(s)
 
 
+def w_sealed_rotate(c: Ctx) -> None:
+    """A sealed store that moves to new epoch keys while it runs (a 4 s
+    retention: a 1 s sealing window), then restarts."""
+    s = c.open(retention=4)
+    for b in range(3):
+        c.put(s, _keys(4 * b, 4))
+        time.sleep(0.7)
+    c.close(s)
+    s = c.open(retention=4)
+    c.load(s, _keys(0, 12))
+    c.close(s)
+
+
 def w_sealed(c: Ctx) -> None:
     from nvmetier import purge
 
@@ -350,6 +363,7 @@ WORKLOADS: dict[str, Workload] = {
     "sealed_older": Workload(w_sealed_older, sealed=True),
     "sealed_kill9": Workload(w_kill9, sealed=True),
     "sealed_sharers": Workload(w_sharers, sealed=True),
+    "sealed_rotate": Workload(w_sealed_rotate, sealed=True),
     # The root budget (another branch) is one line here once it exists.
 }
 STEPS: dict[str, Callable[[Ctx], None]] = {"writer": s_writer, "sharer": s_sharer}
