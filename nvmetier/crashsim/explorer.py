@@ -108,7 +108,8 @@ def _sample(
     a sync, a name change or a note first (where orders matter), then any."""
     marks = ("fsync", "fsync_dir", "rename", "link", "unlink", "create", "note")
     first = [i for i, c in enumerate(states) if c.point and ops[c.point - 1]["op"] in marks]
-    rest = [i for i in range(len(states)) if i not in set(first)]
+    chosen = set(first)
+    rest = [i for i in range(len(states)) if i not in chosen]
     rng.shuffle(first)
     rng.shuffle(rest)
     keep = sorted((first + rest)[:budget])
