@@ -114,9 +114,11 @@ class Recorder:
             out.extend(os.path.join(top, n) for n in names if n in DIFFED_NAMES)
         return sorted(out, key=lambda p: (DIFFED_NAMES.index(os.path.basename(p)), p))
 
-    def _diff_locked(self) -> list[dict[str, Any]]:
+    def _diff_locked(self, images: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
         """``write`` entries for every page of a diffed file that changed
-        since its last image; the images are updated."""
+        since its last image; the new images go to ``images`` (``(snap
+        path, bytes)``), saved once the entries are in the log: a process
+        killed in between leaves them for the next diff to record again."""
         out: list[dict[str, Any]] = []
         for path in self._diffed_files():
             rel = os.path.relpath(path, self.root)
@@ -151,17 +153,15 @@ class Recorder:
                 if hi > lo:
                     blob = self._blob(now[lo:hi])
                     out.append({"op": "write", "path": rel, "off": lo, "blob": blob, "diff": 1})
-            tmp = f"{snap}.tmp"
-            with open(tmp, "wb") as f:
-                f.write(now)
-            os.replace(tmp, snap)
+            images.append((snap, now))
         return out
 
     def _append(self, entry: dict[str, Any] | None) -> None:
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                entries = self._diff_locked()
+                images: list[tuple[str, bytes]] = []
+                entries = self._diff_locked(images)
                 # One diff is one instant: no crash point falls inside it
                 # (``more`` marks the entries a later one of it follows).
                 for e in entries[:-1]:
@@ -170,8 +170,14 @@ class Recorder:
                     entries.append(entry)
                 pid = os.getpid()
                 lines = "".join(json.dumps({**e, "pid": pid}) + "\n" for e in entries)
-                if lines:
-                    os.write(self._fd, lines.encode())
+                data = lines.encode()
+                while data:
+                    data = data[os.write(self._fd, data) :]
+                for snap, now in images:
+                    tmp = f"{snap}.tmp"
+                    with open(tmp, "wb") as f:
+                        f.write(now)
+                    os.replace(tmp, snap)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -244,9 +250,25 @@ class Recorder:
 
 
 def read_log(rec_dir: str) -> list[dict[str, Any]]:
-    """The operations of a recording, in order."""
+    """The operations of a recording, in order.
+
+    A process killed inside its append (``kill -9`` of a recorded writer: a
+    long write is cut at a page) leaves a line without its end; the next
+    append starts right after it. The torn entry is dropped (its diffed
+    pages were not marked recorded, so a later diff records them again) and
+    the entry that follows it on the same line is kept."""
     with open(os.path.join(rec_dir, LOG_NAME), "rb") as f:
-        return [json.loads(line) for line in f.read().decode().splitlines() if line]
+        text = f.read().decode(errors="replace")
+    out = []
+    for line in text.splitlines():
+        while line:
+            try:
+                out.append(json.loads(line))
+                break
+            except json.JSONDecodeError:
+                at = line.find('{"op": ', 1)
+                line = line[at:] if at > 0 else ""
+    return out
 
 
 def read_blob(rec_dir: str, name: str) -> bytes:

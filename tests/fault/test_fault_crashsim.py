@@ -140,3 +140,12 @@ def test_the_recorder_is_off_unless_a_run_asks_for_it() -> None:
     assert hook.RECORD_ENV not in os.environ
     assert hook.recorder is None
     assert not any(hook.planted(b) for b in hook.PLANTABLE)
+
+
+def test_a_torn_append_of_a_killed_process_is_dropped_and_the_next_entry_kept(tmp_path) -> None:
+    (tmp_path / "log").write_text(
+        '{"op": "fsync", "path": "a", "pid": 1}\n'
+        '{"op": "write", "path": "b", "off": 0, "bl'  # killed mid-append
+        '{"op": "fsync_dir", "path": ".", "pid": 2}\n'
+    )
+    assert [op["op"] for op in read_log(str(tmp_path))] == ["fsync", "fsync_dir"]
