@@ -12,8 +12,9 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from nvmetier.errors import NvmeTierError
 from nvmetier.fsck import EXIT_OPERATIONAL, EXIT_USAGE, FsckOperationalError
@@ -149,6 +150,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-key-file", required=True, metavar="NEW", help="the key file to use")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
+    p = sub.add_parser(
+        "budget",
+        help="show or change the disk budget every store under ROOT shares",
+        description="Show the root budget of ROOT (a root_dir) and each store's share of it,\n"
+        "or record a new one. A lower budget is recorded once what ROOT holds fits\n"
+        "under it: stores with no process attached give way, least recently used\n"
+        "first; stores in use are never removed (the budget is then not recorded).",
+        epilog="exit codes: 0 shown or recorded; 4 not recorded (stores in use hold more);\n"
+        "8 operational error (not a directory, unreadable record); 16 usage error",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("root", metavar="ROOT", help="a root_dir")
+    change = p.add_mutually_exclusive_group()
+    change.add_argument("--set", metavar="SIZE", help="record this budget ('500GiB')")
+    change.add_argument("--unset", action="store_true", help="remove the budget (unbounded)")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
     # Parsed by hand in main(): every argument goes to nvmetier.bench.main,
     # including --help. Registered here so the top-level help lists it.
     sub.add_parser(
@@ -276,6 +294,64 @@ def _cmd_rekey(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_budget(args: argparse.Namespace) -> int:
+    from nvmetier import budget
+    from nvmetier.config import parse_size
+    from nvmetier.errors import ConfigError
+
+    code, message, removed = 0, None, []
+    if args.set is not None or args.unset:
+        try:
+            size = None if args.unset else parse_size(args.set, "--set")
+        except ConfigError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        recorded, shares, message = budget.set_budget(args.root, size)
+        removed = [s.name for s in shares]
+        code = 0 if recorded else 4
+    elif not os.path.isdir(args.root):
+        print(f"{PROG}: error: {args.root!r} is not a directory; give a root_dir", file=sys.stderr)
+        return EXIT_OPERATIONAL
+    report = budget.report(args.root)
+    if args.json:
+        print(json.dumps({**report, "exit_code": code, "message": message, "removed": removed}))
+        return code
+    if message:
+        print(message)
+    for name in removed:
+        print(f"  removed (gave way): {name}")
+    print(format_budget(report))
+    return code
+
+
+def format_budget(report: dict[str, Any]) -> str:
+    """The root budget and each store's share, for a person."""
+    from nvmetier.config import format_size
+    from nvmetier.info import _when
+
+    now = time.time_ns()
+    b = report["budget_bytes"]
+    lines = [
+        f"root budget:       {format_size(b) if b else 'none (unbounded)'}"
+        + (f", {report['used_pct']:.1f}% used" if b else ""),
+        f"on disk:           {format_size(report['used_bytes'])} (allocated blocks of every "
+        "file under the root)",
+    ]
+    if report.get("error"):
+        lines.append(f"error:             {report['error']}")
+    for s in report["stores"]:
+        pct = s["share_of_budget_pct"]
+        who = (
+            f"in use by pid {', '.join(map(str, s['pids'])) or 'unknown'}" if s["live"] else "idle"
+        )
+        lines.append(
+            f"  {s['name']} ({s['kind']}, {s['model'] or '-'}): {format_size(s['disk_bytes'])}"
+            + (f" ({pct:.1f}% of the budget)" if pct is not None else "")
+            + f", {who}, last use {_when(s['last_use_ns'] or None, now)}"
+        )
+    return "\n".join(lines)
+
+
 def _cmd_bench(argv: list[str]) -> int:
     try:
         from nvmetier import bench
@@ -301,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_purge(args)
         if args.command == "rekey":
             return _cmd_rekey(args)
+        if args.command == "budget":
+            return _cmd_budget(args)
         raise AssertionError(f"unhandled command {args.command!r}")
     except BrokenPipeError:
         # stdout closed early (``| head``): nothing more to say, and Python

@@ -206,6 +206,28 @@ class TierConfig:
             a chunk stored longer ago than this (wall clock) is never served
             (a miss, counted in ``retention_expired``) and its slot is reused
             first. None (the default): chunks live until evicted.
+        root_budget_bytes: one bound on the disk that every store under
+            each ``root_dir`` entry occupies together (allocated blocks of
+            every file, index and metadata included), whatever models start
+            there. Recorded with the root (its ``budget`` file) at the first
+            open that states it; a process stating another value gets a
+            ``ConfigError`` (change the record with ``nvmetier budget ROOT
+            --set SIZE``); a process stating none follows the record. None
+            (the default) and no record: unbounded. When a new store does
+            not fit, stores with no process attached give way, least
+            recently used first (``nvmetier.budget``).
+        min_capacity_bytes: the smallest store this process accepts when
+            the root budget or the filesystem reserve leaves less room than
+            ``capacity_bytes`` (the store is then made smaller, down to
+            this, and reopened at that size later). None (the default): a
+            quarter of ``capacity_bytes``; equal to ``capacity_bytes``:
+            never smaller (refused instead).
+        fs_reserve_bytes, fs_reserve_fraction: the free space a store's
+            creation leaves on the filesystem (statvfs): the larger of the
+            two, so a cache never fills the node's disk. Defaults: 5% of the
+            filesystem, at least 1 GiB (None: 1 GiB, or half a filesystem
+            smaller than 2 GiB, so a small dedicated volume stays usable).
+            0 and 0 turn the reserve off.
     """
 
     root_dir: tuple[str, ...]
@@ -232,6 +254,10 @@ class TierConfig:
     retention: float | None = None
     encryption: dict[str, str] | None = None
     recency_refresh_chunks: int = 4096
+    root_budget_bytes: int | None = None
+    min_capacity_bytes: int | None = None
+    fs_reserve_bytes: int | None = None
+    fs_reserve_fraction: float = 0.05
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -279,6 +305,16 @@ class TierConfig:
         for key in ("max_inflight_bytes", "max_queued_bytes"):
             if key in raw:
                 values[key] = parse_size(raw[key], key)
+        for key in ("root_budget_bytes", "min_capacity_bytes"):
+            if raw.get(key) is not None:
+                values[key] = parse_size(raw[key], key)
+        if raw.get("fs_reserve_bytes") is not None:
+            reserve = raw["fs_reserve_bytes"]
+            values["fs_reserve_bytes"] = (
+                0 if reserve == 0 or reserve == "0" else parse_size(reserve, "fs_reserve_bytes")
+            )
+        if "fs_reserve_fraction" in raw and raw["fs_reserve_fraction"] is None:
+            del values["fs_reserve_fraction"]
         if raw.get("encryption") is not None and isinstance(raw["encryption"], Mapping):
             values["encryption"] = dict(raw["encryption"])
         if "locality" in raw and raw["locality"] is None:
@@ -348,6 +384,18 @@ class TierConfig:
                 f"encryption={enc!r} must be {{'key_file': PATH}} naming a file of 32 random "
                 "bytes readable only by its owner (head -c 32 /dev/urandom > PATH && "
                 "chmod 600 PATH); leave encryption out (or null) for plaintext"
+            )
+        frac = self.fs_reserve_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 <= frac < 1:
+            raise ConfigError(
+                f"fs_reserve_fraction={frac!r} must be a number in [0, 1): the share of the "
+                "filesystem a store's creation leaves free (0.05: 5%)"
+            )
+        if self.min_capacity_bytes is not None and self.min_capacity_bytes > self.capacity_bytes:
+            raise ConfigError(
+                f"min_capacity_bytes={self.min_capacity_bytes} is more than capacity_bytes="
+                f"{self.capacity_bytes}; set it at most capacity_bytes (equal: a store is "
+                "refused rather than made smaller)"
             )
         if self.staging not in STAGING_MODES:
             raise ConfigError(

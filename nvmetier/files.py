@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from nvmetier import budget, locks, store_dir
 from nvmetier import format as fmt
-from nvmetier import locks, store_dir
 from nvmetier.config import format_size
 from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
@@ -298,6 +298,11 @@ class StoreFiles:
         self._lease_ns = 0
         self._watch_timeout_ns = 0
         self._wipe = False
+        self._policy = budget.Policy()
+        # Stores this open removed to fit the root budget (their names).
+        self.removed_for_budget: list[str] = []
+        # The capacity_bytes asked when the store was made smaller (None: not).
+        self.shrunk_from: int | None = None
 
     @classmethod
     def open(
@@ -318,6 +323,7 @@ class StoreFiles:
         lease_ns: int = 5_000_000_000,
         watch_timeout_ns: int = 2_000_000_000,
         wipe: bool = False,
+        policy: budget.Policy | None = None,
     ) -> StoreFiles:
         """Open the store ``store_name`` under ``roots``, creating it if absent,
         and attach to its shared slot table.
@@ -331,6 +337,9 @@ class StoreFiles:
                 writing waits for that write before the key fails.
             wipe: forget every chunk when this process is the first attached
                 (an ephemeral store left behind by a crash).
+            policy: the root budget, the floor of a store made smaller and
+                the filesystem reserve (``nvmetier.budget``; default: no
+                budget stated, the default reserve).
 
         Raises:
             ConfigError: a root is a file, unwritable, or the existing store
@@ -348,6 +357,8 @@ class StoreFiles:
         self._row_bytes = row_bytes or chunk_bytes
         self._n_rows, self._lease_ns, self._wipe = n_rows, lease_ns, wipe
         self._watch_timeout_ns = watch_timeout_ns
+        if policy is not None:
+            self._policy = policy
         try:
             self._open(roots, store_name, layout, o_direct, create)
         except BaseException:
@@ -376,6 +387,8 @@ class StoreFiles:
         exists = os.path.exists(sb_path)
         if not exists and not create:
             raise FormatError(f"{main!r} is not an nvmetier store (no superblock)")
+        if create:
+            budget.record_stated(roots, self._policy)
         self._init_fd = _lock_init(self.dirs)
         try:
             self._lock(main)
@@ -398,6 +411,7 @@ class StoreFiles:
                 if not self.exclusive:
                     fcntl.flock(self._lock_fd, fcntl.LOCK_SH)
             self._record_owner()
+            budget.touch_last_use(main)
         finally:
             # Forget the number before closing it (here and in close()): a
             # fork in between would otherwise have the child's fork hook
@@ -565,9 +579,40 @@ class StoreFiles:
         self.sb = sb
 
     def _check_same_layout(self, layout: Layout) -> None:
-        check_same_layout(self.sb, layout, self.dirs[0], len(self.dirs))
+        try:
+            check_same_layout(self.sb, layout, self.dirs[0], len(self.dirs))
+        except ConfigError:
+            # A store made smaller under the root budget or the filesystem
+            # reserve is the one this configuration asked for.
+            if not budget.accepts_shrunk(self.dirs[0], self.sb, layout, self._policy):
+                raise
+            self.shrunk_from = layout.capacity_bytes
 
     def _create(self, layout: Layout) -> None:
+        """Create the store under the root lock: the budget's admission
+        (dead stores giving way, the store made smaller or refused) and the
+        filesystem reserve are checked and the files preallocated while no
+        other process on these roots can do the same."""
+        roots = [os.path.dirname(os.path.normpath(d)) for d in self.dirs]
+        name = os.path.basename(os.path.normpath(self.dirs[0]))
+        with budget.root_lock(roots):
+
+            def space(d: str) -> tuple[int, int]:
+                usage = shutil.disk_usage(d)
+                return usage.total, usage.free
+
+            try:
+                admission = budget.admit(roots, name, layout, self._policy, space)
+            except StoreSpaceError:
+                # Refused before any file: the directories made for it go
+                # (under lock.init, nobody else attached), not left as clutter.
+                _remove_dirs(self.dirs)
+                raise
+            self.removed_for_budget = [s.name for s in admission.removed]
+            self.shrunk_from = admission.shrunk_from
+            self._create_locked(admission.layout)
+
+    def _create_locked(self, layout: Layout) -> None:
         try:
             ways, slot_bytes, n_slots = layout.geometry(len(self.dirs))
         except FormatError as exc:
@@ -583,24 +628,16 @@ class StoreFiles:
             created_ns=time.time_ns(),
             identity=layout.identity,
         )
-        # Check space on every drive before writing anything big.
-        need_main = sb.superblock_bytes + fmt.align_up(sb.index_bytes) + sb.table_bytes
-        for i, d in enumerate(self.dirs):
-            need = sb.data_file_bytes + (need_main if i == 0 else 0)
-            free = shutil.disk_usage(d).free
-            if free < need:
-                # What would fit: the store's size scales with capacity_bytes.
-                fit_bytes = layout.capacity_bytes * free // need >> 20 << 20
-                raise StoreSpaceError(
-                    f"{d!r} has {format_size(free)} free but the store needs "
-                    f"{format_size(need)} ({format_size(need - free)} more): lower "
-                    f"capacity_bytes (now {format_size(layout.capacity_bytes)}; about "
-                    f"{format_size(fit_bytes)} fits), or free space on that drive"
-                )
+        # Space on every drive was checked by the admission (root lock held).
+        budget.clear_shrunk_note(self.dirs[0])
+        if self.shrunk_from is not None:
+            budget.write_shrunk_note(self.dirs[0], self.shrunk_from, layout.capacity_bytes)
         for d in self.dirs:
             self._preallocate(os.path.join(d, DATA_NAME), sb.data_file_bytes)
         index_path = os.path.join(self.dirs[0], INDEX_NAME)
         self._preallocate(index_path, fmt.align_up(sb.index_bytes), mapped=True)
+        # The table too, under the root lock (the open maps it as it is).
+        self._preallocate(os.path.join(self.dirs[0], TABLE_NAME), sb.table_bytes, mapped=True)
         # The superblock claims the files: their directory entries (and each
         # store directory's own entry in its root) are durable first, so a
         # power loss never leaves a superblock naming files that are gone.
@@ -797,6 +834,8 @@ class StoreFiles:
                 os.close(fd)
             if removing:
                 _remove_dirs(self.dirs)  # still under lock.init: nobody attaches meanwhile
+            elif self.dirs and self._lock_fd >= 0:
+                budget.touch_last_use(self.dirs[0])
             if self._lock_fd >= 0:
                 # Unlock before the close: an io_uring ring that registered
                 # this fd (registry_fd) may hold the open file a few ms

@@ -25,8 +25,8 @@ import textwrap
 import time
 from typing import Any
 
+from nvmetier import budget, recovery
 from nvmetier import format as fmt
-from nvmetier import recovery
 from nvmetier.config import format_duration, format_size
 from nvmetier.errors import FormatError
 from nvmetier.files import (
@@ -38,7 +38,7 @@ from nvmetier.files import (
     sharer_pids,
     store_held,
 )
-from nvmetier.fsck import find_stores
+from nvmetier.fsck import FsckOperationalError, find_stores
 
 # (label, upper bound in seconds); the last bucket takes everything older.
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -90,6 +90,12 @@ class StoreInfo:
     # fingerprint of the latest process to open it (None: unknown).
     encryption: str | None = None
     key_fingerprint: str | None = None
+    # The root budget (nvmetier.budget): allocated bytes of the store's
+    # files in its main root (du), their share of the root's budget (None:
+    # no budget), and when it was last opened, closed or written.
+    disk_usage_bytes: int = 0
+    budget_share_pct: float | None = None
+    last_use_ns: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -160,6 +166,8 @@ def store_info(
     ``retention_s``, else against the retention in the store's table."""
     now_ns = time.time_ns() if now_ns is None else now_ns
     out = StoreInfo(path=store_dir)
+    out.disk_usage_bytes = budget.allocated_bytes(store_dir)
+    out.last_use_ns = budget.last_use_ns(store_dir) or None
     if retention_s is not None:
         out.retention_s, out.retention_source = retention_s, "--retention"
     else:
@@ -262,8 +270,32 @@ def info(root: str, retention_s: float | None = None) -> dict[str, Any]:
     Raises:
         FsckOperationalError: ROOT names no store.
     """
-    stores = [store_info(d, retention_s=retention_s) for d in find_stores(root)]
-    return {"root": root, "machine": machine_info(root), "stores": [s.to_json() for s in stores]}
+    is_root = not os.path.exists(os.path.join(root, SUPERBLOCK_NAME))
+    try:
+        dirs = find_stores(root)
+    except FsckOperationalError:
+        # A root with a budget recorded but no store (yet) still reports it.
+        if not (is_root and os.path.exists(budget.budget_path(root))):
+            raise
+        dirs = []
+    stores = [store_info(d, retention_s=retention_s) for d in dirs]
+    # The root budget and every entry's share of it (ROOT a root_dir), else
+    # the root that holds the store.
+    budget_root = root if is_root else os.path.dirname(os.path.normpath(root))
+    shares = budget.report(budget_root)
+    limit = shares["budget_bytes"]
+    for s in stores:
+        if limit:
+            s.budget_share_pct = round(100.0 * s.disk_usage_bytes / limit, 2)
+    return {
+        "root": root,
+        "machine": machine_info(root),
+        "stores": [s.to_json() for s in stores],
+        "budget": shares,
+        # The figures the metrics export, at the top level for scripts.
+        "root_budget_bytes": limit or 0,
+        "root_used_bytes": shares["used_bytes"],
+    }
 
 
 # --------------------------------------------------------------------- output
@@ -369,6 +401,20 @@ def format_info(report: dict[str, Any], now_ns: int | None = None) -> str:
             )
         )
         lines.append(f"  clean shutdown:  {clean}")
+        share = (
+            f" ({s['budget_share_pct']:.1f}% of the root budget)"
+            if s.get("budget_share_pct") is not None
+            else ""
+        )
+        lines.append(
+            f"  on disk:         {format_size(s.get('disk_usage_bytes', 0))}{share}, "
+            f"last use {_when(s.get('last_use_ns'), now_ns)}"
+        )
+        lines.append("")
+    if report.get("budget") is not None:
+        from nvmetier.cli import format_budget
+
+        lines.append(format_budget(report["budget"]))
         lines.append("")
     m = report["machine"]
     uring = "usable" if m["uring_usable"] else f"not usable: {m['uring_reason']}"

@@ -55,6 +55,7 @@ import numpy as np
 
 from nvmetier import format as fmt
 from nvmetier import recovery
+from nvmetier.budget import PURGE_LOG_SLOTS
 from nvmetier.crashsim import hook
 from nvmetier.errors import FormatError
 from nvmetier.files import (
@@ -447,6 +448,9 @@ def _purge_online(
             if taken < gen:  # the previous purge's events are not taken yet: keep them
                 first, _last, old = read_log(store_dir)
                 keys = old + keys
+                # Bounded (the root budget charges a store its log at this
+                # size): the newest removals are kept.
+                keys = keys[-max(1, PURGE_LOG_SLOTS * sb.n_slots) :]
             else:
                 first = gen + 1
             write_log(store_dir, first, gen + 1, keys)

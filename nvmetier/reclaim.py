@@ -122,8 +122,11 @@ _PRIVATE_NAME = re.compile(r"_[0-9a-f]{12}(_dp\d+)?_private_\d+(_[0-9a-f]{8})?$"
 _REMOVING_NAME = re.compile(r"\.removing-[0-9a-f]{12}$")
 
 
-def _reclaim_if_free(dirs: Sequence[str]) -> bool:
-    """Remove the store in ``dirs`` if nobody holds it (``reclaim_private_stores``)."""
+def _reclaim_if_free(dirs: Sequence[str], why: str | None = None) -> bool:
+    """Remove the store in ``dirs`` if nobody holds it: its ``lock.init``
+    and ``lock`` both taken without waiting (a stopped process keeps both).
+    ``reclaim_private_stores``, and the root budget's give-way (``why``:
+    the warning it logs)."""
     main = dirs[0]
     init_path = os.path.join(main, INIT_LOCK_NAME)
     try:
@@ -152,7 +155,10 @@ def _reclaim_if_free(dirs: Sequence[str]) -> bool:
         finally:
             if lock_fd >= 0:
                 os.close(lock_fd)
-        logger.info("nvmetier: removing %s, the private store of a process that is gone", main)
+        if why is None:
+            logger.info("nvmetier: removing %s, the private store of a process that is gone", main)
+        else:
+            logger.warning("nvmetier: removing %s: %s", main, why)
         _remove_dirs(dirs)
         return True
     finally:

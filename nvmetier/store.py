@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier import crypto, purge_log
+from nvmetier import budget, crypto, purge_log
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
@@ -128,6 +128,9 @@ COUNTERS = (
     # READY chunks whose recency a touch refreshed (vLLM's tier: the chunks a
     # finished request used, whichever tier or the GPU served them).
     "chunks_touched",
+    # Stores under the root that this process removed, whole, to fit the
+    # root budget when it created its own (nvmetier.budget: give_way).
+    "stores_removed_for_budget",
 )
 
 
@@ -278,6 +281,7 @@ class BlockStore:
                 lease_ns=int(LEASE_S * 1e9),
                 watch_timeout_ns=int(WATCH_TIMEOUT_S * 1e9),
                 wipe=not config.persist,
+                policy=budget.Policy.from_config(config),
             )
         except BaseException as exc:
             self._buf.release()  # the caller's buffer is not held by a store never opened
@@ -289,6 +293,7 @@ class BlockStore:
         self._table = self.files.table
         self._stats: collections.Counter[str] = collections.Counter()
         self._stats["records_dropped_at_open"] += self.files.records_dropped
+        self._stats["stores_removed_for_budget"] += len(self.files.removed_for_budget)
         try:
             self.open_time_s = time.monotonic() - t0
             self.primary = describe_primary(self._buf)
@@ -801,6 +806,11 @@ class BlockStore:
         out["bytes_used"] = used * self.sb.slot_bytes
         out["jobs_in_flight"] = jobs
         out["sharers"] = self.sharers()
+        # The root's budget and what every store under it occupies (a few
+        # stat calls at most every budget.USAGE_REFRESH_S; never a lock).
+        out["root_budget_bytes"], out["root_used_bytes"] = budget.root_usage_cached(
+            self.config.root_dir[0]
+        )
         return out
 
     def describe(self) -> dict[str, Any]:

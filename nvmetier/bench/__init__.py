@@ -5,8 +5,10 @@ the calling thread (plus the threads of the engines and stores it builds, and
 the replica processes of the trace level) and blocks for the length of the
 run; it is a tool, never imported by the tier.
 
-Modules, lowest first (no level imports another): ``machine`` and ``common``
-(shared helpers), ``report`` (results, tables, plots, ``--summarize``), one
+Modules, lowest first (no level imports another, and the import graph has no
+cycle: tests/bench/test_bench_imports.py): ``machine`` and ``common``
+(shared helpers), ``clock`` (the CPU a tier costs, for the ``vllm`` and
+``trace`` levels), ``report`` (results, tables, plots, ``--summarize``), one
 module per level (``engine``, ``tier``, ``vllm``, ``reopen``, ``trace``) plus
 ``fio``, and ``main`` (the command line). This package re-exports what the
 command line and the tests use.
@@ -41,6 +43,7 @@ op at the engine level and per job at the tier level. CPU is ``os.times()`` of
 the whole process (all threads), per 10^9 bytes moved. GB/s is 10^9 bytes/s.
 """
 
+from nvmetier.bench.clock import _TierClock
 from nvmetier.bench.common import GB, LEVELS, PCTS, RW_MODES
 from nvmetier.bench.machine import drop_caches, machine_info
 from nvmetier.bench.main import build_parser, main
@@ -52,7 +55,6 @@ from nvmetier.bench.report import (
     summarize,
     summary_table,
 )
-from nvmetier.bench.vllm import _TierClock
 
 __all__ = [
     "GB",

@@ -2,13 +2,15 @@
 
 Owns: the unit and option constants (``GB``, ``PCTS``, ``LEVELS``,
 ``RW_MODES``), chunk-size formatting and parsing, the ``--rw`` phase plan,
-file preallocation and offset patterns, and the ``forkserver`` that replica
+file preallocation and offset patterns, ``--tier-option`` parsing (the
+``vllm`` and ``trace`` levels), and the ``forkserver`` that replica
 processes come from. No threads; ``_prealloc`` blocks on ``posix_fallocate``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,3 +102,18 @@ def _bs(bs: int) -> str:
 
 def _parse_bs_list(value: str) -> list[int]:
     return [parse_size(v.strip(), "--bs") for v in value.split(",") if v.strip()]
+
+
+def parse_tier_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["ways=8", "sharing=process"]`` -> tier config keys; a value is read
+    as JSON when it is JSON (numbers, booleans), else kept as a string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--tier-option {item!r}: use KEY=VALUE")
+        try:
+            out[key.strip()] = json.loads(value)
+        except ValueError:
+            out[key.strip()] = value
+    return out

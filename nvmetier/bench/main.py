@@ -103,6 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="size of each loop drive (default: 3 x --size / N + 256 MiB, at least 1 GiB)",
     )
     p.add_argument(
+        "--dirs",
+        default=None,
+        metavar="DIR,DIR,...",
+        help="folders on the drives you have, one per drive (e.g. /mnt/nvme0,/mnt/nvme1): "
+        "stripe the tier over them and run fio with one job per drive, as --loop-drives "
+        "does with the drives it makes (--dir is ignored)",
+    )
+    p.add_argument(
         "--io-workers",
         default="auto",
         help="tier and vllm levels: the tier's io_workers (an integer or auto)",
@@ -269,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.loop_drives < 0:
         print("nvmetier bench: --loop-drives must be >= 0", file=sys.stderr)
         return 2
+    if args.dirs and args.loop_drives:
+        print("nvmetier bench: use --dirs or --loop-drives, not both", file=sys.stderr)
+        return 2
     if args.iodepth < 1 or args.numjobs < 1:
         print("nvmetier bench: --iodepth and --numjobs must be >= 1", file=sys.stderr)
         return 2
@@ -327,6 +338,19 @@ def main(argv: list[str] | None = None) -> int:
         except (KeyboardInterrupt, Interrupted) as exc:
             print(f"nvmetier bench: interrupted ({exc or 'Ctrl-C'})", file=sys.stderr)
             return 130
+    if args.dirs:
+        dirs = [d.strip() for d in args.dirs.split(",") if d.strip()]
+        for d in dirs:
+            if not os.path.isdir(d):
+                print(
+                    f"nvmetier bench: --dirs {d}: not a directory (mount the drive and make "
+                    "the folder first)",
+                    file=sys.stderr,
+                )
+                return 2
+        args.dir = dirs[0]
+        args.dirs = dirs
+        return _main_in(args, argv, bss, log, quiet, made_dir=False)
     made_dir = args.dir is None
     if made_dir:
         args.dir = tempfile.mkdtemp(prefix="nvmetier-bench-", dir=os.getcwd())

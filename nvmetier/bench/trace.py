@@ -5,7 +5,9 @@ in ``bench/trace_report.py``).
 
 Reading, routing and pacing a trace are in ``bench/traces.py``; the exact-LRU
 reference and the capacity curve in ``bench/lru.py`` (both pure). Their names
-are re-exported here, where the bench and its tests have imported them.
+are re-exported here, where the bench and its tests have imported them, as is
+``parse_tier_options`` (``bench/common.py``, shared with the ``vllm`` level).
+The tier's CPU is counted by ``bench/clock.py``'s ``_TierClock``.
 
 Threads and processes: ``run_trace_level`` runs on the calling thread and
 blocks for the length of the replay. It starts one process per replica (from a
@@ -17,7 +19,6 @@ nvmetier tier, all on the same root.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -28,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from nvmetier.bench.clock import _TierClock
+from nvmetier.bench.common import parse_tier_options
 from nvmetier.bench.lru import (
     NEVER,
     DepthProfile,
@@ -50,7 +53,6 @@ from nvmetier.bench.traces import (
     read_trace,
     route,
 )
-from nvmetier.bench.vllm import _TierClock
 
 __all__ = [
     "NEVER",
@@ -169,21 +171,6 @@ def _tier_dict(
         "persist": False,
         **(extra or {}),
     }
-
-
-def parse_tier_options(items: Sequence[str]) -> dict[str, Any]:
-    """``["ways=8", "sharing=process"]`` -> tier config keys; a value is read
-    as JSON when it is JSON (numbers, booleans), else kept as a string."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--tier-option {item!r}: use KEY=VALUE")
-        try:
-            out[key.strip()] = json.loads(value)
-        except ValueError:
-            out[key.strip()] = value
-    return out
 
 
 def _build(spec: dict[str, Any], tier: dict[str, Any]) -> Any:

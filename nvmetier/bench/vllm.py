@@ -1,8 +1,8 @@
 """The ``vllm`` level: vLLM's real orchestrator with our tier and with vLLM's ``fs`` tier.
 
 Owns: ``run_vllm_level`` (store, then load, through ``TieringOffloadingManager``
-with a simulated GPU worker), the direct lookup timing, and ``_TierClock``,
-which attributes CPU time to a secondary tier (also used by the trace level).
+with a simulated GPU worker) and the direct lookup timing. The CPU a tier
+costs is counted by ``bench/clock.py``'s ``_TierClock`` (re-exported here).
 Runs on the calling thread, which plays vLLM's scheduler thread; blocks for
 the length of the run.
 """
@@ -10,7 +10,6 @@ the length of the run.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import shutil
 import time
@@ -19,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier.bench.common import _bs, _note_drop
+from nvmetier.bench.clock import _TierClock
+from nvmetier.bench.common import _bs, _note_drop, parse_tier_options
 from nvmetier.bench.machine import (
-    _Cpu,
     _settle_heap,
     busy_cores,
     machine_cpu,
@@ -29,108 +28,6 @@ from nvmetier.bench.machine import (
     xxh3_s_per_gb,
 )
 from nvmetier.bench.report import LookupStats, PhaseResult, _percentiles, _phase_line
-
-
-class _TierClock:
-    """CPU time a secondary tier costs, apart from vLLM's and the harness's.
-
-    Every method of the ``SecondaryTierManager`` interface is wrapped on the
-    instance (the orchestrator calls them through the instance) to add up the
-    scheduler thread's CPU time spent inside them. The tier's own threads (our
-    engine's I/O thread or pool, the ``fs`` tier's workers) are the process's
-    other threads: in this benchmark every thread but the scheduler's belongs
-    to the tier. So the tier's CPU = time inside its methods + (process CPU -
-    scheduler-thread CPU). Scheduler thread only.
-    """
-
-    METHODS = (
-        "lookup",
-        "touch",
-        "on_new_request",
-        "on_request_finished",
-        "on_schedule_end",
-        "submit_store",
-        "submit_load",
-        "get_finished_jobs",
-        "has_pending_work",
-        "take_events",
-        "drain_jobs",
-        "serve_external_requests",
-    )
-
-    def __init__(self, tier: Any) -> None:
-        self.inside_ns = 0
-        self.calls = 0
-        self._tier = tier
-        self.self_ns = self._calibrate()
-        self._wrapped: list[str] = []
-        for name in self.METHODS:
-            method = getattr(tier, name, None)
-            if callable(method) and name not in vars(tier):
-                setattr(tier, name, self._wrap(method))
-                self._wrapped.append(name)
-
-    def remove(self) -> None:
-        """Unwrap the methods (before timing one of them directly)."""
-        for name in self._wrapped:
-            delattr(self._tier, name)
-        self._wrapped = []
-
-    def _wrap(self, method: Callable) -> Callable:
-        clock = time.thread_time_ns
-
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = clock()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.inside_ns += clock() - t0
-                self.calls += 1
-
-        return timed
-
-    def _calibrate(self, n: int = 20000) -> float:
-        """What one wrapped call adds to ``inside_ns`` by itself: the clock
-        read (a syscall, ~0.3 us here) and the wrapper, timed around a no-op;
-        the median of 5 rounds."""
-
-        def noop() -> None:
-            return None
-
-        timed = self._wrap(noop)
-        rounds = []
-        for _ in range(5):
-            before = self.inside_ns
-            for _ in range(n):
-                timed()
-            rounds.append((self.inside_ns - before) / n)
-        self.inside_ns = self.calls = 0
-        return sorted(rounds)[2]
-
-    def inside_corrected_s(self) -> float:
-        """Time inside the tier's methods on vLLM's threads, less the
-        timing's own cost per call (``self_ns``)."""
-        return max(0.0, self.inside_ns - self.calls * self.self_ns) / 1e9
-
-    def report(self) -> dict[str, Any]:
-        """The figures a phase reports (JSON ``extra``)."""
-        return {
-            "tier_cpu_on_scheduler_s": round(self.inside_ns / 1e9, 4),
-            "tier_on_vllm_threads_corrected_s": round(self.inside_corrected_s(), 5),
-            "tier_method_calls": self.calls,
-            "timing_cost_per_call_ns": round(self.self_ns, 1),
-        }
-
-    def start(self) -> _Cpu:
-        self.inside_ns = 0
-        self.calls = 0
-        return _Cpu()
-
-    def tier_s(self, cpu: _Cpu, usr: float, sys_: float) -> float:
-        """The tier's CPU seconds since ``start`` (call after ``cpu.stop``)."""
-        other_threads = max(0.0, usr + sys_ - cpu.thread_s)
-        return other_threads + self.inside_ns / 1e9
 
 
 class _EngineProfile:
@@ -186,8 +83,6 @@ def _vllm_tier_dict(
 ) -> dict:
     if which == "fs":
         return {"type": "fs", "root_dir": roots[0]}
-    from nvmetier.bench.trace import parse_tier_options
-
     cap = 2 * n * (bs + 4096 + 128) + (64 << 20)
     return {
         "type": "NvmeTierManager",

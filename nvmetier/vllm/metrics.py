@@ -72,6 +72,21 @@ METRICS: dict[str, tuple[str, str]] = {
     "capacity_bytes": ("gauge", "Bytes of the data files (the capacity bound)."),
     "slots_used": ("gauge", "Slots holding a chunk (every sharer's)."),
     "sharers": ("gauge", "Processes attached to the NVMe tier's store (this one included)."),
+    "root_budget_bytes": (
+        "gauge",
+        "The root budget every store under the tier's root_dir shares (0: unbounded). "
+        "Every model on the root reports it: take max, not sum, across models.",
+    ),
+    "root_used_bytes": (
+        "gauge",
+        "Bytes on disk (allocated blocks) of every store under the tier's root_dir. "
+        "Every model on the root reports it: take max, not sum, across models.",
+    ),
+    "stores_removed_for_budget": (
+        "counter",
+        "Stores with no process attached that this process removed, least recently used "
+        "first, to fit its own store under the root budget.",
+    ),
     "loads_raced": (
         "counter",
         "Chunk loads failed because another process reused the slot while loading (a miss).",
@@ -147,4 +162,13 @@ METRICS: dict[str, tuple[str, str]] = {
 # Gauges that describe the whole store, not this process: with several engines
 # of one vLLM instance on one store (data parallelism, sharing="node") only one
 # engine reports them (see NvmeTierManager.reports_store_gauges).
-STORE_GAUGES = frozenset({"bytes_used", "capacity_bytes", "slots_used", "sharers"})
+STORE_GAUGES = frozenset(
+    {
+        "bytes_used",
+        "capacity_bytes",
+        "slots_used",
+        "sharers",
+        "root_budget_bytes",
+        "root_used_bytes",
+    }
+)

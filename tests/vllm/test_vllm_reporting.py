@@ -345,3 +345,21 @@ def test_a_request_asking_for_remote_tiers_does_not_read_the_local_disk(make_eng
     eng.wait_idle()
     assert results == [LookupResult.MISS] * 4
     assert tier.store.stats()["ops_read"] == 0
+
+
+def test_the_root_budget_and_usage_are_exported_through_vllm(tmp_path, make_engine) -> None:
+    """Issue 30: vllm:nvmetier_root_budget_bytes is the recorded budget,
+    vllm:nvmetier_root_used_bytes what the root holds on disk (under it), and
+    the give-way counter is a series from the first payload."""
+    from nvmetier import budget
+
+    root = str(tmp_path / "kv")
+    eng = make_engine([nvme_tier(root, root_budget_bytes="48MiB")], cpu_chunks=8)
+    tier = eng.tiers[0]
+    values = eng.manager.get_stats().reduce()
+    label = (tier.tier_label,)
+    assert values[f"{METRIC_PREFIX}root_budget_bytes:{label}"] == 48 << 20
+    used = values[f"{METRIC_PREFIX}root_used_bytes:{label}"]
+    assert 16 << 20 < used <= 32 << 20  # the one store, within its capacity_bytes
+    assert used == budget.root_used_bytes(root)
+    assert values[f"{METRIC_PREFIX}stores_removed_for_budget:{label}"] == 0

@@ -1,0 +1,177 @@
+"""``scripts/bench-node.sh``'s runner (``tools/bench_node.py``): the plan and a real run.
+
+The plan (``--dry-run``, in-process): drive counts capped at the drives given,
+one I/O worker per drive, fio once per drive count, the vllm level skipped
+with its reason where vLLM does not import. The smallest real run: the tier
+level on two folders of the test disk at 1 and 2 drives, 8 MiB per drive,
+without fio; the table and the JSON it writes. ~4 s (two bench processes).
+The numbers themselves are not checked, only that they are there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _runner() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_node", ROOT / "tools" / "bench_node.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _drives(tmp_path: Path, n: int) -> list[str]:
+    out = []
+    for i in range(n):
+        d = tmp_path / f"nvme{i}"
+        d.mkdir()
+        out.append(str(d))
+    return out
+
+
+@pytest.mark.parametrize("vllm_ok", [True, False])
+def test_dry_run_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, vllm_ok: bool
+) -> None:
+    bn = _runner()
+    monkeypatch.setattr(bn, "_vllm_why_not", lambda: None if vllm_ok else "no vLLM here")
+    drives = _drives(tmp_path, 3)
+    out = tmp_path / "plan.json"
+    rc = bn.main(
+        ["--dry-run", "--drives", ",".join(drives), "--fio", "none", "--out", str(out), "--quick"]
+    )
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["dry_run"] is True and doc["rows"] == []
+    plan = doc["plan"]
+    assert plan["counts"] == [1, 2] and plan["drives"] == drives
+    assert plan["bytes_per_drive"] == bn.QUICK_PER_DRIVE
+    skipped = {s["what"]: s["why"] for s in doc["skipped"]}
+    assert "3 drive(s) given" in skipped["4 drives"] and "8 drives" in skipped
+    assert "--fio none" in skipped["fio"]
+    levels = ["tier", "vllm"] if vllm_ok else ["tier"]
+    assert plan["levels"] == levels
+    if not vllm_ok:
+        assert skipped["vllm level"] == "no vLLM here"
+    runs = doc["runs"]
+    assert [(r["drives"], r["level"]) for r in runs] == [(n, lv) for n in (1, 2) for lv in levels]
+    for r in runs:
+        cmd = r["command"].split()
+        n = r["drives"]
+        assert cmd[cmd.index("--io-workers") + 1] == str(n)
+        assert cmd[cmd.index("--dirs") + 1] == ",".join(drives[:n])
+        assert cmd[cmd.index("--size") + 1] == f"{256 * n}m"
+        assert cmd[cmd.index("--level") + 1] == r["level"]
+        assert "--compare-fio" not in cmd  # --fio none
+        assert ("--no-fs-tier" in cmd) == (r["level"] == "vllm")
+    printed = capsys.readouterr().out
+    assert "would run: nvmetier bench --level tier" in printed
+    assert "skipped: fio: --fio none" in printed
+
+
+def test_dry_run_fio_once_per_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fio runs with the tier level, or with the vllm level when it runs alone."""
+    bn = _runner()
+    monkeypatch.setattr(bn, "_vllm_why_not", lambda: None)
+    fio = tmp_path / "bin" / "fio"
+    fio.parent.mkdir()
+    fio.write_text("#!/bin/sh\necho fio-test\n")
+    fio.chmod(0o755)
+    drives = _drives(tmp_path, 2)
+    for levels, with_fio in (("tier,vllm", {"tier"}), ("vllm", {"vllm"})):
+        out = tmp_path / f"{levels}.json"
+        args = ["--dry-run", "--drives", ",".join(drives), "--fio", str(fio)]
+        assert bn.main([*args, "--levels", levels, "--out", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["plan"]["fio"] == f"{fio} (fio-test)"
+        got = {r["level"] for r in doc["runs"] if "--compare-fio" in r["command"].split()}
+        assert got == with_fio
+
+
+def test_bad_input_names_the_problem(tmp_path: Path) -> None:
+    bn = _runner()
+    with pytest.raises(SystemExit, match=r"--drives .*nope: not a directory"):
+        bn.main(["--dry-run", "--drives", str(tmp_path / "nope")])
+    with pytest.raises(SystemExit, match=r"--counts 'x': use integers"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--counts", "x"])
+    with pytest.raises(SystemExit, match=r"--levels 'disk': use tier, vllm"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--levels", "disk"])
+    with pytest.raises(SystemExit, match=r"--fio .*: not an executable named fio"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--fio", str(tmp_path)])
+
+
+def test_bench_dirs_option(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``nvmetier bench --dirs``: the drives given, checked before the run."""
+    from nvmetier.bench import main
+
+    assert main(["--dirs", f"{tmp_path},{tmp_path / 'gone'}", "--size", "4m"]) == 2
+    assert "--dirs " + str(tmp_path / "gone") + ": not a directory" in capsys.readouterr().err
+    assert main(["--dirs", str(tmp_path), "--loop-drives", "1"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_smallest_real_run(tmp_path: Path) -> None:
+    drives = _drives(tmp_path, 2)
+    out = tmp_path / "node.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "bench_node.py"),
+            *("--drives", ",".join(drives), "--counts", "1,2,4", "--levels", "tier"),
+            *("--bs", "1m", "--bytes-per-drive", "8m", "--engine", "threads"),
+            *("--fio", "none", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    assert [(x["drives"], x["level"], x["rc"]) for x in doc["runs"]] == [
+        (1, "tier", 0),
+        (2, "tier", 0),
+    ]
+    assert [x["bytes"] for x in doc["runs"]] == [8 << 20, 16 << 20]
+    assert {s["what"] for s in doc["skipped"]} >= {"4 drives", "fio"}
+    assert doc["machine"]["host_cpus"] == os.cpu_count()
+    rows = doc["rows"]
+    assert [(x["drives"], x["target"], x["cpu_of"]) for x in rows] == [
+        (1, "nvmetier-threads", "process"),
+        (2, "nvmetier-threads", "process"),
+    ]
+    for x in rows:
+        assert x["store_bytes"] == x["load_bytes"] == (8 << 20) * x["drives"]
+        assert x["store_gbps"] > 0 and x["load_gbps"] > 0 and x["errors"] == 0
+        assert x["store_cpu_s_per_gb"] >= 0 and x["load_cpu_s_per_gb"] >= 0
+        assert "store_vs_fio" not in x  # no fio rows to compare with
+    header = next(line for line in r.stdout.splitlines() if line.startswith("drives"))
+    assert header.split()[:5] == ["drives", "level", "target", "store", "GB/s"]
+    assert "skipped: fio: --fio none" in r.stdout
+    # Everything the runs made in the drives was removed.
+    assert all(not os.listdir(d) for d in drives)
+
+
+def test_out_of_time_runs_are_skipped_not_squeezed(tmp_path: Path) -> None:
+    """A run whose share of --budget-s moves too little is skipped, with why."""
+    bn = _runner()
+    drives = _drives(tmp_path, 1)
+    out = tmp_path / "node.json"
+    args = ["--drives", drives[0], "--levels", "tier", "--fio", "none", "--engine", "threads"]
+    assert bn.main([*args, "--budget-s", "2", "--out", str(out)]) == 1  # nothing measured
+    doc = json.loads(out.read_text())
+    assert doc["rows"] == [] and "rc" not in doc["runs"][0]
+    assert "out of time" in doc["runs"][0]["skipped"]
+    assert any(s["what"] == "tier level at 1 drives" for s in doc["skipped"])
