@@ -56,14 +56,14 @@ class Report:
     restarts: int  # of them, opened as a restart
     seed: int
     findings: list[Finding]
-    refused: int = 0  # restarts that refused the state (a documented error)
+    refused: int = 0  # restarts that refused the state (each also a violation)
     served: int = 0  # chunks the restarts' loads returned (each checked)
 
     def summary(self) -> str:
         return (
             f"crashsim {self.workload}: {self.ops} ops, {self.points} points, "
             f"{self.states} distinct crash states checked, {self.restarts} opened as a "
-            f"restart ({self.refused} refused with a documented error, {self.served} "
+            f"restart ({self.refused} refused, {self.served} "
             f"chunks served and checked; seed {self.seed}), {len(self.findings)} violations"
         )
 

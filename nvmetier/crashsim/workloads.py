@@ -296,6 +296,18 @@ def w_sealed_rotate(c: Ctx) -> None:
     c.close(s)
 
 
+def w_budget(c: Ctx) -> None:
+    """Stores under a root budget (recorded with the root at the first
+    open), one made smaller than asked, then reopened."""
+    s = c.open()
+    c.put(s, _keys(0, 6))
+    c.close(s)
+    s = c.open()
+    c.load(s, _keys(0, 6))
+    c.put(s, _keys(6, 4))
+    c.close(s)
+
+
 def w_sealed(c: Ctx) -> None:
     from nvmetier import purge
 
@@ -364,7 +376,17 @@ WORKLOADS: dict[str, Workload] = {
     "sealed_kill9": Workload(w_kill9, sealed=True),
     "sealed_sharers": Workload(w_sharers, sealed=True),
     "sealed_rotate": Workload(w_sealed_rotate, sealed=True),
-    # The root budget (another branch) is one line here once it exists.
+    # A root budget of 1 MiB: the 640 KiB store fits; under one of 3 MiB a
+    # store asked 4 MiB is made smaller (its "shrunk" note) and reopened.
+    "budget": Workload(w_budget, config=(("root_budget_bytes", "1MiB"),)),
+    "budget_shrunk": Workload(
+        w_budget,
+        config=(
+            ("root_budget_bytes", "3MiB"),
+            ("capacity_bytes", "4MiB"),
+            ("min_capacity_bytes", "512KiB"),
+        ),
+    ),
 }
 STEPS: dict[str, Callable[[Ctx], None]] = {"writer": s_writer, "sharer": s_sharer}
 
