@@ -94,6 +94,8 @@ def _op_error(
 
 # Test-only (issue 31): the planted bug the crash explorer must find.
 _PUBLISH_EARLY = _hook.planted("publish-before-write")
+# Whether any of it is on in this process (both are fixed at import).
+_HOOKED = _PUBLISH_EARLY or _hook.recorder is not None
 
 
 class _Stage:
@@ -324,17 +326,15 @@ class ThreadEngine(IoEngine):
                     for rest in batch[1:]:
                         self._ops.put(rest)
                     op = batch[0]
-                # Crash-state recording (tests only; one load and compare when
-                # off): what the files held before this write, then after it.
-                rec = _hook.recorder
-                if rec is not None and op.kind == OP_WRITE:
-                    rec.checkpoint()
-                if _PUBLISH_EARLY and op.kind == OP_WRITE and self._sealing is None:
-                    self._publish_early(op, stage)
-                    continue
-                comp = self._run(op, stage)
-                if rec is not None and op.kind == OP_WRITE:
-                    rec.checkpoint()
+                # Crash-state recording and planted bugs (tests only): off,
+                # one module constant tested per op.
+                if _HOOKED and op.kind == OP_WRITE:
+                    got = self._run_hooked(op, stage)
+                    if got is None:
+                        continue
+                    comp = got
+                else:
+                    comp = self._run(op, stage)
             except BaseException as exc:  # a dead worker would strand its op
                 comp = self._unexpected(op, exc)
                 if comp is None:
@@ -346,6 +346,21 @@ class ThreadEngine(IoEngine):
                     self._done.put(comp)
             except BaseException as exc:  # e.g. an op_id that does not pack
                 self._unexpected(op, exc)
+
+    def _run_hooked(self, op: Op, stage: _Stage | None) -> Completion | None:
+        """A write while recording (``hook.recorder``: what the files held
+        before it, then after it) or with ``publish-before-write`` planted
+        (None: its completion was posted already)."""
+        if _PUBLISH_EARLY and self._sealing is None:
+            self._publish_early(op, stage)
+            return None
+        rec = _hook.recorder
+        if rec is not None:
+            rec.checkpoint()
+        comp = self._run(op, stage)
+        if rec is not None:
+            rec.checkpoint()
+        return comp
 
     def _publish_early(self, op: Op, stage: _Stage | None) -> None:
         """The planted bug ``publish-before-write`` (tests only): report the
