@@ -51,6 +51,7 @@ from typing import Any
 
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig, format_size
+from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 from nvmetier.reclaim import _reclaim_if_free
 from nvmetier.root_usage import (
@@ -223,13 +224,18 @@ def write_budget(root: str, budget_bytes: int | None) -> None:
         OSError: a step failed; the old record may still be the one on disk.
     """
     path = budget_path(root)
+    rec = hook.recorder
     for name in os.listdir(root):
         if name.startswith(f"{BUDGET_NAME}.tmp-"):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(root, name))
+                if rec is not None:
+                    rec.unlink(os.path.join(root, name))
     if budget_bytes is None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
+            if rec is not None:
+                rec.unlink(path)
         fsync_dir(root)
         return
     doc = {
@@ -242,12 +248,20 @@ def write_budget(root: str, budget_bytes: int | None) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
     try:
+        if rec is not None:
+            rec.create(tmp)
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, "short write of the root budget record")
+        if rec is not None:
+            rec.write(tmp, 0, data)
         os.fsync(fd)
+        if rec is not None:
+            rec.fsync(tmp)
     finally:
         os.close(fd)
     os.replace(tmp, path)
+    if rec is not None:
+        rec.rename(tmp, path)
     fsync_dir(root)
 
 
@@ -653,11 +667,18 @@ def write_shrunk_note(store_dir: str, asked_bytes: int, made_bytes: int) -> None
     data = json.dumps(
         {"asked_capacity_bytes": int(asked_bytes), "capacity_bytes": int(made_bytes)}
     ).encode()
+    rec = hook.recorder
     fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
     try:
+        if rec is not None:
+            rec.create(path)
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, "short write of the shrunk note")
+        if rec is not None:
+            rec.write(path, 0, data)
         os.fsync(fd)
+        if rec is not None:
+            rec.fsync(path)
     finally:
         os.close(fd)
 
@@ -698,6 +719,8 @@ def accepts_shrunk(store_dir: str, sb: fmt.Superblock, layout: Layout, policy: P
 def clear_shrunk_note(store_dir: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(store_dir, SHRUNK_NAME))
+        if hook.recorder is not None:
+            hook.recorder.unlink(os.path.join(store_dir, SHRUNK_NAME))
 
 
 # ----------------------------------------------------------------- reporting

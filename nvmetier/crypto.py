@@ -39,6 +39,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError
 
 T = TypeVar("T")
@@ -566,7 +567,7 @@ class Keyring:
                 # The copy not in use first, then the other: both new.
                 for copy in (1, 0) if _active_copy(self._fd) == 0 else (0, 1):
                     _pwrite_all(self._fd, page, copy * KEYRING_HEADER_BYTES)
-                    os.fsync(self._fd)
+                    _fsync(self._fd)
                 self._seq, self._header = seq + 1, page[: _HEADER.size]
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -659,7 +660,8 @@ class Keyring:
                     key,
                 )
                 self._write_entry_locked(e)
-                os.fsync(self._fd)
+                if not _EPOCH_UNSYNCED:
+                    _fsync(self._fd)
                 return e, destroyed
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -695,7 +697,7 @@ class Keyring:
                     self._write_entry_locked(e)
                     changed.append(e.epoch)
                 if changed:
-                    os.fsync(self._fd)
+                    _fsync(self._fd)
                 return changed
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -730,6 +732,20 @@ class Keyring:
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
     if os.pwrite(fd, data, offset) != len(data):
         raise OSError(errno.EIO, "short write of the keys file")
+    rec = hook.recorder
+    if rec is not None:
+        rec.write_fd(fd, offset, data)
+
+
+def _fsync(fd: int) -> None:
+    os.fsync(fd)
+    rec = hook.recorder
+    if rec is not None:
+        rec.fsync_fd(fd)
+
+
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_EPOCH_UNSYNCED = hook.planted("epoch-unsynced")
 
 
 def _header_page(body: bytes) -> bytes:
@@ -789,21 +805,32 @@ def _create_keyring(store_dir: str, path: str, operator: KeySet) -> None:
     )
     page = _header_page(body)
     tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}"
+    rec = hook.recorder
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
+        if rec is not None:
+            rec.create(tmp)
         _pwrite_all(fd, page + page, 0)
         os.ftruncate(fd, KEYRING_BYTES)
-        os.fsync(fd)
+        if rec is not None:
+            rec.truncate(tmp, KEYRING_BYTES)
+        _fsync(fd)
     finally:
         os.close(fd)
     try:
         os.link(tmp, path)  # atomic, and never replaces another's keyring
+        if rec is not None:
+            rec.link(tmp, path)
     except FileExistsError:
         pass
     finally:
         os.unlink(tmp)
+        if rec is not None:
+            rec.unlink(tmp)
     dfd = os.open(store_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+    if rec is not None:
+        rec.fsync_dir(store_dir)

@@ -40,6 +40,7 @@ import numpy as np
 from nvmetier import budget, locks, store_dir
 from nvmetier import format as fmt
 from nvmetier.config import format_size
+from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 from nvmetier.locks import (
     INIT_LOCK_TIMEOUT_S,
@@ -127,6 +128,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _MAX_LOGGED_DROPS = 20
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_CLEAN_BEFORE_SYNC = hook.planted("clean-before-sync")
 
 
 def _fallocate(fd: int, size: int, path: str) -> None:
@@ -646,13 +649,20 @@ class StoreFiles:
     @staticmethod
     def _preallocate(path: str, size: int, mapped: bool = False) -> None:
         fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
+        rec = hook.recorder
         try:
+            if rec is not None:
+                rec.create(path)
             if mapped:
                 _preallocate_mapped(fd, size, path)
             else:
                 os.ftruncate(fd, 0)
                 _fallocate(fd, size, path)
+            if rec is not None:
+                rec.truncate(path, size)
             os.fsync(fd)
+            if rec is not None:
+                rec.fsync(path)
         finally:
             os.close(fd)
 
@@ -704,6 +714,9 @@ class StoreFiles:
         it; it narrows what a power loss can lose."""
         with contextlib.suppress(ValueError, OSError):
             self.index.flush()
+            rec = hook.recorder
+            if rec is not None:
+                rec.fsync(os.path.join(self.dirs[0], INDEX_NAME))
 
     def _forget_after_fork(self) -> None:
         """In a child forked from the process that opened the store: close the
@@ -780,17 +793,27 @@ class StoreFiles:
             # sync that failed leaves the store unclean (the next first opener
             # then checks every record it rebuilds).
             synced = True
+            mark = last and clean and not removing and self.table is not None
+            if mark and _CLEAN_BEFORE_SYNC:  # the planted bug (tests only)
+                with contextlib.suppress(OSError):
+                    self._write_superblock(dataclasses.replace(self.sb, clean=True))
+                mark = False
+            rec = hook.recorder
             if hasattr(self, "index") and not self.index.closed and not removing:
                 try:
                     self.index.flush()
+                    if rec is not None:
+                        rec.fsync(os.path.join(self.dirs[0], INDEX_NAME))
                 except (ValueError, OSError):
                     synced = False
             for fd in () if removing else self.data_fds:
                 try:
                     os.fsync(fd)
+                    if rec is not None:
+                        rec.fsync_fd(fd)
                 except OSError:
                     synced = False
-            if last and clean and synced and not removing and self.table is not None:
+            if mark and synced:
                 with contextlib.suppress(OSError):
                     self._write_superblock(dataclasses.replace(self.sb, clean=True))
             self.table = None

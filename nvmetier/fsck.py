@@ -56,6 +56,7 @@ import xxhash
 
 from nvmetier import format as fmt
 from nvmetier import recovery
+from nvmetier.crashsim import hook
 from nvmetier.errors import FormatError, FormatVersionError, NvmeTierError
 from nvmetier.files import (
     DATA_NAME,
@@ -592,6 +593,8 @@ def _repair(res: StoreResult) -> None:
             if os.pwrite(fd, fmt.EMPTY_RECORD, off) != fmt.RECORD_BYTES:
                 raise OSError(errno.EIO, f"short write of the record of slot {slot}")
         os.fsync(fd)
+        if hook.recorder is not None:
+            hook.recorder.fsync(path)
     finally:
         os.close(fd)
     fixed = set(bad)

@@ -42,13 +42,11 @@ chunk is touched), which no key can decrypt without.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import fcntl
 import mmap
 import os
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -58,6 +56,7 @@ import numpy as np
 from nvmetier import format as fmt
 from nvmetier import recovery
 from nvmetier.budget import PURGE_LOG_SLOTS
+from nvmetier.crashsim import hook
 from nvmetier.errors import FormatError
 from nvmetier.files import (
     FILE_MODE,
@@ -70,6 +69,21 @@ from nvmetier.files import (
     holders,
     mark_init_busy,
 )
+from nvmetier.purge_log import LOG_NAME, read_log, remove_stale_logs, removed_since, write_log
+
+# The log's format and reader live in ``purge_log`` (the data path reads it
+# too); re-exported here, where callers have always found them.
+__all__ = [
+    "LOG_NAME",
+    "PurgeResult",
+    "format_result",
+    "overall_exit",
+    "purge",
+    "purge_store",
+    "read_log",
+    "removed_since",
+    "write_log",
+]
 
 # Exit codes, in the style of fsck (e2fsck): OR-ed over the stores.
 EXIT_OK = 0
@@ -80,16 +94,10 @@ EXIT_USAGE = 16
 # How long sets held by another process (stopped, or slow) are retried
 # before they are reported not purged.
 BUSY_RETRY_S = 5.0
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_PURGE_UNSYNCED = hook.planted("purge-unsynced")
 # How long a purge waits for another purge of the same store.
 PURGE_LOCK_TIMEOUT_S = 10.0
-
-LOG_NAME = "purged"
-_LOG_MAGIC = b"NVTPURGE"
-# magic, version, first purge generation covered, last covered, keys.
-_LOG_HEAD = struct.Struct("<8sIIIQ4x")
-_LOG_VERSION = 1
-# One key per entry: its length, then the key zero padded.
-_LOG_ENTRY_BYTES = 96
 
 
 @dataclasses.dataclass
@@ -165,70 +173,6 @@ def _try_flock(fd: int, op: int) -> bool:
         raise
 
 
-# ------------------------------------------------------------------ the log
-def write_log(store_dir: str, first_gen: int, last_gen: int, keys: Sequence[bytes]) -> None:
-    """Replace the purge log with ``keys`` (covering purge generations
-    ``first_gen..last_gen``), durably: a temporary file, fsync, rename."""
-    body = bytearray(_LOG_HEAD.size + _LOG_ENTRY_BYTES * len(keys))
-    _LOG_HEAD.pack_into(body, 0, _LOG_MAGIC, _LOG_VERSION, first_gen, last_gen, len(keys))
-    at = _LOG_HEAD.size
-    for k in keys:
-        n = min(len(k), fmt.KEY_MAX_BYTES)
-        body[at] = n
-        body[at + 8 : at + 8 + n] = k[:n]
-        at += _LOG_ENTRY_BYTES
-    path = os.path.join(store_dir, LOG_NAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
-    try:
-        view = memoryview(body)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-
-
-def read_log(store_dir: str) -> tuple[int, int, list[bytes]]:
-    """``(first_gen, last_gen, keys)`` of the purge log; ``(0, 0, [])`` when
-    there is none or it is not readable (events are best effort)."""
-    try:
-        with open(os.path.join(store_dir, LOG_NAME), "rb") as f:
-            data = f.read()
-    except OSError:
-        return 0, 0, []
-    if len(data) < _LOG_HEAD.size:
-        return 0, 0, []
-    magic, version, first, last, n = _LOG_HEAD.unpack_from(data, 0)
-    if magic != _LOG_MAGIC or version != _LOG_VERSION:
-        return 0, 0, []
-    n = min(n, (len(data) - _LOG_HEAD.size) // _LOG_ENTRY_BYTES)
-    keys = []
-    at = _LOG_HEAD.size
-    for _ in range(n):
-        k = min(data[at], fmt.KEY_MAX_BYTES)
-        keys.append(bytes(data[at + 8 : at + 8 + k]))
-        at += _LOG_ENTRY_BYTES
-    return first, last, keys
-
-
-def removed_since(store_dir: str, taken_gen: int) -> list[bytes]:
-    """The keys of the purge log when it covers a purge after
-    ``taken_gen`` (what ``claim_purge_events`` returned), else none."""
-    _first, last, keys = read_log(store_dir)
-    return keys if last > taken_gen else []
-
-
-def _remove_stale_logs(store_dir: str) -> None:
-    """Temporary logs of purges killed before their rename (the purge lock
-    is held: no purge is writing one now)."""
-    for name in os.listdir(store_dir):
-        if name.startswith(f"{LOG_NAME}.tmp-"):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(store_dir, name))
-
-
 # ---------------------------------------------------------------- one store
 def purge_store(
     store_dir: str,
@@ -268,7 +212,7 @@ def purge_store(
                 "wait for it and run this one again"
             )
             return out
-        _remove_stale_logs(store_dir)
+        remove_stale_logs(store_dir)
         _purge_locked(store_dir, sb, older_than_s, out, busy_retry_s)
     except OSError as exc:
         out.error = f"{exc.filename or store_dir!r}: {exc.strerror}"
@@ -325,6 +269,12 @@ def _purge_locked(
             os.close(lock_fd)
         if init_fd >= 0:
             os.close(init_fd)
+
+
+def _record_msync(store_dir: str) -> None:
+    rec = hook.recorder
+    if rec is not None:
+        rec.fsync(os.path.join(store_dir, INDEX_NAME))
 
 
 def _map(path: str, size: int) -> tuple[int, mmap.mmap]:
@@ -394,6 +344,7 @@ def _purge_offline(
         for s in slots.tolist():
             index[s * fmt.RECORD_BYTES : (s + 1) * fmt.RECORD_BYTES] = empty
         index.flush()
+        _record_msync(store_dir)
         out.removed = len(slots)
         if _is_sealed(sb):
             if older_than_s is not None:
@@ -416,6 +367,8 @@ def _wipe_offline(store_dir: str, sb: fmt.Superblock, slots: list[int]) -> int:
             if os.pwrite(fds[0], zeros, s * sb.slot_bytes + start) != n:
                 raise OSError(errno.EIO, "short write wiping a purged slot")
         os.fsync(fds[0])
+        if hook.recorder is not None:
+            hook.recorder.fsync_fd(fds[0])
     finally:
         os.close(fds[0])
     return len(slots)
@@ -477,10 +430,14 @@ def _purge_online(
                 break
             sets = busy
             time.sleep(0.1)
-        index.flush()  # durable: a power loss does not bring purged records back
+        if not _PURGE_UNSYNCED:
+            index.flush()  # durable: a power loss does not bring purged records back
+            _record_msync(store_dir)
         if fds is not None:
             for fd in fds:
                 os.fsync(fd)
+                if hook.recorder is not None:
+                    hook.recorder.fsync_fd(fd)
                 os.close(fd)
             fds = None
         if sealed:

@@ -43,9 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier import budget, crypto, staging_probe
+from nvmetier import budget, crypto, purge_log, staging_probe
 from nvmetier import format as fmt
-from nvmetier import purge as purge_log
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes

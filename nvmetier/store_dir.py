@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from nvmetier import format as fmt
+from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,9 @@ def fsync_dir(path: str) -> None:
             raise
     finally:
         os.close(fd)
+    rec = hook.recorder
+    if rec is not None:
+        rec.fsync_dir(path)
 
 
 def _ensure_dir(path: str, key: str) -> None:

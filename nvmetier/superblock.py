@@ -15,8 +15,12 @@ from typing import Any
 
 from nvmetier import format as fmt
 from nvmetier.config import DEFAULT_WAYS
+from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError
 from nvmetier.store_dir import FILE_MODE, SUPERBLOCK_NAME, fsync_dir
+
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_NO_DIR_FSYNC = hook.planted("superblock-no-dir-fsync")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +82,26 @@ def write_superblock(directory: str, sb: fmt.Superblock) -> None:
     """
     path = os.path.join(directory, SUPERBLOCK_NAME)
     tmp = path + ".tmp"
+    rec = hook.recorder
     fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
     try:
+        if rec is not None:
+            rec.create(tmp)
         data = fmt.pack_superblock(sb)
         if os.write(fd, data) != len(data):
             raise OSError(errno.EIO, "short write of the superblock")
+        if rec is not None:
+            rec.write(tmp, 0, data)
         os.fsync(fd)
+        if rec is not None:
+            rec.fsync(tmp)
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(directory)
+    if rec is not None:
+        rec.rename(tmp, path)
+    if not _NO_DIR_FSYNC:
+        fsync_dir(directory)
 
 
 def check_same_layout(sb: fmt.Superblock, layout: Layout, main: str, n_paths: int) -> None:

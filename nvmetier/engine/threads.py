@@ -43,6 +43,7 @@ import os
 import queue
 import struct
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -52,6 +53,7 @@ import numpy as np
 from nvmetier._table import copy as _copy
 from nvmetier._table import xxh3 as _xxh3
 from nvmetier._table import xxh3_copy as _xxh3_copy
+from nvmetier.crashsim import hook as _hook
 from nvmetier.engine.base import (
     COMPLETION_DTYPE,
     OP_DTYPE,
@@ -92,6 +94,12 @@ def _op_error(
     if file_off < 0:
         return -errno.EINVAL
     return 0
+
+
+# Test-only (issue 31): the planted bug the crash explorer must find.
+_PUBLISH_EARLY = _hook.planted("publish-before-write")
+# Whether any of it is on in this process (both are fixed at import).
+_HOOKED = _PUBLISH_EARLY or _hook.recorder is not None
 
 
 class _Stage:
@@ -317,7 +325,15 @@ class ThreadEngine(IoEngine):
                     for rest in batch[1:]:
                         self._ops.put(rest)
                     op = batch[0]
-                comp = self._run(op, stage)
+                # Crash-state recording and planted bugs (tests only): off,
+                # one module constant tested per op.
+                if _HOOKED and op.kind == OP_WRITE:
+                    got = self._run_hooked(op, stage)
+                    if got is None:
+                        continue
+                    comp = got
+                else:
+                    comp = self._run(op, stage)
             except BaseException as exc:  # a dead worker would strand its op
                 comp = self._unexpected(op, exc)
                 if comp is None:
@@ -329,6 +345,43 @@ class ThreadEngine(IoEngine):
                     self._done.put(comp)
             except BaseException as exc:  # e.g. an op_id that does not pack
                 self._unexpected(op, exc)
+
+    def _run_hooked(self, op: Op, stage: _Stage | None) -> Completion | None:
+        """A write while recording (``hook.recorder``: what the files held
+        before it, then after it) or with ``publish-before-write`` planted
+        (None: its completion was posted already)."""
+        if _PUBLISH_EARLY and self._sealing is None:
+            self._publish_early(op, stage)
+            return None
+        rec = _hook.recorder
+        if rec is not None:
+            rec.checkpoint()
+        comp = self._run(op, stage)
+        if rec is not None:
+            rec.checkpoint()
+        return comp
+
+    def _publish_early(self, op: Op, stage: _Stage | None) -> None:
+        """The planted bug ``publish-before-write`` (tests only): report the
+        write complete, with the checksum of the bytes it will write, then
+        write them a moment later, so the table publishes the record first."""
+        op_id, _kind, _file_idx, _file_off, buf_off, length, seed, want_sum = op
+        view = self._buf[buf_off : buf_off + length]
+        try:
+            checksum = _xxh3(view, seed) if want_sum else 0
+        finally:
+            view.release()
+        if isinstance(op, _RawOp):
+            self._done_raw.put(_PACKED.pack(op_id, length, checksum))
+        else:
+            self._done.put(Completion(op_id, length, checksum))
+        time.sleep(0.05)
+        rec = _hook.recorder
+        if rec is not None:
+            rec.checkpoint()
+        self._run(op, stage)
+        if rec is not None:
+            rec.checkpoint()
 
     def _unexpected(self, op: Op | bytes, exc: BaseException) -> Completion | None:
         """Log ``exc`` (once per engine) and return ``op``'s failed completion,
