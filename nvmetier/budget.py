@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -67,10 +66,10 @@ from nvmetier.root_usage import (
     store_charge,
 )
 from nvmetier.store_dir import (
-    FILE_MODE,
     LOCK_NAME,
     REMOVING_TAG,
     fsync_dir,
+    write_file,
 )
 from nvmetier.superblock import Layout
 
@@ -245,23 +244,7 @@ def write_budget(root: str, budget_bytes: int | None) -> None:
         "recorded_ns": time.time_ns(),
     }
     data = (json.dumps(doc, sort_keys=True) + "\n").encode()
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
-    try:
-        if rec is not None:
-            rec.create(tmp)
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.EIO, "short write of the root budget record")
-        if rec is not None:
-            rec.write(tmp, 0, data)
-        os.fsync(fd)
-        if rec is not None:
-            rec.fsync(tmp)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if rec is not None:
-        rec.rename(tmp, path)
+    write_file(path, data, tmp=f"{path}.tmp-{os.getpid()}")
     fsync_dir(root)
 
 
@@ -667,20 +650,7 @@ def write_shrunk_note(store_dir: str, asked_bytes: int, made_bytes: int) -> None
     data = json.dumps(
         {"asked_capacity_bytes": int(asked_bytes), "capacity_bytes": int(made_bytes)}
     ).encode()
-    rec = hook.recorder
-    fd = os.open(path, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
-    try:
-        if rec is not None:
-            rec.create(path)
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.EIO, "short write of the shrunk note")
-        if rec is not None:
-            rec.write(path, 0, data)
-        os.fsync(fd)
-        if rec is not None:
-            rec.fsync(path)
-    finally:
-        os.close(fd)
+    write_file(path, data)
 
 
 def shrunk_note(store_dir: str) -> int | None:

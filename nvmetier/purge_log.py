@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from nvmetier import format as fmt
 from nvmetier.crashsim import hook
-from nvmetier.store_dir import FILE_MODE
+from nvmetier.store_dir import write_file
 
 LOG_NAME = "purged"
 _LOG_MAGIC = b"NVTPURGE"
@@ -74,26 +74,7 @@ def write_log(store_dir: str, first_gen: int, last_gen: int, keys: Sequence[byte
     table's purge generation restarts at 0)."""
     body = pack_log(first_gen, last_gen, keys)
     path = os.path.join(store_dir, LOG_NAME)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    rec = hook.recorder
-    fd = os.open(tmp, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
-    try:
-        if rec is not None:
-            rec.create(tmp)
-        view = memoryview(body)
-        while view:
-            view = view[os.write(fd, view) :]
-        if rec is not None:
-            rec.write(tmp, 0, body)
-        if not _NO_SYNC:
-            os.fsync(fd)
-            if rec is not None:
-                rec.fsync(tmp)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
-    if rec is not None:
-        rec.rename(tmp, path)
+    write_file(path, body, tmp=f"{path}.tmp-{os.getpid()}", sync=not _NO_SYNC)
 
 
 def read_log(store_dir: str) -> tuple[int, int, list[bytes]]:

@@ -179,6 +179,43 @@ def _sweep_probe_files(directory: str) -> None:
                         os.unlink(entry.path)
 
 
+def write_file(path: str, data: bytes, *, tmp: str | None = None, sync: bool = True) -> None:
+    """Write ``data`` as the whole of a small file, each step told to the
+    crash recorder (``nvmetier.crashsim``): straight into ``path``, or into
+    ``tmp`` then renamed over ``path`` (the file is then old or new, never
+    torn). ``sync``: the file's fsync before the rename. The directory is not
+    synced here: a caller whose rename must survive a power loss calls
+    ``fsync_dir`` after. Blocks for the write and the fsync.
+
+    Raises:
+        OSError: any step failed (a short write as EIO).
+    """
+    rec = hook.recorder
+    target = path if tmp is None else tmp
+    fd = os.open(target, os.O_CREAT | os.O_TRUNC | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
+    try:
+        if rec is not None:
+            rec.create(target)
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write of {target}")
+            view = view[n:]
+        if rec is not None:
+            rec.write(target, 0, data)
+        if sync:
+            os.fsync(fd)
+            if rec is not None:
+                rec.fsync(target)
+    finally:
+        os.close(fd)
+    if tmp is not None:
+        os.replace(tmp, path)
+        if rec is not None:
+            rec.rename(tmp, path)
+
+
 def fsync_dir(path: str) -> None:
     """fsync the directory ``path``: makes the entries created, renamed or
     removed in it durable (a file's own fsync does not; ``docs/format.md``,

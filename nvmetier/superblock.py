@@ -9,7 +9,6 @@ blocking: one small read, or a write and its syncs.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 from typing import Any
 
@@ -17,7 +16,7 @@ from nvmetier import format as fmt
 from nvmetier.config import DEFAULT_WAYS
 from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError
-from nvmetier.store_dir import FILE_MODE, SUPERBLOCK_NAME, fsync_dir
+from nvmetier.store_dir import SUPERBLOCK_NAME, fsync_dir, write_file
 
 # Test-only (issue 31): the planted bug the crash explorer must find.
 _NO_DIR_FSYNC = hook.planted("superblock-no-dir-fsync")
@@ -81,25 +80,7 @@ def write_superblock(directory: str, sb: fmt.Superblock) -> None:
             one on disk (never a torn one).
     """
     path = os.path.join(directory, SUPERBLOCK_NAME)
-    tmp = path + ".tmp"
-    rec = hook.recorder
-    fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC, FILE_MODE)
-    try:
-        if rec is not None:
-            rec.create(tmp)
-        data = fmt.pack_superblock(sb)
-        if os.write(fd, data) != len(data):
-            raise OSError(errno.EIO, "short write of the superblock")
-        if rec is not None:
-            rec.write(tmp, 0, data)
-        os.fsync(fd)
-        if rec is not None:
-            rec.fsync(tmp)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if rec is not None:
-        rec.rename(tmp, path)
+    write_file(path, fmt.pack_superblock(sb), tmp=path + ".tmp")
     if not _NO_DIR_FSYNC:
         fsync_dir(directory)
 
