@@ -8,7 +8,8 @@ Called on the constructing thread (open/create, blocking, may take seconds to
 preallocate) and at shutdown. The layers below it (lower never import
 higher): ``store_dir`` (names, directories, filesystem and O_DIRECT checks),
 ``locks`` (``lock.init`` and ``lock``: the sharing protocol),
-``superblock`` (reading, checking, durably writing it) and ``reclaim``
+``superblock`` (reading, checking, durably writing it), ``prealloc``
+(allocating every block of a new file) and ``reclaim``
 (private stores, removal). Their public names are re-exported here, where
 callers and tests have always imported them.
 
@@ -39,7 +40,6 @@ import numpy as np
 
 from nvmetier import budget, locks, store_dir
 from nvmetier import format as fmt
-from nvmetier.config import format_size
 from nvmetier.crashsim import hook
 from nvmetier.errors import ConfigError, FormatError, StoreLockedError, StoreSpaceError
 from nvmetier.locks import (
@@ -54,6 +54,7 @@ from nvmetier.locks import (
     sharers,
     store_held,
 )
+from nvmetier.prealloc import preallocate, preallocate_mapped
 from nvmetier.reclaim import (
     PRIVATE_TAG,
     _remove_dirs,
@@ -130,66 +131,6 @@ logger = logging.getLogger(__name__)
 _MAX_LOGGED_DROPS = 20
 # Test-only (issue 31): the planted bug the crash explorer must find.
 _CLEAN_BEFORE_SYNC = hook.planted("clean-before-sync")
-
-
-def _fallocate(fd: int, size: int, path: str) -> None:
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise StoreSpaceError(
-                f"preallocating {format_size(size)} at {path!r} failed: no space left; "
-                "lower capacity_bytes or free space on that drive"
-            ) from exc
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-            raise
-        os.ftruncate(fd, size)  # filesystem without fallocate (e.g. some tmpfs)
-
-
-_FS_IOC_GETFLAGS, _FS_IOC_SETFLAGS, _FS_NOCOW_FL = 0x80086601, 0x40086602, 0x00800000
-
-
-def _set_nocow(fd: int) -> None:
-    """Ask btrfs to overwrite ``fd``'s blocks in place (chattr +C; only
-    works on an empty file). Ignored where unsupported."""
-    import array
-
-    flags = array.array("l", [0])
-    with contextlib.suppress(OSError):
-        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
-        flags[0] |= _FS_NOCOW_FL
-        fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
-
-
-def _write_zeros(fd: int, size: int, path: str) -> None:
-    """Write ``size`` zero bytes (ENOSPC is a StoreSpaceError)."""
-    zeros = bytes(1 << 20)
-    try:
-        for off in range(0, size, len(zeros)):
-            n = min(len(zeros), size - off)
-            if os.pwrite(fd, zeros[:n] if n < len(zeros) else zeros, off) != n:
-                raise OSError(errno.EIO, "short write")
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise StoreSpaceError(
-                f"writing {format_size(size)} at {path!r} failed: no space left; "
-                "lower capacity_bytes or free space on that drive"
-            ) from exc
-        raise
-
-
-def _preallocate_mapped(fd: int, size: int, path: str) -> None:
-    """Make a file that will be memory-mapped ``size`` bytes, with every
-    block allocated now: on a filesystem whose fallocate does not reserve
-    blocks for overwrites (btrfs, ZFS) its pages are written in full (NOCOW
-    on btrfs), so a full disk is an error at creation, never a SIGBUS on a
-    mapped page inside a set's critical section."""
-    os.ftruncate(fd, 0)
-    if store_dir.fs_type(os.path.dirname(path)) in NO_RESERVE_FILESYSTEMS:
-        _set_nocow(fd)
-        _write_zeros(fd, size, path)
-    else:
-        _fallocate(fd, size, path)
 
 
 def release_free_memory() -> None:
@@ -471,7 +412,7 @@ class StoreFiles:
         if os.fstat(fd).st_size != size:
             if not self.alone:
                 raise FormatError(f"{path!r} has the wrong size while sharers are attached")
-            _preallocate_mapped(fd, size, path)
+            preallocate_mapped(fd, size, path)
         self.table_map = mmap.mmap(fd, size)
         if self.alone:
             # The records are the durable truth: the first process to attach
@@ -648,23 +589,7 @@ class StoreFiles:
 
     @staticmethod
     def _preallocate(path: str, size: int, mapped: bool = False) -> None:
-        fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, FILE_MODE)
-        rec = hook.recorder
-        try:
-            if rec is not None:
-                rec.create(path)
-            if mapped:
-                _preallocate_mapped(fd, size, path)
-            else:
-                os.ftruncate(fd, 0)
-                _fallocate(fd, size, path)
-            if rec is not None:
-                rec.truncate(path, size)
-            os.fsync(fd)
-            if rec is not None:
-                rec.fsync(path)
-        finally:
-            os.close(fd)
+        preallocate(path, size, mapped)
 
     # --- index and data -------------------------------------------------------
     def _choose_o_direct(self, setting: str | bool) -> None:
