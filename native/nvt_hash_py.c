@@ -7,6 +7,9 @@
 
 #include "nvt_hash.h"
 
+#include <stdint.h>
+#include <string.h>
+
 /* From here up the GIL is released: another thread may run while we hash. */
 #define NVT_PY_NOGIL_BYTES (64u << 10)
 
@@ -36,6 +39,18 @@ static int two_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src, unsigned 
     if (dst->len != src->len) {
         PyErr_Format(PyExc_ValueError, "copy of %zd bytes into a buffer of %zd bytes: give two buffers of one size",
                      src->len, dst->len);
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
+    /* memcpy on overlapping ranges is undefined: it has left dst unlike src
+     * (and the fused hash that of neither) on every build here. */
+    uintptr_t d = (uintptr_t)dst->buf, s = (uintptr_t)src->buf;
+    if (src->len > 0 && d < s + (uintptr_t)src->len && s < d + (uintptr_t)dst->len) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy of %zd bytes between overlapping buffers (dst starts %zd bytes %s src): "
+                     "give two separate buffers",
+                     src->len, (Py_ssize_t)(d >= s ? d - s : s - d), d >= s ? "after" : "before");
         PyBuffer_Release(dst);
         PyBuffer_Release(src);
         return -1;
@@ -93,10 +108,17 @@ PyDoc_STRVAR(xxh3_force_doc, "_xxh3_force(impl)\n\n"
                              "in this module. ValueError if this CPU or build lacks it.");
 
 static PyObject *py_xxh3_force(PyObject *m, PyObject *arg) {
-    const char *impl = PyUnicode_AsUTF8(arg);
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "_xxh3_force takes the build's name ('avx512', 'avx2' or 'baseline'), not %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n;
+    const char *impl = PyUnicode_AsUTF8AndSize(arg, &n);
     if (!impl)
         return NULL;
-    if (nvt_xxh3_force(impl) < 0) {
+    /* "avx2\0..." would otherwise pass as "avx2". */
+    if ((size_t)n != strlen(impl) || nvt_xxh3_force(impl) < 0) {
         PyErr_Format(PyExc_ValueError,
                      "XXH3 build %R is not available here (this CPU/build has up to %s); use 'avx512', "
                      "'avx2' or 'baseline' within that",
