@@ -27,7 +27,7 @@ auto`` with O_DIRECT on, a plaintext store and a primary in 4 KiB pages,
 when no result for this engine, chunk size and drive count is kept (at
 creation, or the first open after an upgrade) and this process has not
 probed the same drives already. The probe writes and reads
-scratch files of its own on the store's drives (unlinked at once), never the
+scratch files of its own on the store's drives (without a name: O_TMPFILE), never the
 store's data files. Blocks for the probe (tens to hundreds of ms; each wait
 bounded by ``PROBE_TIMEOUT_S``). A probe that fails raises OSError; the
 caller then keeps the page-size rule (``nvmetier.memory.staging_wanted``).
@@ -134,17 +134,34 @@ def _run(engine: Any, ops: list[Any]) -> bool:
     return ok and not left
 
 
+def _scratch_file(d: str) -> int:
+    """An O_DIRECT scratch file in ``d`` that has no name: O_TMPFILE, so a
+    process killed at any point leaves nothing on disk. Where the filesystem
+    lacks O_TMPFILE, a named file unlinked at once (a kill between the two
+    leaves an empty file)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | O_DIRECT
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            return os.open(d, flags | tmpfile, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    path = os.path.join(d, f".staging-probe-{os.getpid()}-{threading.get_native_id()}")
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    return fd
+
+
 def _probe_files(dirs: Sequence[str], size: int) -> list[int]:
-    """One scratch file per drive (the store's folders), O_DIRECT, unlinked
-    at once (the fd keeps it until the probe closes it) and allocated as the
-    store's data files are."""
+    """One scratch file per drive (the store's folders), O_DIRECT, without a
+    name (``_scratch_file``: the fd keeps it until the probe closes it) and
+    allocated as the store's data files are."""
     fds: list[int] = []
     try:
         for d in dirs:
-            path = os.path.join(d, f".staging-probe-{os.getpid()}-{threading.get_native_id()}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_DIRECT, 0o600)
+            fd = _scratch_file(d)
             fds.append(fd)
-            os.unlink(path)
             os.posix_fallocate(fd, 0, size)
     except BaseException:
         for fd in fds:

@@ -12,6 +12,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -176,3 +177,28 @@ def test_a_store_over_a_hostile_file_opens_probes_and_replaces_it(
             store.close()
         assert "ignoring the staging probe kept in" in caplog.text
         assert staging_probe.load(store_dir) == {"threads": probed}
+
+
+def test_a_probe_killed_mid_way_leaves_no_scratch_file(tmp_path) -> None:
+    """SIGKILL at the worst moment (the scratch file made, not yet unlinked)
+    leaves nothing on disk: no name to clean, nothing charged to the root."""
+    ok, why = probe_o_direct(str(tmp_path))
+    if not ok:
+        pytest.skip(f"O_DIRECT unavailable in {tmp_path}: {why}")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child dies before it returns
+        try:
+            real_fallocate = os.posix_fallocate
+
+            def die(fd: int, off: int, size: int) -> None:
+                real_fallocate(fd, off, size)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            os.posix_fallocate = die  # type: ignore[assignment]
+            os.unlink = lambda *_a, **_k: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[assignment]
+            staging_probe._probe_files([str(tmp_path)], 1 << 20)
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert os.listdir(tmp_path) == []
