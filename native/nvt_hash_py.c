@@ -33,8 +33,10 @@ static PyObject *py_xxh3(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+/* dst and src (and the seed, where `seed` is not NULL: copy takes none). */
 static int two_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src, unsigned long long *seed) {
-    if (!PyArg_ParseTuple(args, "w*y*|K", dst, src, seed))
+    if (seed ? !PyArg_ParseTuple(args, "w*y*|K:xxh3_copy", dst, src, seed)
+             : !PyArg_ParseTuple(args, "w*y*:copy", dst, src))
         return -1;
     if (dst->len != src->len) {
         PyErr_Format(PyExc_ValueError, "copy of %zd bytes into a buffer of %zd bytes: give two buffers of one size",
@@ -85,8 +87,7 @@ PyDoc_STRVAR(copy_doc, "copy(dst, src)\n\n"
 
 static PyObject *py_copy(PyObject *m, PyObject *args) {
     Py_buffer dst, src;
-    unsigned long long seed = 0;
-    if (two_buffers(args, &dst, &src, &seed) < 0)
+    if (two_buffers(args, &dst, &src, NULL) < 0)
         return NULL;
     if ((size_t)src.len >= NVT_PY_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS nvt_copy(dst.buf, src.buf, (size_t)src.len);

@@ -92,6 +92,8 @@ def test_wrong_types_and_buffers_raise(mod) -> None:  # type: ignore[no-untyped-
         mod.copy(memoryview(bytearray(20))[::2], b"0123456789")
     with pytest.raises(TypeError):
         mod.copy(memoryview(bytes(10)), b"0123456789")
+    with pytest.raises(TypeError, match="copy"):  # a copy has no seed to give
+        mod.copy(bytearray(10), b"0123456789", 5)
     ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
     try:
         with pytest.raises(TypeError):
