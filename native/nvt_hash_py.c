@@ -61,8 +61,9 @@ static int two_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src, unsigned 
 }
 
 PyDoc_STRVAR(xxh3_copy_doc, "xxh3_copy(dst, src, seed=0) -> int\n\n"
-                            "Copy src into dst (same size, not overlapping) and return XXH3-64(seed)\n"
-                            "of the bytes copied, in one pass; the GIL is released for large buffers.");
+                            "Copy src into dst (same size, not overlapping: ValueError if they do) and\n"
+                            "return XXH3-64(seed) of the bytes copied, in one pass; the GIL is released\n"
+                            "for large buffers.");
 
 static PyObject *py_xxh3_copy(PyObject *m, PyObject *args) {
     Py_buffer dst, src;
@@ -82,8 +83,9 @@ static PyObject *py_xxh3_copy(PyObject *m, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_doc, "copy(dst, src)\n\n"
-                       "Copy src into dst (same size, not overlapping), counted as a staging copy\n"
-                       "while profiling; the GIL is released for large buffers.");
+                       "Copy src into dst (same size, not overlapping: ValueError if they do),\n"
+                       "counted as a staging copy while profiling; the GIL is released for large\n"
+                       "buffers.");
 
 static PyObject *py_copy(PyObject *m, PyObject *args) {
     Py_buffer dst, src;
