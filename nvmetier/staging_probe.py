@@ -343,7 +343,9 @@ def _valid(res: Any) -> bool:
             for k in ("chunk_bytes", "drives")
         )
         and isinstance(res.get("why"), str)
+        and len(res["why"]) <= 2000  # a probe's is ~250 characters; it is logged
         and isinstance(res.get("measured_at", ""), str)
+        and len(res.get("measured_at", "")) <= 40
     )
 
 

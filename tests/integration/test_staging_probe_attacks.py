@@ -65,6 +65,8 @@ HOSTILE: dict[str, str | bytes] = {
     "chunk_str": _file({"threads": _good(chunk_bytes="262144")}),
     "chunk_negative": _file({"threads": _good(chunk_bytes=-ROW)}),
     "why_inf": _file({"threads": _good(why=float("inf"))}),
+    "why_huge": _file({"threads": _good(why="x" * 500_000)}),
+    "measured_at_list": _file({"threads": _good(measured_at=[1])}),
     "staging_maybe": _file({"threads": _good(staging="maybe")}),
 }
 
