@@ -7,6 +7,9 @@
 
 #include "nvt_hash.h"
 
+#include <stdint.h>
+#include <string.h>
+
 /* From here up the GIL is released: another thread may run while we hash. */
 #define NVT_PY_NOGIL_BYTES (64u << 10)
 
@@ -30,8 +33,10 @@ static PyObject *py_xxh3(PyObject *m, PyObject *args) {
     return PyLong_FromUnsignedLongLong(sum);
 }
 
+/* dst and src (and the seed, where `seed` is not NULL: copy takes none). */
 static int two_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src, unsigned long long *seed) {
-    if (!PyArg_ParseTuple(args, "w*y*|K", dst, src, seed))
+    if (seed ? !PyArg_ParseTuple(args, "w*y*|K:xxh3_copy", dst, src, seed)
+             : !PyArg_ParseTuple(args, "w*y*:copy", dst, src))
         return -1;
     if (dst->len != src->len) {
         PyErr_Format(PyExc_ValueError, "copy of %zd bytes into a buffer of %zd bytes: give two buffers of one size",
@@ -40,12 +45,25 @@ static int two_buffers(PyObject *args, Py_buffer *dst, Py_buffer *src, unsigned 
         PyBuffer_Release(src);
         return -1;
     }
+    /* memcpy on overlapping ranges is undefined: it has left dst unlike src
+     * (and the fused hash that of neither) on every build here. */
+    uintptr_t d = (uintptr_t)dst->buf, s = (uintptr_t)src->buf;
+    if (src->len > 0 && d < s + (uintptr_t)src->len && s < d + (uintptr_t)dst->len) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy of %zd bytes between overlapping buffers (dst starts %zd bytes %s src): "
+                     "give two separate buffers",
+                     src->len, (Py_ssize_t)(d >= s ? d - s : s - d), d >= s ? "after" : "before");
+        PyBuffer_Release(dst);
+        PyBuffer_Release(src);
+        return -1;
+    }
     return 0;
 }
 
 PyDoc_STRVAR(xxh3_copy_doc, "xxh3_copy(dst, src, seed=0) -> int\n\n"
-                            "Copy src into dst (same size, not overlapping) and return XXH3-64(seed)\n"
-                            "of the bytes copied, in one pass; the GIL is released for large buffers.");
+                            "Copy src into dst (same size, not overlapping: ValueError if they do) and\n"
+                            "return XXH3-64(seed) of the bytes copied, in one pass; the GIL is released\n"
+                            "for large buffers.");
 
 static PyObject *py_xxh3_copy(PyObject *m, PyObject *args) {
     Py_buffer dst, src;
@@ -65,13 +83,13 @@ static PyObject *py_xxh3_copy(PyObject *m, PyObject *args) {
 }
 
 PyDoc_STRVAR(copy_doc, "copy(dst, src)\n\n"
-                       "Copy src into dst (same size, not overlapping), counted as a staging copy\n"
-                       "while profiling; the GIL is released for large buffers.");
+                       "Copy src into dst (same size, not overlapping: ValueError if they do),\n"
+                       "counted as a staging copy while profiling; the GIL is released for large\n"
+                       "buffers.");
 
 static PyObject *py_copy(PyObject *m, PyObject *args) {
     Py_buffer dst, src;
-    unsigned long long seed = 0;
-    if (two_buffers(args, &dst, &src, &seed) < 0)
+    if (two_buffers(args, &dst, &src, NULL) < 0)
         return NULL;
     if ((size_t)src.len >= NVT_PY_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS nvt_copy(dst.buf, src.buf, (size_t)src.len);
@@ -93,10 +111,17 @@ PyDoc_STRVAR(xxh3_force_doc, "_xxh3_force(impl)\n\n"
                              "in this module. ValueError if this CPU or build lacks it.");
 
 static PyObject *py_xxh3_force(PyObject *m, PyObject *arg) {
-    const char *impl = PyUnicode_AsUTF8(arg);
+    if (!PyUnicode_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "_xxh3_force takes the build's name ('avx512', 'avx2' or 'baseline'), not %s",
+                     Py_TYPE(arg)->tp_name);
+        return NULL;
+    }
+    Py_ssize_t n;
+    const char *impl = PyUnicode_AsUTF8AndSize(arg, &n);
     if (!impl)
         return NULL;
-    if (nvt_xxh3_force(impl) < 0) {
+    /* "avx2\0..." would otherwise pass as "avx2". */
+    if ((size_t)n != strlen(impl) || nvt_xxh3_force(impl) < 0) {
         PyErr_Format(PyExc_ValueError,
                      "XXH3 build %R is not available here (this CPU/build has up to %s); use 'avx512', "
                      "'avx2' or 'baseline' within that",

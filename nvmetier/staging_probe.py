@@ -27,7 +27,7 @@ auto`` with O_DIRECT on, a plaintext store and a primary in 4 KiB pages,
 when no result for this engine, chunk size and drive count is kept (at
 creation, or the first open after an upgrade) and this process has not
 probed the same drives already. The probe writes and reads
-scratch files of its own on the store's drives (unlinked at once), never the
+scratch files of its own on the store's drives (without a name: O_TMPFILE), never the
 store's data files. Blocks for the probe (tens to hundreds of ms; each wait
 bounded by ``PROBE_TIMEOUT_S``). A probe that fails raises OSError; the
 caller then keeps the page-size rule (``nvmetier.memory.staging_wanted``).
@@ -41,6 +41,7 @@ import json
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -133,17 +134,34 @@ def _run(engine: Any, ops: list[Any]) -> bool:
     return ok and not left
 
 
+def _scratch_file(d: str) -> int:
+    """An O_DIRECT scratch file in ``d`` that has no name: O_TMPFILE, so a
+    process killed at any point leaves nothing on disk. Where the filesystem
+    lacks O_TMPFILE, a named file unlinked at once (a kill between the two
+    leaves an empty file)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | O_DIRECT
+    tmpfile = getattr(os, "O_TMPFILE", 0)
+    if tmpfile:
+        try:
+            return os.open(d, flags | tmpfile, 0o600)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR):
+                raise
+    path = os.path.join(d, f".staging-probe-{os.getpid()}-{threading.get_native_id()}")
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    os.unlink(path)
+    return fd
+
+
 def _probe_files(dirs: Sequence[str], size: int) -> list[int]:
-    """One scratch file per drive (the store's folders), O_DIRECT, unlinked
-    at once (the fd keeps it until the probe closes it) and allocated as the
-    store's data files are."""
+    """One scratch file per drive (the store's folders), O_DIRECT, without a
+    name (``_scratch_file``: the fd keeps it until the probe closes it) and
+    allocated as the store's data files are."""
     fds: list[int] = []
     try:
         for d in dirs:
-            path = os.path.join(d, f".staging-probe-{os.getpid()}-{threading.get_native_id()}")
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | O_DIRECT, 0o600)
+            fd = _scratch_file(d)
             fds.append(fd)
-            os.unlink(path)
             os.posix_fallocate(fd, 0, size)
     except BaseException:
         for fd in fds:
@@ -310,28 +328,97 @@ def choose(
     return True, f"staging on: as fast, and fewer CPU seconds per GB ({figures})"
 
 
-def load(store_dir: str) -> dict[str, Any]:
-    """The kept results, by engine name ({} if none or unreadable)."""
+# The kept file is a few hundred bytes a result: past this it is not ours.
+MAX_FILE_BYTES = 1 << 20
+
+
+def _valid(res: Any) -> bool:
+    """Whether ``res`` is a result as ``probe`` makes it, in the fields the
+    open and ``nvmetier info`` use (a bool is not a count here)."""
+    return (
+        isinstance(res, dict)
+        and res.get("staging") in ("on", "off")
+        and all(
+            type(res.get(k)) is int and res[k] > 0  # True is not 1 drive
+            for k in ("chunk_bytes", "drives")
+        )
+        and isinstance(res.get("why"), str)
+        and len(res["why"]) <= 2000  # a probe's is ~250 characters; it is logged
+        and isinstance(res.get("measured_at", ""), str)
+        and len(res.get("measured_at", "")) <= 40
+    )
+
+
+def _read(store_dir: str) -> tuple[dict[str, Any], str | None]:
+    """(the kept results by engine, the valid ones only; why the file or a
+    result in it was ignored, None when nothing was). Never raises, never
+    blocks: a FIFO, a device or a symlink in the file's place is refused
+    unread, and so is a file past ``MAX_FILE_BYTES`` or JSON nested past
+    the parser's recursion limit."""
+    path = os.path.join(store_dir, FILE_NAME)
     try:
-        with open(os.path.join(store_dir, FILE_NAME)) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict) or data.get("version") != FILE_VERSION:
-        return {}
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return {}, None
+    except OSError as exc:
+        return {}, f"it cannot be opened ({exc.strerror or exc})"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return {}, "it is not a regular file"
+        if st.st_size > MAX_FILE_BYTES:
+            return {}, f"it holds {st.st_size} bytes, more than a kept result ever does"
+        raw = b""
+        while len(raw) <= MAX_FILE_BYTES:  # it may still grow as we read
+            chunk = os.read(fd, MAX_FILE_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    except OSError as exc:
+        return {}, f"it cannot be read ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        return {}, "it grew past the size a kept result ever has"
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        return {}, f"it is not the JSON a probe writes ({type(exc).__name__}: {str(exc)[:100]})"
+    if not isinstance(data, dict):
+        return {}, "it is not the JSON object a probe writes"
+    version = data.get("version")
+    if type(version) is not int or version != FILE_VERSION:  # True is not 1
+        return {}, f"its version is {str(version)[:40]!r}, this nvmetier reads {FILE_VERSION}"
     engines = data.get("engines")
-    return engines if isinstance(engines, dict) else {}
+    if not isinstance(engines, dict):
+        return {}, "it holds no results by engine"
+    good = {k: v for k, v in engines.items() if isinstance(k, str) and _valid(v)}
+    bad = [str(k)[:40] for k in engines if k not in good]
+    return good, (f"the result for engine(s) {', '.join(bad)} is malformed" if bad else None)
+
+
+def load(store_dir: str) -> dict[str, Any]:
+    """The kept results, by engine name, each as ``probe`` makes it ({} if
+    none, or unreadable; a malformed result is left out). Never raises."""
+    return _read(store_dir)[0]
 
 
 def save(store_dir: str, engine: str, result: dict[str, Any]) -> None:
     """Keep ``result`` for ``engine`` beside the superblock (atomically:
-    written beside and renamed). Never raises."""
+    written beside and renamed; the temporary file made anew, never
+    followed through a link). Never raises."""
     engines = load(store_dir)
     engines[engine] = result
     path = os.path.join(store_dir, FILE_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # one a crashed process of this pid left
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
         with os.fdopen(fd, "w") as f:
             json.dump({"version": FILE_VERSION, "engines": engines}, f, indent=1, sort_keys=True)
         os.replace(tmp, path)
@@ -342,15 +429,20 @@ def save(store_dir: str, engine: str, result: dict[str, Any]) -> None:
 
 
 def kept(store_dir: str, engine: str, chunk_bytes: int, drives: int) -> dict[str, Any] | None:
-    """The kept result for this engine, chunk size and drive count, or None."""
-    res = load(store_dir).get(engine)
-    if (
-        isinstance(res, dict)
-        and res.get("chunk_bytes") == chunk_bytes
-        and res.get("drives") == drives
-        and res.get("staging") in ("on", "off")
-    ):
-        return res
+    """The kept result for this engine, chunk size and drive count, or None.
+    A kept file that cannot be used is logged (the store probes again and
+    keeps a good one in its place)."""
+    results, problem = _read(store_dir)
+    if problem:
+        logger.warning(
+            "nvmetier: ignoring the staging probe kept in %s: %s; the store probes again and "
+            "replaces it",
+            os.path.join(store_dir, FILE_NAME),
+            problem,
+        )
+    res = results.get(engine)
+    if res is not None and res["chunk_bytes"] == chunk_bytes and res["drives"] == drives:
+        return res  # type: ignore[no-any-return]
     return None
 
 
