@@ -142,8 +142,9 @@ class PromotionGuard(RequestPlanner):
         self._last_size_log = -math.inf
         self._view: PrimaryView | None = None
         self._on_disk: Callable[[Any], bool] | None = None
+        self._on_disk_many: Callable[[list[Any]], bytes] | None = None
         self._state: Callable[[Any], int] = _absent
-        self._residency: Callable[[Any], int] = _absent
+        self._residencies: Callable[[list[Any]], list[int]] = _all_absent
         self._pinned_step = -1
         # Requests vLLM has not scheduled yet (on_new_request, and again when
         # preempted): req_id -> context. Their CPU chunks are protected before
@@ -159,14 +160,22 @@ class PromotionGuard(RequestPlanner):
         self._hot = _Hot()
 
     # ------------------------------------------------------------ wiring
-    def attach(self, view: PrimaryView, on_disk: Callable[[Any], bool]) -> None:
+    def attach(
+        self,
+        view: PrimaryView,
+        on_disk: Callable[[Any], bool],
+        on_disk_many: Callable[[list[Any]], bytes] | None = None,
+    ) -> None:
         """Plan from now on against the CPU tier ``view``; ``on_disk(key)``
-        says whether the tier holds a key (no I/O)."""
+        says whether the tier holds a key (no I/O), and ``on_disk_many(keys)``
+        (optional: one byte per key, nonzero when held) the same of many
+        keys in one call."""
         self._cool()
         self._view = view
         self._on_disk = on_disk
+        self._on_disk_many = on_disk_many
         self._state = view.state_call()
-        self._residency = view.residency_call()
+        self._residencies = view.residencies_call()
 
     # ------------------------------------------------------------ the tier's lookup
     def lookup_call(
@@ -574,6 +583,11 @@ class PromotionGuard(RequestPlanner):
         )
         self._not_logged = 0
         self._not_logged_reqs = 0
+
+
+def _all_absent(keys: list[Any]) -> list[int]:
+    """The CPU tier's answers before the guard has a view of it."""
+    return [ABSENT] * len(keys)
 
 
 def _absent(key: Any) -> int:
