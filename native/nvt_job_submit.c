@@ -66,9 +66,9 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
  * keys overlap instead of following each other. A set that cannot be locked
  * is not READY (as nvt_locate). Returns how many keys were READY, or -1 with
  * an exception set. */
-#ifndef READY_AHEAD
-#define READY_AHEAD 32
-#endif
+/* How many keys ahead nvt_ready_keys prefetches the matching ways (and twice
+ * that, the sets). 8, 16 and 32 measured alike (docs/bench.md). */
+#define READY_AHEAD 16
 Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch) {
     uint64_t fps_local[256], *fps = job_fps(self, seq, m, fps_local, 256, 0);
     if (!fps)
