@@ -376,19 +376,24 @@ class RequestPlanner:
         needed = keys[first : first + best]
         wheres = wheres[:best]
         rnd.needed = set(needed)
-        # At C speed (compress), a chunk's class read once per set built.
-        rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
+        # At C speed (compress), a chunk's class read once per set built; a
+        # request all on disk (the common case) copies the needed set.
+        all_absent = wheres.count(ABSENT) == best
+        if all_absent:
+            rnd.planned = rnd.needed.copy()
+        else:
+            rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
             rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
         rnd.generation = generation
         pinned = rnd.pinned
-        ready = list(compress(needed, map(_READY_LE, wheres)))
+        ready = [] if all_absent else list(compress(needed, map(_READY_LE, wheres)))
         to_pin = [k for k in ready if k not in pinned] if pinned else ready
         if to_pin:
             view.pin(to_pin, rnd.ctx)
             pinned.update(to_pin)
-        not_ready = set(compress(needed, map(_READY_GT, wheres)))
+        not_ready = rnd.needed if all_absent else set(compress(needed, map(_READY_GT, wheres)))
         rnd.landing.update(not_ready - pinned if pinned else not_ready)
         return True
 
