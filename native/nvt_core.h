@@ -237,6 +237,23 @@ static inline unsigned char *record(nvt_core *t, uint64_t slot) {
     return (unsigned char *)t->index + slot * REC_BYTES;
 }
 
+/* The second prefetch stage of a lookup of `fp` in `set`, once the set's
+ * tags are in cache (prefetch_set a few keys earlier): the fingerprint and
+ * the index record of each way whose tag matches, which nvt_find_way reads
+ * next, a record being a dependent miss in another mapping. The tags are
+ * read without the set lock: a hint only (a stale tag prefetches a line for
+ * nothing, or misses one), never used to decide anything. */
+static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp) {
+    const uint8_t *tags = (const uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
+    const uint8_t tag = tag_of(fp);
+    for (uint32_t w = 0; w < t->ways; w++) {
+        if (__atomic_load_n(&tags[w], __ATOMIC_RELAXED) != tag)
+            continue;
+        __builtin_prefetch(slot_at(t, set, w).fp, 0);
+        __builtin_prefetch(record(t, set * t->ways + w), 0);
+    }
+}
+
 static inline uint64_t record_stored_ns(nvt_core *t, uint64_t slot) {
     uint64_t v;
     memcpy(&v, record(t, slot) + 16, 8);

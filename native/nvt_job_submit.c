@@ -58,6 +58,50 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
 }
 
 
+/* Which keys of `seq` (a snapshot of m keys) are READY: out[i] = 1 or 0 when
+ * `out`, and when `touch` each READY key marked most recently used, in order.
+ * No lease, no count (contains/touch). Every key is parsed and hashed first
+ * (a bad key raises before any set is locked), and each set is prefetched
+ * PREFETCH_AHEAD keys ahead, so that the index's cache misses of a request's
+ * keys overlap instead of following each other. A set that cannot be locked
+ * is not READY (as nvt_locate). Returns how many keys were READY, or -1 with
+ * an exception set. */
+/* How many keys ahead nvt_ready_keys prefetches the matching ways (and twice
+ * that, the sets). 8, 16 and 32 measured alike (docs/bench.md). */
+#define READY_AHEAD 16
+Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch) {
+    uint64_t fps_local[256], *fps = job_fps(self, seq, m, fps_local, 256, 0);
+    if (!fps)
+        return -1;
+    Py_ssize_t ready = 0;
+    /* Two stages ahead: the set's lines 2 * PREFETCH_AHEAD keys ahead, then,
+     * once its tags are in, the matching ways' lines PREFETCH_AHEAD ahead. */
+    for (Py_ssize_t i = PREFETCH_AHEAD; i < m && i < 2 * READY_AHEAD; i++)
+        prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (i + 2 * READY_AHEAD < m)
+            prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, 0);
+        if (i + READY_AHEAD < m)
+            prefetch_ways(&self->core, fps[i + READY_AHEAD] % self->core.n_sets, fps[i + READY_AHEAD]);
+        const char *k = NULL;
+        Py_ssize_t n = 0;
+        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
+        uint64_t fp = fps[i], set = fp % self->core.n_sets;
+        int w = -1;
+        if (nvt_set_lock(&self->core, set) == 0) {
+            w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
+            if (w >= 0 && touch)
+                *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
+            set_unlock(&self->core, set);
+        }
+        if (out)
+            out[i] = w >= 0;
+        ready += w >= 0;
+    }
+    free_fps(fps, fps_local);
+    return ready;
+}
+
 /* Parse `key`, lock its set and find the key in the states of `mask`.
  * Returns 0 with the set locked (*w: the way, or -1), 1 when the set could not
  * be locked (*w = -1, nothing held), or -1 with an exception set. */

@@ -191,6 +191,7 @@ static inline void event_lost(TableObject *t) {
 
 /* ------------------------------------------------------ nvt_job_submit.c */
 int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
+Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch);
 int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);
 Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
 int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);

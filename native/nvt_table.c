@@ -301,24 +301,28 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq), touched = 0;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        uint64_t set;
-        int w, r = nvt_locate(self, PySequence_Fast_GET_ITEM(seq, i), 1u << NVT_READY, &set, &w);
-        if (r < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        if (r)
-            continue;
-        if (w >= 0) {
-            *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
-            touched++;
-        }
-        set_unlock(&self->core, set);
-    }
+    Py_ssize_t touched = nvt_ready_keys(self, seq, PySequence_Fast_GET_SIZE(seq), NULL, 1);
     Py_DECREF(seq);
-    return PyLong_FromSsize_t(touched);
+    return touched < 0 ? NULL : PyLong_FromSsize_t(touched);
+}
+
+PyDoc_STRVAR(contains_many_doc,
+             "contains_many(keys) -> bytes\n\n"
+             "contains() of each key in one call: one byte per key, 1 when READY, else 0;\n"
+             "no lease, no count. The keys' sets are prefetched ahead, so their cache\n"
+             "misses overlap (a request's keys land in random sets).");
+
+static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
+    GUARD_ATTACHED(self);
+    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, m);
+    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), 0) < 0)
+        Py_CLEAR(out);
+    Py_DECREF(seq);
+    return out;
 }
 
 PyDoc_STRVAR(store_ops_doc,
@@ -619,6 +623,7 @@ static PyMethodDef Table_methods[] = {
     {"detach", (PyCFunction)Table_detach, METH_NOARGS, detach_doc},
     {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
     {"contains", (PyCFunction)Table_contains, METH_O, contains_doc},
+    {"contains_many", (PyCFunction)Table_contains_many, METH_O, contains_many_doc},
     {"touch", (PyCFunction)Table_touch, METH_O, touch_doc},
     {"slot_of", (PyCFunction)Table_slot_of, METH_O, slot_of_doc},
     {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},

@@ -553,6 +553,18 @@ class BlockStore:
             return self._keys.mac_then(self._table.contains)
         return self._table.contains  # type: ignore[no-any-return]
 
+    def contains_many_call(self) -> Callable[[list[bytes]], bytes]:
+        """``contains`` of many keys in one native call: one byte per key, 1
+        when READY (a sealed store maps them to their MACs first, natively).
+        The promotion guard's plan asks it for a request's chunks at once, so
+        that the index's cache misses of those keys overlap."""
+        contains_many = self._table.contains_many
+        keys = self._keys
+        if keys is not None:
+            key_macs = keys.key_macs
+            return lambda batch: contains_many(key_macs(batch))  # type: ignore[no-any-return]
+        return contains_many  # type: ignore[no-any-return]
+
     def slot_of(self, key: bytes) -> int | None:
         """The slot holding ``key`` READY, or None (tools and tests: where a
         chunk lives on disk, ``sb.slot_location(slot)``)."""

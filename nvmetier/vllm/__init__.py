@@ -464,7 +464,8 @@ class NvmeTierManager(SecondaryTierManager):
         # The plan asks the disk without leasing a slot: only the walk's own
         # lookups (of the keys the plan answers HIT for) lease. (The store is
         # not replaced after this: the seed check came first.)
-        self._guard.attach(PrimaryView(primary), self.store.contains_call())
+        store = self.store
+        self._guard.attach(PrimaryView(primary), store.contains_call(), store.contains_many_call())
 
     def _open_store(self) -> BlockStore:
         return BlockStore(

@@ -104,6 +104,28 @@ class PrimaryView:
 
         return residency
 
+    def residencies_call(self) -> Callable[[list[Any]], list[int]]:
+        """``residency_call`` of many keys at once: one list, one policy read
+        per key in a comprehension (no Python frame per key)."""
+        get = getattr(self._policy, "get", None)
+        if get is None:
+            one = self.residency_call()
+            return lambda keys: list(map(one, keys))
+
+        def residencies(keys: list[Any]) -> list[int]:
+            return [
+                ABSENT
+                if chunk is None
+                else PENDING
+                if not chunk.is_ready
+                else READY_HELD
+                if getattr(chunk, "ref_cnt", 0)
+                else READY
+                for chunk in map(get, keys)
+            ]
+
+        return residencies
+
     def room(self) -> int | None:
         """Chunks a promotion can take now: free plus evictable (None: unknown)."""
         free = getattr(self._primary, "_get_num_free_chunks", None)

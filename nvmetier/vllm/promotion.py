@@ -22,43 +22,9 @@ tiers do) lets a request's promotions evict its own earlier chunks, another
 waiting request's chunks, or the chunks it promoted the step before: a read
 storm that loads nothing (issue 21), or fewer tokens than no disk tier.
 
-The plan (per request, made at the first lookup of the request that reaches
-the tier, from the CPU tier's state at that moment):
-
-- The walk's start is where the request's CPU-resident run ends before that
-  key (vLLM passes the start to no tier; a head in the GPU prefix cache that
-  the CPU tier also holds is counted as the CPU's: a smaller plan, never a
-  loss). The request's keys by KV group and chunk come from the positions
-  vLLM's connector records (``cpu_view.request_keys``).
-- For every end position T past the start, what a load at T needs, group by
-  group exactly as vLLM's walk and ``update_state_after_alloc`` take it: a
-  full-attention group every chunk from the start to T, a sliding-window
-  group (Mamba counts as a window of 1) only its window before T. A T is
-  possible when each of those chunks is in the CPU tier or on disk, and
-  affordable when the disk-only ones (the promotions) fit in the request's
-  budget (``promotion_fraction`` of the CPU tier) and in what the CPU tier can
-  give without evicting anything the plan keeps: free plus evictable chunks,
-  less the needed chunks it pins. The plan is the largest affordable T; if it
-  loads no more than the CPU tier alone (no disk tier's answer), the request
-  gets no HIT and loads that at once.
-- The tier then answers HIT for exactly the plan's promotions (everything
-  else of the request is a MISS), and pins the plan's chunks that are in the
-  CPU tier (``prepare_read``, as a cascade does), and each promoted chunk as
-  soon as it lands: nothing the request will load can be evicted by other
-  requests' promotions or by stores, and its promotions evict only chunks no
-  plan keeps. The request loads the whole plan at its first walk that finds
-  it all in the CPU tier.
-- The pins go when vLLM schedules the request (``ScheduleEndContext.
-  new_req_ids``: its own ``prepare_load`` holds the chunks now), when it is
-  preempted (``preempted_req_ids``: its next walk plans afresh) or finished,
-  before vLLM resets the CPU tier (``drain_jobs``), or after ``HOLD_STEPS``
-  steps with every promotion landed and the request still not scheduled (it
-  waits for GPU memory, or was resumed after a preemption, which vLLM does
-  not report as new): the round then ends and later lookups are MISS.
-- A request whose walk in a later step reaches the tier with a key of its
-  plan (a promotion failed, or the walk ended elsewhere than planned) plans
-  again from what the CPU tier now holds, at most ``MAX_PLANS`` times; other
-  keys are MISS. Over its life a request promotes at most its budget.
+The plan itself (how a request's load end, promotions and pins are chosen)
+is ``nvmetier.vllm.promotion_plan``'s, whose docstring says how; this module
+answers from it and keeps its pins until vLLM loads the request.
 
 A HIT whose key is in no ``submit_load`` by the end of the step (``note_loaded``
 never saw it) is a chunk vLLM found no CPU slot for: counted in
@@ -76,17 +42,15 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter
 from typing import Any
 
-from nvmetier.vllm.cpu_view import (
-    ABSENT,
-    READY,
-    PrimaryView,
-    key_positions,
-    request_keys,
+from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView
+from nvmetier.vllm.promotion_plan import (
+    NOT_LOADED_LOG_INTERVAL_S,
+    NOWHERE,
+    RequestPlanner,
+    _Round,
 )
 from nvmetier.vllm.sizing import (  # re-exported: the names this module always had
     check_cpu_tier_size,
@@ -95,48 +59,13 @@ from nvmetier.vllm.sizing import (  # re-exported: the names this module always 
     longest_request_chunks,
 )
 
-# A chunk neither in the CPU tier nor on disk (``_plan``'s classification).
-NOWHERE = -1
-
 logger = logging.getLogger("nvmetier.vllm")
 
-# Seconds between two "hits not loaded" (or "request larger than the CPU
-# tier") warnings; the count in between is summed.
-NOT_LOADED_LOG_INTERVAL_S = 60.0
 # Steps a request keeps its pins once all its promotions landed and it is
 # still not scheduled.
 HOLD_STEPS = 8
 # Plans one request may make (the first and the re-plans after a lost key).
 MAX_PLANS = 3
-
-
-@dataclass
-class _Round:
-    """One request's promotion round."""
-
-    ctx: Any
-    step: int  # the step of its last plan (or, without a plan, of its first HIT)
-    budget: int = 0  # without a plan: HITs it may get in that step
-    hits: int = 0  # HITs answered (every round)
-    closed: bool = False
-    plans: int = 0
-    planned: set[Any] = field(default_factory=set)  # keys to answer HIT
-    needed: set[Any] = field(default_factory=set)  # keys the planned load takes
-    pinned: set[Any] = field(default_factory=set)  # keys this round pinned
-    landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
-    generation: int = 0  # the CPU tier's generation of the pins
-    idle_steps: int = 0
-    protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
-
-
-@dataclass(frozen=True)
-class _Group:
-    """One KV group of a request: its chunk size, window and keys by chunk."""
-
-    index: int
-    tokens_per_chunk: int
-    window: int | None
-    keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
 
 
 class _Hot:
@@ -157,7 +86,7 @@ class _Hot:
         self.hits: list[Any] = []
 
 
-class PromotionGuard:
+class PromotionGuard(RequestPlanner):
     """Answers HIT only for the disk hits vLLM will promote and load.
 
     Args:
@@ -213,8 +142,9 @@ class PromotionGuard:
         self._last_size_log = -math.inf
         self._view: PrimaryView | None = None
         self._on_disk: Callable[[Any], bool] | None = None
+        self._on_disk_many: Callable[[list[Any]], bytes] | None = None
         self._state: Callable[[Any], int] = _absent
-        self._residency: Callable[[Any], int] = _absent
+        self._residencies: Callable[[list[Any]], list[int]] = _all_absent
         self._pinned_step = -1
         # Requests vLLM has not scheduled yet (on_new_request, and again when
         # preempted): req_id -> context. Their CPU chunks are protected before
@@ -230,14 +160,22 @@ class PromotionGuard:
         self._hot = _Hot()
 
     # ------------------------------------------------------------ wiring
-    def attach(self, view: PrimaryView, on_disk: Callable[[Any], bool]) -> None:
+    def attach(
+        self,
+        view: PrimaryView,
+        on_disk: Callable[[Any], bool],
+        on_disk_many: Callable[[list[Any]], bytes] | None = None,
+    ) -> None:
         """Plan from now on against the CPU tier ``view``; ``on_disk(key)``
-        says whether the tier holds a key (no I/O)."""
+        says whether the tier holds a key (no I/O), and ``on_disk_many(keys)``
+        (optional: one byte per key, nonzero when held) the same of many
+        keys in one call."""
         self._cool()
         self._view = view
         self._on_disk = on_disk
+        self._on_disk_many = on_disk_many
         self._state = view.state_call()
-        self._residency = view.residency_call()
+        self._residencies = view.residencies_call()
 
     # ------------------------------------------------------------ the tier's lookup
     def lookup_call(
@@ -533,283 +471,6 @@ class PromotionGuard:
             "promotion_pins": sum(len(r.pinned) for r in self._rounds.values()),
         }
 
-    # ------------------------------------------------------------ plans
-    def _layout_of(self, ctx: Any) -> list[_Group]:
-        """The request's KV groups, full attention first (vLLM's walk order),
-        each with its chunk keys from the start; empty when unknown."""
-        if len(self._layout) == 1:
-            dense = self._layout_one_group(ctx)
-            if dense is not None:
-                return dense
-        by_group = request_keys(ctx)
-        out: list[_Group] = []
-        for index, ends in sorted(by_group.items()):
-            tpc, window = self._layout.get(index, (0, None))
-            if tpc <= 0:
-                tpc = _gcd_of(ends)
-                if tpc <= 0:
-                    return []
-            out.append(_Group(index, tpc, window, _chunk_keys(ends, tpc)))
-        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.index))
-        return out
-
-    def _layout_one_group(self, ctx: Any) -> list[_Group] | None:
-        """``_layout_of`` for a model of one KV group, at C speed: every key
-        the request recorded is of that group (None: not so, or unknown)."""
-        positions = key_positions(ctx)
-        if not positions:
-            return None
-        ((index, (tpc, window)),) = self._layout.items()
-        if set(map(_GROUP_SUFFIX, positions)) != {index.to_bytes(4, "big")}:
-            return None
-        ends = dict(zip(map(int, positions.values()), positions, strict=True))
-        return [_Group(index, tpc, window, _chunk_keys(ends, tpc))]
-
-    def _protect_waiting(self, planning: str) -> None:
-        """Before the step's first promotion: pin the CPU chunks each waiting
-        request would load from the CPU tier alone (requests whose walk has not
-        reached the tier: deferred by vLLM, or waiting for GPU memory), so that
-        no promotion evicts them. Once per request while it waits, for at most
-        ``HOLD_STEPS`` steps; released when vLLM schedules it."""
-        self._protected_step = self._step
-        for req_id, ctx in self._waiting.items():
-            if req_id == planning or req_id in self._rounds or req_id in self._protect_spent:
-                continue
-            groups = self._layout_of(ctx)
-            if not groups:
-                continue  # not walked yet: nothing of it is known
-            # Once per request while it waits: a long queue costs one pass
-            # over each request's keys, not one a step.
-            self._protect_spent.add(req_id)
-            anchor = _protect_anchor(groups, self._view)
-            if anchor is None:
-                continue
-            rnd = _Round(ctx, self._step, protect_only=True)
-            planned = self._plan(rnd, anchor, promote=False, groups=groups)
-            if planned and (rnd.pinned or rnd.landing):
-                self._rounds[req_id] = rnd
-
-    def _plan(
-        self,
-        rnd: _Round,
-        first_key: Any,
-        *,
-        promote: bool = True,
-        groups: list[_Group] | None = None,
-    ) -> bool:
-        """Choose the request's load end and its promotions (see the module
-        docstring); pin what the plan keeps that is in the CPU tier now.
-        ``groups``: the request's layout when the caller has it already.
-        False (nothing planned) when the request's keys are unknown."""
-        view = self._view
-        on_disk = self._on_disk
-        assert view is not None and on_disk is not None
-        if groups is None:
-            groups = self._layout_of(rnd.ctx)
-        position = rnd.ctx.get_offload_key_position(first_key)
-        if not groups or not position:
-            return False
-        if promote and self._protected_step != self._step and self._waiting:
-            self._protect_waiting(rnd.ctx.req_id)
-        rnd.plans += 1
-        rnd.step = self._step
-        rnd.planned = set()
-        state = self._state
-        start = self._walk_start(groups, first_key, int(position), state, on_disk)
-        step = _lcm_bounded([g.tokens_per_chunk for g in groups])
-        end_tokens = min(len(g.keys) * g.tokens_per_chunk for g in groups)
-        budget = self.budget - rnd.hits
-        room = view.room()
-        if room is None:
-            room = self.cpu_chunks
-        full = [g for g in groups if g.window is None]
-        windows = [g for g in groups if g.window is not None]
-        if len(full) == 1 and not windows:
-            return self._plan_dense(rnd, full[0], start, budget, room, promote)
-        known: dict[Any, int] = {}  # key -> READY / PENDING / ABSENT, or NOWHERE
-
-        def classify(key: Any) -> int:
-            got = known.get(key)
-            if got is None:
-                got = state(key)
-                if got == ABSENT and not on_disk(key):
-                    got = NOWHERE
-                known[key] = got
-            return got
-
-        def pins_new(key: Any) -> int:
-            return int(key not in rnd.pinned and view.evictable(key))
-
-        # Full groups accumulate from the start (counted once, O(prompt));
-        # windows are counted afresh per end (O(window) each).
-        full_next = {g.index: start // g.tokens_per_chunk for g in full}
-        full_need = full_promos = full_pins = 0
-        best_end = no_disk_end = 0
-        need_most = 0
-        t = (start // step + 1) * step
-        while t <= end_tokens:
-            blocked = False
-            for g in full:
-                stop = t // g.tokens_per_chunk
-                i = full_next[g.index]
-                while i < stop:
-                    where = classify(g.keys[i])
-                    if where == NOWHERE:
-                        blocked = True
-                        break
-                    full_need += 1
-                    if where == ABSENT:
-                        full_promos += 1
-                    elif where == READY:
-                        full_pins += pins_new(g.keys[i])
-                    i += 1
-                full_next[g.index] = i
-                if blocked:
-                    break
-            if blocked:  # a full group's chunk is nowhere: no end past it
-                break
-            need, promos, pins = full_need, full_promos, full_pins
-            for g in windows:
-                for key in _window_keys(g, start, t):
-                    where = classify(key)
-                    if where == NOWHERE:
-                        need = -1
-                        break
-                    need += 1
-                    if where == ABSENT:
-                        promos += 1
-                    elif where == READY:
-                        pins += pins_new(key)
-                if need < 0:
-                    break
-            if need >= 0:
-                need_most = need
-                if not promos:
-                    no_disk_end = t
-                elif promote and promos <= budget and promos + pins <= room:
-                    best_end = t
-            t += step
-        if need_most > self.cpu_chunks:
-            self._warn_request_larger(need_most)
-        if best_end <= no_disk_end:
-            # The CPU tier alone serves as much: no HIT, the request loads
-            # that now (its chunks pinned in case vLLM cannot schedule it yet).
-            best_end = no_disk_end
-        needed = [
-            key
-            for g in groups
-            for key in (
-                g.keys[start // g.tokens_per_chunk : best_end // g.tokens_per_chunk]
-                if g.window is None
-                else _window_keys(g, start, best_end)
-            )
-        ]
-        rnd.needed = set(needed)
-        rnd.planned = {k for k in needed if known[k] == ABSENT}
-        generation = view.generation()
-        if rnd.pinned and rnd.generation != generation:
-            rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
-        rnd.generation = generation
-        to_pin = [k for k in rnd.needed if known[k] == READY and k not in rnd.pinned]
-        if to_pin:
-            view.pin(to_pin, rnd.ctx)
-            rnd.pinned.update(to_pin)
-        rnd.landing.update(k for k in rnd.needed if known[k] != READY and k not in rnd.pinned)
-        return True
-
-    def _plan_dense(
-        self, rnd: _Round, group: _Group, start: int, budget: int, room: int, promote: bool
-    ) -> bool:
-        """``_plan`` for one full-attention group (a dense model): the same
-        choice, in one pass over the request's chunks from the start, one CPU
-        tier read (and, for a chunk it lacks, one disk read) per chunk.
-
-        Every end adds one chunk, so promotions and pins only grow: once an
-        end is not affordable no later one is, and the pass stops there
-        unless the request could still need more chunks than the CPU tier
-        holds (the warning's count)."""
-        view = self._view
-        on_disk = self._on_disk
-        assert view is not None and on_disk is not None
-        residency = self._residency
-        keys = group.keys
-        tpc = group.tokens_per_chunk
-        first = start // tpc
-        pinned = rnd.pinned
-        may_stop = len(keys) - first <= self.cpu_chunks
-        wheres: list[int] = []
-        append = wheres.append
-        need = promos = pins = best = no_disk = 0
-        for key in keys[first:]:
-            where = residency(key)
-            if where == ABSENT:
-                if not on_disk(key):
-                    break
-                promos += 1
-            elif where == READY and key not in pinned:
-                pins += 1  # pinning it takes a slot of room
-            append(where)
-            need += 1
-            if not promos:
-                no_disk = need
-            elif promote and promos <= budget and promos + pins <= room:
-                best = need
-            elif may_stop:
-                break  # no later end is affordable
-        if need > self.cpu_chunks:
-            self._warn_request_larger(need)
-        if best <= no_disk:
-            best = no_disk  # the CPU tier alone serves as much: no HIT
-        needed = keys[first : first + best]
-        wheres = wheres[:best]
-        rnd.needed = set(needed)
-        marked = list(zip(needed, wheres, strict=True))
-        rnd.planned = {k for k, w in marked if w == ABSENT}
-        generation = view.generation()
-        if rnd.pinned and rnd.generation != generation:
-            rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
-        rnd.generation = generation
-        pinned = rnd.pinned
-        to_pin = [k for k, w in marked if w >= READY and k not in pinned]
-        if to_pin:
-            view.pin(to_pin, rnd.ctx)
-            pinned.update(to_pin)
-        rnd.landing.update(
-            k for k, w in zip(needed, wheres, strict=True) if w < READY and k not in pinned
-        )
-        return True
-
-    @staticmethod
-    def _walk_start(
-        groups: list[_Group],
-        first_key: Any,
-        position: int,
-        state: Callable[[Any], int],
-        on_disk: Callable[[Any], bool],
-    ) -> int:
-        """The token where the request's walk started (vLLM tells no tier).
-
-        With a full-attention group: where the CPU tier's run of its chunks
-        ends just before ``first_key`` starts (the walk found them all).
-        Sliding windows only: the first token.
-        """
-        full = next((g for g in groups if g.window is None), None)
-        if full is None:
-            # Sliding windows only, scanned from the end: nothing tells where
-            # the walk began; from the first token, the windows the plan
-            # counts are the ones vLLM checks (a head in the GPU prefix cache
-            # can make it accept a shorter window at its start, which the
-            # plan does not count on).
-            return 0
-        tpc = full.tokens_per_chunk
-        if first_key in full.keys:
-            i = position // tpc - 1  # the first chunk the CPU tier did not have
-        else:  # a later group's key: the full group's walk passed this chunk
-            i = min(len(full.keys), -(-position // tpc))
-        while i > 0 and state(full.keys[i - 1]) != ABSENT:
-            i -= 1
-        return i * tpc
-
     def _pin_landed(self) -> None:
         """Pin the planned chunks that became ready since (landed promotions,
         finished writes); forget those that are gone (a failed read)."""
@@ -902,26 +563,6 @@ class PromotionGuard:
         return False
 
     # ------------------------------------------------------------ warnings
-    def _warn_request_larger(self, need: int) -> None:
-        """A request needs more CPU tier chunks than there are: warn (at
-        most once a minute) with the ``cpu_bytes_to_use`` that fits it."""
-        self.requests_larger_than_cpu_tier += 1
-        now = time.monotonic()
-        if now - self._last_size_log < NOT_LOADED_LOG_INTERVAL_S:
-            return
-        self._last_size_log = now
-        fits = f" (cpu_bytes_to_use >= {need * self._chunk_bytes})" if self._chunk_bytes else ""
-        logger.warning(
-            "nvmetier[%s]: a request needs %d CPU tier chunks to load its disk hits, but vLLM's "
-            "CPU tier holds %d: it loads part of them and recomputes the rest (counted in "
-            "vllm:nvmetier_requests_larger_than_cpu_tier). Raise cpu_bytes_to_use to fit the "
-            "longest prompts%s (docs/vllm.md, 'Sizing the CPU tier')",
-            self._tier_label,
-            need,
-            self.cpu_chunks,
-            fits,
-        )
-
     def _warn_not_loaded(self) -> None:
         need = ""
         if self._longest > self.cpu_chunks and self._chunk_bytes:
@@ -944,70 +585,23 @@ class PromotionGuard:
         self._not_logged_reqs = 0
 
 
+def _all_absent(keys: list[Any]) -> list[int]:
+    """The CPU tier's answers before the guard has a view of it."""
+    return [ABSENT] * len(keys)
+
+
 def _absent(key: Any) -> int:
     """The CPU tier's answer before the guard has a view of it."""
     return ABSENT
 
 
-def _protect_anchor(groups: list[_Group], view: Any) -> Any:
-    """The key a waiting request's walk would first ask the tier about, had
-    it reached it: its first full-attention chunk the CPU tier does not hold
-    (its last chunk when it holds them all), or, with sliding windows only,
-    the last chunk of the first group (scanned from the end)."""
-    full = next((g for g in groups if g.window is None), None)
-    if full is None:
-        return groups[0].keys[-1] if groups[0].keys else None
-    if not full.keys:
-        return None
-    for key in full.keys:
-        if view.state(key) == ABSENT:
-            return key
-    return full.keys[-1]
-
-
-def _window_keys(group: _Group, start: int, end: int) -> list[Any]:
-    """The keys of a sliding-window group that a load ending at token ``end``
-    takes: its window's chunks before ``end``, none before ``start``."""
-    assert group.window is not None
-    stop = end // group.tokens_per_chunk
-    lo = max(start // group.tokens_per_chunk, stop - group.window)
-    return group.keys[lo:stop]
-
-
-# The last 4 bytes of an offload key: its KV group (vLLM's make_offload_key).
-_GROUP_SUFFIX = itemgetter(slice(-4, None))
-
-
-def _chunk_keys(ends: dict[int, Any], tpc: int) -> list[Any]:
-    """A group's keys by chunk from the start: the key ending at token
-    ``(i + 1) * tpc`` for each i, up to the first chunk with none."""
-    keys = list(map(ends.get, range(tpc, (len(ends) + 1) * tpc, tpc)))
-    if None in keys:
-        del keys[keys.index(None) :]
-    return keys
-
-
-def _gcd_of(ends: dict[int, Any]) -> int:
-    """Tokens per chunk of a group whose layout is unknown: the gcd of its
-    chunk keys' end tokens."""
-    out = 0
-    for end in ends:
-        out = math.gcd(out, end)
-    return out
-
-
-def _lcm_bounded(sizes: list[int]) -> int:
-    """The end positions a plan tries: multiples of every group's chunk
-    (their lcm), or of the largest chunk when the lcm is unreasonably large."""
-    out = 1
-    for size in sizes:
-        out = out * size // math.gcd(out, size)
-    largest = max(sizes)
-    return out if out <= 8 * largest else largest
-
-
 __all__ = [
+    "HOLD_STEPS",
+    "MAX_PLANS",
+    "NOT_LOADED_LOG_INTERVAL_S",
+    "NOWHERE",
     "PromotionGuard",
+    "RequestPlanner",
     "check_cpu_tier_size",
     "group_chunking",
     "kv_groups",

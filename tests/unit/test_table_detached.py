@@ -78,6 +78,7 @@ ROWS = np.array([1], dtype=np.int64)
 CALLS: dict[str, Callable[[_table.Table], object]] = {
     "lookup": lambda t: t.lookup(b"k"),
     "contains": lambda t: t.contains(b"k"),
+    "contains_many": lambda t: t.contains_many([b"k"]),
     "slot_of": lambda t: t.slot_of(b"k"),
     "touch": lambda t: t.touch([b"k"]),
     "store_ops": lambda t: t.store_ops(1, [b"k"], ROWS, 10, False),

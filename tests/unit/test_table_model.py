@@ -667,10 +667,14 @@ class TableModel(RuleBasedStateMachine):
     @invariant()
     def keys_are_hits_iff_ready(self) -> None:
         for h in self.handles:
+            ready = []
             for key in KEYS:
                 slot = self.find(key, (READY,))
                 assert h.table.contains(key) == (slot is not None), key
                 assert h.table.slot_of(key) == slot, key
+                ready.append(slot is not None)
+            # The batch call answers as contains does, key by key, in order.
+            assert h.table.contains_many(KEYS) == bytes(ready)
 
     @invariant()
     def gauges_and_counters_match(self) -> None:
@@ -1307,3 +1311,20 @@ def test_a_table_inherited_through_fork_is_refused_in_the_child(shared: Shared) 
     assert a.contains(k2) and not a.contains(k1)
     ops, _ = _store(a, [k1], job_id=3)  # the parent's own Table still works
     assert len(ops) == 1
+
+
+def test_a_bad_key_in_a_batch_raises_before_any_key_is_touched(shared: Shared, clock) -> None:
+    """contains_many and touch parse every key first: a key that is not
+    bytes names its type, and no key of the batch was marked used."""
+    table = _handle(shared)
+    first, second, third = SET0_KEYS  # one set of WAYS = 2
+    _stored(table, first, job_id=200)
+    _stored(table, second, job_id=201)
+    assert table.contains_many([first, third, second]) == b"\x01\x00\x01"
+    assert table.touch([second, first]) == 2  # first is now the more recent
+    with pytest.raises(TypeError, match="a key must be bytes, not int"):
+        table.contains_many([first, 7])
+    with pytest.raises(TypeError, match="a key must be bytes, not str"):
+        table.touch([second, "k"])  # second would have become the more recent
+    _stored(table, third, job_id=202)  # evicts the set's least recent: second
+    assert table.contains_many([first, second, third]) == b"\x01\x00\x01"
