@@ -215,13 +215,18 @@ static void fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, 
 /* The common arguments of a job: keys as a fast sequence, rows as an int
  * buffer of as many, and an output buffer for one op per key. Returns the key
  * count, or -1 with an exception set and nothing held. */
-Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
+Py_ssize_t nvt_job_args(TableObject *self, PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows,
                            PyObject **out) {
     *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!*seq)
         return -1;
     Py_ssize_t m = PySequence_Fast_GET_SIZE(*seq);
     if (rows_arg(rows_obj, rows, m) < 0) {
+        Py_DECREF(*seq);
+        return -1;
+    }
+    if (nvt_args_detached(self)) {
+        PyBuffer_Release(rows);
         Py_DECREF(*seq);
         return -1;
     }
@@ -526,7 +531,7 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
     }
     PyObject *seq, *out;
     Py_buffer rows;
-    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
+    Py_ssize_t m = nvt_job_args(self, keys, rows_obj, &seq, &rows, &out);
     if (m < 0)
         return NULL;
     const char *skip = NULL;

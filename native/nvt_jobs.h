@@ -193,7 +193,19 @@ static inline void event_lost(TableObject *t) {
 int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
 Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch);
 int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);
-Py_ssize_t nvt_job_args(PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
+PyObject *nvt_table_detached(void);
+/* Whether the Table was detached while its arguments were read (a generator
+ * or a sequence's __iter__/__getitem__/__index__ runs Python, which may call
+ * detach()): the data path re-checks after reading them, since a slot
+ * claimed then would name no live sharer (GUARD_ATTACHED checked before).
+ * 1 with the RuntimeError set. */
+static inline int nvt_args_detached(const TableObject *t) {
+    if (t->core.me >= 0)
+        return 0;
+    nvt_table_detached();
+    return 1;
+}
+Py_ssize_t nvt_job_args(TableObject *self, PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
 int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);
 void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);

@@ -301,6 +301,10 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
+    if (nvt_args_detached(self)) {
+        Py_DECREF(seq);
+        return NULL;
+    }
     Py_ssize_t touched = nvt_ready_keys(self, seq, PySequence_Fast_GET_SIZE(seq), NULL, 1);
     Py_DECREF(seq);
     return touched < 0 ? NULL : PyLong_FromSsize_t(touched);
@@ -317,6 +321,10 @@ static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
         return NULL;
+    if (nvt_args_detached(self)) {
+        Py_DECREF(seq);
+        return NULL;
+    }
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, m);
     if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), 0) < 0)
@@ -344,7 +352,7 @@ static PyObject *Table_store_ops(TableObject *self, PyObject *args) {
         return NULL;
     PyObject *seq, *out;
     Py_buffer rows;
-    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
+    Py_ssize_t m = nvt_job_args(self, keys, rows_obj, &seq, &rows, &out);
     if (m < 0)
         return NULL;
     PyObject *failed = NULL, *evicted = NULL;
@@ -391,7 +399,7 @@ static PyObject *Table_load_ops(TableObject *self, PyObject *args) {
         return NULL;
     PyObject *seq, *out;
     Py_buffer rows;
-    Py_ssize_t m = nvt_job_args(keys, rows_obj, &seq, &rows, &out);
+    Py_ssize_t m = nvt_job_args(self, keys, rows_obj, &seq, &rows, &out);
     if (m < 0)
         return NULL;
     PyObject *missing = NULL;

@@ -150,3 +150,35 @@ def test_a_table_attached_again_after_detach_stores(shared: Shared) -> None:
     t.attach()
     _ops, failed, _evicted, pending = t.store_ops(1, [b"k"], ROWS, 10, False)
     assert failed is None and pending == 1
+
+
+# The calls that read a sequence of keys (Python code may run while it is read).
+KEY_CALLS: dict[str, Callable[[_table.Table, object], object]] = {
+    "contains_many": lambda t, keys: t.contains_many(keys),
+    "touch": lambda t, keys: t.touch(keys),
+    "store_ops": lambda t, keys: t.store_ops(1, keys, np.array([1, 2]), 10, False),
+    "load_ops": lambda t, keys: t.load_ops(1, keys, np.array([1, 2]), False),
+    "submit_store": lambda t, keys: t.submit_store(1, keys, np.array([1, 2])),
+    "submit_load": lambda t, keys: t.submit_load(1, keys, np.array([1, 2])),
+}
+
+
+@pytest.mark.parametrize("call", list(KEY_CALLS))
+def test_a_detach_while_the_keys_are_read_is_refused_too(shared: Shared, call: str) -> None:
+    """Was a bug: the attach check ran before the keys were read, and a
+    generator (or a sequence's __getitem__) that detaches the Table let the
+    call go on detached (store_ops claimed slots under no live sharer)."""
+    t = shared.handle()
+    t.attach()
+    handed = _bound(t)
+
+    def keys() -> Iterator[bytes]:
+        yield b"k"
+        t.detach()
+        yield b"j"
+
+    with pytest.raises(RuntimeError, match="not attached"):
+        KEY_CALLS[call](t, keys())
+    assert handed == []
+    assert t.inflight() == (0, 0)
+    assert t.usage() == (0, 0, 0, 0)
