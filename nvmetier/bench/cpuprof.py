@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nvmetier.bench.machine import vllm_like_primary
+from nvmetier.bench.machine import thread_times, vllm_like_primary
 
 GB = 1e9
 
@@ -34,33 +34,6 @@ def _native_modules() -> list[Any]:
 
         mods.append(_uring)
     return mods
-
-
-def thread_times() -> dict[int, tuple[str, float, float, float]]:
-    """{tid: (name, user s, system s, total s)} of this process's live
-    threads: user and system from ``stat`` (clock ticks, 10 ms resolution),
-    the total from the scheduler's nanosecond run time (``schedstat``)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[int, tuple[str, float, float, float]] = {}
-    with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            name = stat[stat.index("(") + 1 : stat.rindex(")")]
-            if name.startswith("iou-wrk-"):
-                name = "iou-wrk (kernel io_uring workers)"
-            fields = stat[stat.rindex(")") + 2 :].split()
-            user, system = int(fields[11]) / tick, int(fields[12]) / tick
-            try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    total = int(f.read().split()[0]) / 1e9
-            except (OSError, ValueError, IndexError):
-                total = user + system
-            out[int(tid)] = (name, user, system, total)
-    return out
 
 
 def xxh3_floor(bs: int, cold_bytes: int = 256 << 20) -> dict[str, Any]:

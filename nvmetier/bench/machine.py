@@ -46,13 +46,12 @@ class _Cpu:
         return t.user - self._t.user, t.system - self._t.system
 
 
-def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds (user + system) of this process's live threads, summed by
-    thread name (``nvt-uring-0``, ``nvmetier-io-3``, ``iou-wrk-...``). A
-    profile of where the process's CPU goes; threads that already exited are
-    missing. Never raises."""
+def thread_times() -> dict[int, tuple[str, float, float, float]]:
+    """{tid: (name, user s, system s, total s)} of this process's live
+    threads: user and system from ``stat`` (clock ticks, 10 ms resolution),
+    the total from the scheduler's nanosecond run time (``schedstat``)."""
     tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
+    out: dict[int, tuple[str, float, float, float]] = {}
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
             try:
@@ -64,7 +63,24 @@ def thread_cpu_s() -> dict[str, float]:
             if name.startswith("iou-wrk-"):
                 name = "iou-wrk (kernel io_uring workers)"
             fields = stat[stat.rindex(")") + 2 :].split()
-            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+            user, system = int(fields[11]) / tick, int(fields[12]) / tick
+            try:
+                with open(f"/proc/self/task/{tid}/schedstat") as f:
+                    total = int(f.read().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):
+                total = user + system
+            out[int(tid)] = (name, user, system, total)
+    return out
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's live threads, summed by
+    thread name (``nvt-uring-0``, ``nvmetier-io-3``, ``iou-wrk-...``). A
+    profile of where the process's CPU goes; threads that already exited are
+    missing. Never raises."""
+    out: dict[str, float] = {}
+    for name, user, system, _total in thread_times().values():
+        out[name] = out.get(name, 0.0) + user + system
     return out
 
 
