@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from nvmetier import budget
+from nvmetier.thread_cpu import thread_times
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,6 @@ PROBE_MAX_BYTES = 64 << 20
 PROBE_BUFFER_BYTES = 32 << 20
 O_DIRECT = getattr(os, "O_DIRECT", 0o40000)
 _MADV_NOHUGEPAGE = getattr(mmap, "MADV_NOHUGEPAGE", 15)
-_TICK = os.sysconf("SC_CLK_TCK")
 # Results probed in this process, by (the folders' devices, engine, chunk
 # size, io_workers, queue_depth): a second store on the same drives (another
 # data-parallel rank's, a test's) reuses the measurement instead of probing.
@@ -71,24 +71,8 @@ _MEMO_LOCK = threading.Lock()
 
 
 def _task_cpu() -> dict[int, float]:
-    """{tid: CPU seconds} of this process's live threads: the scheduler's
-    nanosecond run time (``schedstat``), else user + system in clock ticks."""
-    out: dict[int, float] = {}
-    with contextlib.suppress(OSError):
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/schedstat") as f:
-                    out[int(tid)] = int(f.read().split()[0]) / 1e9
-                continue
-            except (OSError, ValueError, IndexError):
-                pass
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            out[int(tid)] = (int(fields[11]) + int(fields[12])) / _TICK
-    return out
+    """{tid: CPU seconds} of this process's live threads."""
+    return {tid: t[3] for tid, t in thread_times().items()}
 
 
 def _cpu_since(before: dict[int, float], caller_t0: float) -> float:

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nvmetier.bench.machine import thread_times, vllm_like_primary
+from nvmetier.bench.machine import vllm_like_primary
+from nvmetier.thread_cpu import thread_times
 
 GB = 1e9
 
