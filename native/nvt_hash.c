@@ -10,6 +10,7 @@
 
 #define XXH_INLINE_ALL
 #include "xxhash.h"
+#include "nvt_hash_copy.h"
 
 /* Below this the vector width does not matter and the check would dominate. */
 #define NVT_DISPATCH_MIN_BYTES 1024
@@ -103,15 +104,7 @@ uint64_t nvt_xxh3(const void *data, size_t len, uint64_t seed) {
 }
 
 static uint64_t xxh3_copy_baseline(void *dst, const void *src, size_t len, uint64_t seed) {
-    XXH3_state_t st;
-    memset(&st, 0, sizeof(st)); /* reset leaves fields GCC cannot see set */
-    XXH3_64bits_reset_withSeed(&st, seed);
-    for (size_t off = 0; off < len; off += NVT_HASH_COPY_BLOCK) {
-        size_t n = len - off < NVT_HASH_COPY_BLOCK ? len - off : NVT_HASH_COPY_BLOCK;
-        memcpy((uint8_t *)dst + off, (const uint8_t *)src + off, n);
-        XXH3_64bits_update(&st, (const uint8_t *)dst + off, n);
-    }
-    return XXH3_64bits_digest(&st);
+    return nvt_xxh3_copy_loop(dst, src, len, seed);
 }
 
 static uint64_t xxh3_copy_any(int impl, void *dst, const void *src, size_t len, uint64_t seed) {

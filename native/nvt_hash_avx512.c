@@ -15,21 +15,14 @@
 #define XXH_INLINE_ALL
 #define XXH_VECTOR 3 /* XXH_AVX512 */
 #include "xxhash.h"
+#include "nvt_hash_copy.h"
 
 uint64_t nvt_xxh3_avx512(const void *data, size_t len, uint64_t seed) {
     return XXH3_64bits_withSeed(data, len, seed);
 }
 
 uint64_t nvt_xxh3_copy_avx512(void *dst, const void *src, size_t len, uint64_t seed) {
-    XXH3_state_t st;
-    memset(&st, 0, sizeof(st)); /* reset leaves fields GCC cannot see set */
-    XXH3_64bits_reset_withSeed(&st, seed);
-    for (size_t off = 0; off < len; off += NVT_HASH_COPY_BLOCK) {
-        size_t n = len - off < NVT_HASH_COPY_BLOCK ? len - off : NVT_HASH_COPY_BLOCK;
-        memcpy((uint8_t *)dst + off, (const uint8_t *)src + off, n);
-        XXH3_64bits_update(&st, (const uint8_t *)dst + off, n);
-    }
-    return XXH3_64bits_digest(&st);
+    return nvt_xxh3_copy_loop(dst, src, len, seed);
 }
 #else
 /* ISO C wants at least one declaration in a translation unit. */
