@@ -523,10 +523,7 @@ class BlockStore:
         if self._table.lookup(self._mac(key) if self._keys else key):
             return True
         if self.config.admit_after_lookups:
-            counts = self._lookup_counts
-            counts[key] = counts.get(key, 0) + 1
-            if len(counts) > _MAX_LOOKUP_COUNTS:
-                counts.pop(next(iter(counts)))
+            self._count_miss(key)
         return False
 
     def count_lookup(self, key: bytes) -> None:
@@ -535,10 +532,15 @@ class BlockStore:
         ``admit_after_lookups`` as a miss of ``lookup`` would be, unless the
         key is READY already. Never blocks."""
         if self.config.admit_after_lookups and not self.contains(key):
-            counts = self._lookup_counts
-            counts[key] = counts.get(key, 0) + 1
-            if len(counts) > _MAX_LOOKUP_COUNTS:
-                counts.pop(next(iter(counts)))
+            self._count_miss(key)
+
+    def _count_miss(self, key: bytes) -> None:
+        """One more lookup of absent ``key`` for ``admit_after_lookups``, in a
+        dict bounded at ``_MAX_LOOKUP_COUNTS`` keys (the oldest goes)."""
+        counts = self._lookup_counts
+        counts[key] = counts.get(key, 0) + 1
+        if len(counts) > _MAX_LOOKUP_COUNTS:
+            counts.pop(next(iter(counts)))
 
     def contains(self, key: bytes) -> bool:
         """Whether ``key`` is READY, without leasing it or counting."""
