@@ -47,13 +47,15 @@ class _TierClock:
     def __init__(self, tier: Any) -> None:
         self.inside_ns = 0
         self.calls = 0
+        # Per method: [ns inside, calls] (the breakdown a phase reports).
+        self.by_method: dict[str, list[int]] = {}
         self._tier = tier
         self.self_ns = self._calibrate()
         self._wrapped: list[str] = []
         for name in self.METHODS:
             method = getattr(tier, name, None)
             if callable(method) and name not in vars(tier):
-                setattr(tier, name, self._wrap(method))
+                setattr(tier, name, self._wrap(method, name))
                 self._wrapped.append(name)
 
     def remove(self) -> None:
@@ -62,8 +64,9 @@ class _TierClock:
             delattr(self._tier, name)
         self._wrapped = []
 
-    def _wrap(self, method: Callable) -> Callable:
+    def _wrap(self, method: Callable, name: str = "") -> Callable:
         clock = time.thread_time_ns
+        tally = self.by_method.setdefault(name, [0, 0]) if name else [0, 0]
 
         @functools.wraps(method)
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -71,8 +74,11 @@ class _TierClock:
             try:
                 return method(*args, **kwargs)
             finally:
-                self.inside_ns += clock() - t0
+                dt = clock() - t0
+                self.inside_ns += dt
                 self.calls += 1
+                tally[0] += dt
+                tally[1] += 1
 
         return timed
 
@@ -94,6 +100,15 @@ class _TierClock:
         self.inside_ns = self.calls = 0
         return sorted(rounds)[2]
 
+    def by_method_us(self, chunks: int) -> dict[str, dict[str, float]]:
+        """Each method's share per chunk (timing cost subtracted) and its calls."""
+        out = {}
+        for name, (ns, calls) in sorted(self.by_method.items()):
+            if calls:
+                us = max(0.0, ns - calls * self.self_ns) / 1e3 / max(1, chunks)
+                out[name] = {"us_per_chunk": round(us, 3), "calls": calls}
+        return out
+
     def inside_corrected_s(self) -> float:
         """Time inside the tier's methods on vLLM's threads, less the
         timing's own cost per call (``self_ns``)."""
@@ -103,9 +118,14 @@ class _TierClock:
         """The phase's vLLM-thread time inside the tier per chunk, timing cost
         subtracted (a line of the bench's output)."""
         us = self.inside_corrected_s() * 1e6 / max(1, chunks)
+        parts = ", ".join(
+            f"{name} {v['us_per_chunk']:.2f} ({v['calls']})"
+            for name, v in self.by_method_us(chunks).items()
+        )
         return (
             f"  vLLM's thread inside the tier: {us:.2f} us per chunk {what} "
             f"({self.calls} calls, {self.self_ns:.0f} ns of timing each subtracted)"
+            f"\n    by method, us per chunk (calls): {parts}"
         )
 
     def report(self) -> dict[str, Any]:
@@ -120,6 +140,8 @@ class _TierClock:
     def start(self) -> _Cpu:
         self.inside_ns = 0
         self.calls = 0
+        for tally in self.by_method.values():
+            tally[0] = tally[1] = 0
         return _Cpu()
 
     def tier_s(self, cpu: _Cpu, usr: float, sys_: float) -> float:

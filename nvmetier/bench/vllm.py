@@ -195,6 +195,7 @@ def run_vllm_level(
             **prof.report(elapsed, log),
             "xxh3_s_per_gb": round(xxh3_cost, 4),
             "chunks": n,
+            "tier_by_method": clock.by_method_us(n),
             "store_batch": batch,
             "primary_full_waits": full_waits,
         }
@@ -308,6 +309,7 @@ def run_vllm_level(
                 **prof.report(busy, log),
                 "xxh3_s_per_gb": round(xxh3_cost, 4),
                 "chunks": n,
+                "tier_by_method": clock.by_method_us(loaded),
                 "chunks_per_request": per_req,
                 "lookup_misses": misses,
                 "lookup_retries": retries,

@@ -216,6 +216,10 @@ def test_tier_clock_counts_time_inside_wrapped_methods_only() -> None:
     assert 0.015 <= inside < 0.035
     assert cpu.thread_s >= inside + 0.015
     assert clock.tier_s(cpu, usr, sys_) >= inside
+    # The breakdown names each method called, with its calls and its share.
+    by = clock.by_method_us(chunks=1)
+    assert list(by) == ["lookup"] and by["lookup"]["calls"] == 1
+    assert 15_000 <= by["lookup"]["us_per_chunk"] < 35_000
     clock.remove()
     assert "lookup" not in vars(tier)
 
