@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from nvmetier.bench.common import PCTS, _note_drop, _phases, _prealloc
 from nvmetier.bench.machine import busy_cores, machine_cpu
+from nvmetier.bench.parties import MachineShare, share_line
 from nvmetier.bench.report import PhaseResult, _phase_line
 
 
@@ -105,6 +106,7 @@ def run_fio(
             for i, d in enumerate(dirs):
                 cmd += [f"--name=fiobench{i}", f"--directory={d}"]
             m0 = machine_cpu()
+            share = MachineShare()
             r = subprocess.run(cmd, capture_output=True, text=True, check=False)
             busy = busy_cores(m0, machine_cpu())
             if r.returncode != 0:
@@ -140,9 +142,12 @@ def run_fio(
                     "drives": len(dirs),
                     # over fio's whole run, its start and the untimed file layout included
                     "machine_busy_cores": round(busy, 2),
+                    # the same span, by party: the drives' kernel threads, fio, the rest
+                    "machine_share": share.report(int(side["io_bytes"])),
                 },
             )
             log(_phase_line(res))
+            log(share_line(res.extra["machine_share"], children="fio"))
             results.append(res)
     finally:
         if not args.keep:

@@ -20,6 +20,7 @@ from nvmetier.bench.common import LEVELS, RW_MODES, _bs, _parse_bs_list
 from nvmetier.bench.engine import run_engine_level
 from nvmetier.bench.fio import fio_engine, run_fio
 from nvmetier.bench.machine import machine_info
+from nvmetier.bench.parties import load_bounds
 from nvmetier.bench.peers import (
     DEFAULT_BACKENDS,
     LMCACHE_BACKENDS,
@@ -526,6 +527,11 @@ def _run(args: argparse.Namespace, bss: list[int], report: dict[str, Any], log: 
         report["medians"] = med_rows
     if lookups:
         report["lookup_latency"] = lookups
+    bound_lines, bound_rows = load_bounds(results, os.cpu_count() or 1)
+    if bound_rows:
+        report["load_bounds"] = bound_rows
+        for line in bound_lines:
+            log(line)
     if args.output_format != "json":
         print()
         print("\n".join(table))

@@ -29,6 +29,7 @@ from nvmetier.bench.machine import (
     thread_cpu_s,
     xxh3_s_per_gb,
 )
+from nvmetier.bench.parties import MachineShare, share_line
 from nvmetier.bench.report import LookupStats, PhaseResult, _percentiles, _phase_line
 
 
@@ -42,9 +43,11 @@ class _EngineProfile:
         self._w0 = self._stats() if self._stats else []
         self._t0 = thread_cpu_s()
         self._m0 = machine_cpu()
+        self._share = MachineShare()
 
-    def report(self, elapsed_s: float, log: Callable) -> dict[str, Any]:
+    def report(self, elapsed_s: float, log: Callable, moved_bytes: int) -> dict[str, Any]:
         out: dict[str, Any] = {"machine_busy_cores": round(busy_cores(self._m0, machine_cpu()), 2)}
+        out["machine_share"] = self._share.report(moved_bytes)
         threads = thread_cpu_s()
         out["thread_cpu_s"] = {
             name: round(cpu - self._t0.get(name, 0.0), 3)
@@ -77,6 +80,7 @@ class _EngineProfile:
             + ", ".join(f"{k} {v:.3f}" for k, v in out["thread_cpu_s"].items())
             + f"; machine: {out['machine_busy_cores']:.2f} of {os.cpu_count()} cores busy"
         )
+        log(share_line(out["machine_share"]))
         return out
 
 
@@ -192,7 +196,7 @@ def run_vllm_level(
         stored_bytes = n * bs
         extra: dict[str, Any] = {
             **clock.report(),
-            **prof.report(elapsed, log),
+            **prof.report(elapsed, log, n * bs),
             "xxh3_s_per_gb": round(xxh3_cost, 4),
             "chunks": n,
             "tier_by_method": clock.by_method_us(n),
@@ -306,7 +310,7 @@ def run_vllm_level(
             errors=n - loaded,
             extra={
                 **clock.report(),
-                **prof.report(busy, log),
+                **prof.report(busy, log, loaded * bs),
                 "xxh3_s_per_gb": round(xxh3_cost, 4),
                 "chunks": n,
                 "tier_by_method": clock.by_method_us(loaded),
