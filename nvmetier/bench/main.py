@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--step-ms",
         type=float,
-        default=0.2,
-        help="vllm level: pause between simulated engine steps",
+        default=1.0,
+        help="vllm and trace levels: pause between simulated engine steps while waiting on "
+        "transfers (vLLM 0.33's engine core sleeps 1 ms after a step that ran no model)",
     )
     p.add_argument(
         "--retry-ms",

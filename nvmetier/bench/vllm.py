@@ -290,6 +290,9 @@ def run_vllm_level(
             last = [k for k in promoted[:: max(1, len(promoted) // 32)]][:32]
         usr, sys_ = cpu.stop()
         tier_s = clock.tier_s(cpu, usr, sys_)
+        # The phase's CPU by thread and party ends here: the check below
+        # copies and compares 32 chunks (256 MiB at 8 MiB), untimed.
+        engine_prof = prof.report(busy, log, loaded * bs)
         verified = _vllm_verify(eng, last, index_of, base)
         profiled = (
             {"cpu_profile": cprof.report(loaded * bs, log, inside_s=clock.inside_corrected_s())}
@@ -310,7 +313,7 @@ def run_vllm_level(
             errors=n - loaded,
             extra={
                 **clock.report(),
-                **prof.report(busy, log, loaded * bs),
+                **engine_prof,
                 "xxh3_s_per_gb": round(xxh3_cost, 4),
                 "chunks": n,
                 "tier_by_method": clock.by_method_us(loaded),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -205,3 +206,25 @@ def test_fio_on_loop_drives_shows_the_loop_driver_in_kernel_threads(tmp_path) ->
     assert bound["xxh3_pass"] == "cold"
     assert bound["bound_gbps"] > 0 and bound["gbps"] > 0 and bound["fio_cpu_bound_gbps"] > 0
     assert "load bound bs=2MiB" in out.stderr
+
+
+def test_the_simulated_scheduler_steps_as_often_as_vllm_s_idle_engine() -> None:
+    """``--step-ms`` defaults to the pause vLLM's engine core takes after a
+    step that ran no model while requests wait on transfers
+    (``EngineCoreProc._process_engine_step``), so the bench's scheduler costs
+    the drives' cores what vLLM's would. Reads vLLM's source, no import."""
+    import importlib.util
+
+    from nvmetier.bench.main import build_parser
+
+    spec = importlib.util.find_spec("vllm")  # finds, imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), "v1", "engine", "core.py")
+    with open(path) as f:
+        src = f.read()
+    body = src[src.index("def _process_engine_step(") :]
+    body = body[: body.index("\n    def ", 1)]
+    (pause,) = re.findall(r"time\.sleep\(([0-9.]+)\)", body)
+    args = build_parser().parse_args(["--level", "vllm"])
+    assert args.step_ms == pytest.approx(float(pause) * 1000.0)
