@@ -233,16 +233,14 @@ def load_bounds(results: list[Any], cores: int) -> tuple[list[str], list[dict[st
                 f"{which} {xxh3:.3f} s/GB); {ours.target} {row['gbps']:.2f} GB/s = "
                 f"{row['x_fio']:.2f}x fio (CPU bound "
                 + (f"{ours_cpu:.2f} GB/s = {row['x_fio_cpu']:.2f}x fio's" if ours_cpu else "-")
-                + "), CPU s/GB: kernel threads "
+                + "), CPU s/GB: "
                 + ", ".join(
-                    f"{v:.3f}" if v is not None else "-"
-                    for v in (our_kernel, row["tier_cpu_s_per_gb"])
-                )
-                + " (tier), harness "
-                + (
-                    f"{row['harness_cpu_s_per_gb']:.3f}"
-                    if row["harness_cpu_s_per_gb"] is not None
-                    else "-"
+                    f"{label} {v:.3f}" if v is not None else f"{label} -"
+                    for label, v in (
+                        ("kernel threads", our_kernel),
+                        ("tier", row["tier_cpu_s_per_gb"]),
+                        ("harness", row["harness_cpu_s_per_gb"]),
+                    )
                 )
             )
     return lines, rows

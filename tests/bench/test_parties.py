@@ -143,6 +143,7 @@ def test_load_bounds_pair_our_load_with_fio_s_and_split_our_cpu() -> None:
     assert row["cpu_bound_gbps"] == pytest.approx(5.0)
     assert row["x_fio_cpu"] == pytest.approx(0.29 / 0.40, abs=1e-3)
     assert "0.83x fio's 8.00" in lines[0] and "nvmetier-uring 4.00 GB/s = 0.50x fio" in lines[0]
+    assert "kernel threads 0.240, tier 0.100, harness 0.060" in lines[0]
     # Without --profile the warm pass stands in, and says so.
     del results[2].extra["cpu_profile"]
     _, (row,) = load_bounds(results, 2)
