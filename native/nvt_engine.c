@@ -140,6 +140,7 @@ static void engine_destroy(nvt_engine *e) {
         worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->close_lock);
+    pthread_rwlock_destroy(&e->apply_lock);
     if (e->sealed)
         nvt_keys_unref(e->seal.keys);
     explicit_bzero(&e->seal, sizeof(e->seal));
@@ -279,6 +280,7 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     }
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
+    pthread_rwlock_init(&e->apply_lock, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -501,6 +503,16 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
         *batch = t;
     }
     pthread_mutex_unlock(&e->lock);
+}
+
+void nvt_engine_set_apply(nvt_engine *e, nvt_apply_fn fn, void *ctx) {
+    if (e->forked)
+        return; /* no worker here; a parent's worker may have held the lock at the fork */
+    pthread_rwlock_wrlock(&e->apply_lock);
+    e->apply_fn = fn;
+    e->apply_ctx = fn ? ctx : NULL;
+    __atomic_store_n(&e->apply_on, fn != NULL, __ATOMIC_RELEASE);
+    pthread_rwlock_unlock(&e->apply_lock);
 }
 
 void nvt_engine_close(nvt_engine *e) {

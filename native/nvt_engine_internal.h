@@ -170,6 +170,15 @@ struct nvt_engine {
     int sealed;
     nvt_seal_config seal;
     uint64_t auth_failures;           /* atomic */
+
+    /* The completion hook (nvt_engine_set_apply): written under apply_lock
+     * held for writing, called under it held for reading (by each worker
+     * with its batch); apply_on is an atomic hint that spares a hookless
+     * engine the lock. */
+    pthread_rwlock_t apply_lock;
+    nvt_apply_fn apply_fn;
+    void *apply_ctx;
+    int apply_on;
 };
 
 /* ---- completion batches ------------------------------------------------ */
