@@ -280,7 +280,13 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     }
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
-    pthread_rwlock_init(&e->apply_lock, NULL);
+    /* Writers first: several workers' read holds may overlap without end
+     * under load, and set_apply (a bind or detach) must not starve. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&e->apply_lock, &ra);
+    pthread_rwlockattr_destroy(&ra);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
