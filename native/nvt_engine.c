@@ -219,6 +219,7 @@ static void engine_stop(nvt_engine *e) {
         for (size_t j = 0; j < w->pend_len; j++)
             batch_push(&e->done, w->pend[(w->pend_head + j) & (w->pend_cap - 1)].op_id, -ECANCELED, 0);
         w->pend_len = 0;
+        done_changed_locked(e);
         w->closing = 1;
         pthread_mutex_unlock(&w->lock);
     }
@@ -464,8 +465,10 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
         w->sleeping = 0;
         pthread_mutex_unlock(&w->lock);
     }
-    if (immediate)
+    if (immediate) {
+        done_changed_locked(e);
         pthread_cond_broadcast(&e->cv);
+    }
     pthread_mutex_unlock(&e->lock);
     for (unsigned i = 0; i < e->n_workers; i++) {
         if (wake[i])
@@ -478,9 +481,9 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
 
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch) {
     /* A poll that finds nothing skips the mutex the I/O threads keep taking:
-     * done.len is read racily as a hint; a completion it misses is found by
+     * done_hint (done.len's atomic copy) is read as a hint; a completion it misses is found by
      * the next poll (the store is polled at every engine step). */
-    if (e->forked || (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE)))
+    if (e->forked || (timeout_s <= 0 && !__atomic_load_n(&e->done_hint, __ATOMIC_ACQUIRE)))
         return;
     pthread_mutex_lock(&e->lock);
     /* Every I/O thread exited (only after close began): nothing will come. */
@@ -506,6 +509,7 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
         nvt_completion_batch t = e->done;
         e->done = *batch;
         e->done.len = 0;
+        done_changed_locked(e);
         *batch = t;
     }
     pthread_mutex_unlock(&e->lock);

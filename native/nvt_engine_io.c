@@ -257,6 +257,7 @@ static void io_publish(nvt_worker *w) {
         memcpy(e->done.items + e->done.len, w->out.items, w->out.len * sizeof(*w->out.items));
         e->done.len += w->out.len;
     }
+    done_changed_locked(e);
     w->out.len = 0;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
