@@ -5,11 +5,15 @@
  * on the CPython type's object (TableObject) and on the keys and lists vLLM
  * hands over, so it includes Python.h; the table's rules stay in nvt_core.
  *
- * Three units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
+ * Four units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
  * allocation-failure test hook), nvt_job_submit.c (keys to ops: the store and
- * load loops, submit_store/submit_load) and nvt_job_complete.c (completions,
- * job reports, watches, deferred completions, KV events, collect). All run
- * with the GIL held on the thread that owns the Table (the scheduler thread).
+ * load loops, submit_store/submit_load), nvt_job_complete.c (completions,
+ * job reports, watches, deferred completions, KV events, collect) and
+ * nvt_job_worker.c (the slot side of a completion, applied by an io_uring
+ * worker before it publishes it). All but nvt_worker_apply run with the GIL
+ * held on the thread that owns the Table (the scheduler thread);
+ * nvt_worker_apply runs on the engine's I/O threads, without the GIL, and
+ * reads only what nvt_job_worker.c lists.
  */
 #ifndef NVT_JOBS_H
 #define NVT_JOBS_H

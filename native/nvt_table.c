@@ -28,6 +28,10 @@
  * completion is applied without a job once the set can be locked); a store of
  * a key another sharer is writing waits at most the watch timeout, then
  * fails. A holder that dies is recovered through EOWNERDEAD (nvt_core.c).
+ * With the io_uring engine bound with its apply hook, that engine's I/O
+ * threads also write the shared table (nvt_job_worker.c: a finished write's
+ * record and READY, a verified load's lease), under the same set mutexes,
+ * only tried; bind, detach and dealloc remove the hook first.
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
  * layout, op_id = an index into the op slab) that an engine takes as one
