@@ -28,6 +28,10 @@
  *     queue, and the engine's `lock` to move completions into the shared done
  *     queue, never both at once and never while hashing or in a syscall.
  *     Lock order: engine `lock`, then a worker's lock (submit and close).
+ *   - A completion hook (nvt_engine_set_apply) runs on each worker's I/O
+ *     thread, under the engine's apply_lock held for reading and no other
+ *     lock, before the worker publishes its batch; set_apply takes it for
+ *     writing, so a removed hook has no caller left when it returns.
  *   - No function here needs the Python GIL; the binding releases it around
  *     every call that can block.
  */
