@@ -29,9 +29,12 @@ uint64_t nvt_now_ms(void) {
  * or the clock steps back). */
 static int64_t wall_offset_ns;
 
-uint64_t nvt_wall_ns(void) { return (uint64_t)((int64_t)now_wall_ns() + wall_offset_ns); }
+/* Atomic: an engine's worker writes records too (nvt_job_worker.c). */
+uint64_t nvt_wall_ns(void) {
+    return (uint64_t)((int64_t)now_wall_ns() + __atomic_load_n(&wall_offset_ns, __ATOMIC_RELAXED));
+}
 
-void nvt_set_wall_offset_ns(int64_t ns) { wall_offset_ns = ns; }
+void nvt_set_wall_offset_ns(int64_t ns) { __atomic_store_n(&wall_offset_ns, ns, __ATOMIC_RELAXED); }
 
 /* Whether a chunk stored at `stored_ns` (wall clock) is past `retention_ns`
  * at `now_ns` (0: no retention). The wall clock can step: a stamp ahead of
@@ -257,9 +260,8 @@ uint32_t nvt_set_dying_wait_ms(uint32_t ms) { return __atomic_exchange_n(&dying_
  * dying, and the set's mutex released while its lock is awaited for
  * DYING_WAIT_MS at most, then the set is repaired again. Returns 0 with the
  * set held, or -1 (nothing held). */
-static int recover_set(nvt_core *t, uint64_t set) {
+static int recover_named(nvt_core *t, uint64_t set, uint16_t holder, uint16_t holder_inc) {
     nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    uint16_t holder = h->holder, holder_inc = h->holder_inc;
     int named = holder && holder - 1 < NVT_MAX_SHARERS &&
                 !(t->me >= 0 && holder - 1 == t->me && holder_inc == (uint16_t)t->my_inc);
     if (named && !owner_dying(t, (uint8_t)(holder - 1), holder_inc)) {
@@ -292,6 +294,33 @@ static int recover_set(nvt_core *t, uint64_t set) {
         t->c.lock_recoveries++;
     }
     nvt_repair_set_locked(t, set, 0, nvt_now_ms());
+    return 0;
+}
+
+static int recover_set(nvt_core *t, uint64_t set) {
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    return recover_named(t, set, h->holder, h->holder_inc);
+}
+
+/* nvt_set_lock for a set whose holder another thread of this process (an
+ * engine's worker, which must not wait nor touch this core's state) found
+ * dead: it took EOWNERDEAD, marked the mutex consistent and handed over the
+ * holder fields it found (`holder`, `holder_inc`). The recovery that
+ * EOWNERDEAD would have started here runs now (pthread_mutex_consistent on a
+ * consistent mutex is a harmless EINVAL). *recovered says whether it ran
+ * (the set could be locked). Returns as nvt_set_lock. */
+int nvt_set_lock_after_death(nvt_core *t, uint64_t set, uint16_t holder, uint16_t holder_inc, int *recovered) {
+    int r = lock_bounded(t, set);
+    *recovered = r == 0 || r == EOWNERDEAD;
+    if (r == EOWNERDEAD)
+        r = recover_set(t, set); /* another death since */
+    else if (r == 0)
+        r = recover_named(t, set, holder, holder_inc);
+    if (r != 0)
+        return -1;
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
+    h->holder_inc = (uint16_t)t->my_inc;
     return 0;
 }
 

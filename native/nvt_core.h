@@ -304,6 +304,7 @@ void nvt_reclaim_dead_locked(nvt_core *t, slot_ref s, uint64_t slot);
 int nvt_reclaim_if_dead_locked(nvt_core *t, slot_ref s, uint64_t slot, uint64_t now);
 int nvt_repair_set_locked(nvt_core *t, uint64_t set, uint64_t min_age_ms, uint64_t now);
 int nvt_set_lock(nvt_core *t, uint64_t set);
+int nvt_set_lock_after_death(nvt_core *t, uint64_t set, uint16_t holder, uint16_t holder_inc, int *recovered);
 int nvt_find_way(nvt_core *t, uint64_t set, uint64_t fp, const char *key, size_t n, unsigned mask);
 int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t n, uint64_t now, int *evict);
 uint64_t nvt_table_bytes(uint64_t n_slots, uint32_t ways);

@@ -140,6 +140,7 @@ static void engine_destroy(nvt_engine *e) {
         worker_destroy(&e->workers[i]);
     pthread_mutex_destroy(&e->lock);
     pthread_mutex_destroy(&e->close_lock);
+    pthread_rwlock_destroy(&e->apply_lock);
     if (e->sealed)
         nvt_keys_unref(e->seal.keys);
     explicit_bzero(&e->seal, sizeof(e->seal));
@@ -218,6 +219,7 @@ static void engine_stop(nvt_engine *e) {
         for (size_t j = 0; j < w->pend_len; j++)
             batch_push(&e->done, w->pend[(w->pend_head + j) & (w->pend_cap - 1)].op_id, -ECANCELED, 0);
         w->pend_len = 0;
+        done_changed_locked(e);
         w->closing = 1;
         pthread_mutex_unlock(&w->lock);
     }
@@ -279,6 +281,13 @@ int nvt_engine_open(nvt_engine **out, void *buf, size_t buf_len, const int *fds,
     }
     pthread_mutex_init(&e->lock, NULL);
     pthread_mutex_init(&e->close_lock, NULL);
+    /* Writers first: several workers' read holds may overlap without end
+     * under load, and set_apply (a bind or detach) must not starve. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&e->apply_lock, &ra);
+    pthread_rwlockattr_destroy(&ra);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -456,8 +465,10 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
         w->sleeping = 0;
         pthread_mutex_unlock(&w->lock);
     }
-    if (immediate)
+    if (immediate) {
+        done_changed_locked(e);
         pthread_cond_broadcast(&e->cv);
+    }
     pthread_mutex_unlock(&e->lock);
     for (unsigned i = 0; i < e->n_workers; i++) {
         if (wake[i])
@@ -470,9 +481,9 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
 
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch) {
     /* A poll that finds nothing skips the mutex the I/O threads keep taking:
-     * done.len is read racily as a hint; a completion it misses is found by
+     * done_hint (done.len's atomic copy) is read as a hint; a completion it misses is found by
      * the next poll (the store is polled at every engine step). */
-    if (e->forked || (timeout_s <= 0 && !__atomic_load_n(&e->done.len, __ATOMIC_ACQUIRE)))
+    if (e->forked || (timeout_s <= 0 && !__atomic_load_n(&e->done_hint, __ATOMIC_ACQUIRE)))
         return;
     pthread_mutex_lock(&e->lock);
     /* Every I/O thread exited (only after close began): nothing will come. */
@@ -498,9 +509,20 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
         nvt_completion_batch t = e->done;
         e->done = *batch;
         e->done.len = 0;
+        done_changed_locked(e);
         *batch = t;
     }
     pthread_mutex_unlock(&e->lock);
+}
+
+void nvt_engine_set_apply(nvt_engine *e, nvt_apply_fn fn, void *ctx) {
+    if (e->forked)
+        return; /* no worker here; a parent's worker may have held the lock at the fork */
+    pthread_rwlock_wrlock(&e->apply_lock);
+    e->apply_fn = fn;
+    e->apply_ctx = fn ? ctx : NULL;
+    __atomic_store_n(&e->apply_on, fn != NULL, __ATOMIC_RELEASE);
+    pthread_rwlock_unlock(&e->apply_lock);
 }
 
 void nvt_engine_close(nvt_engine *e) {

@@ -28,6 +28,10 @@
  *     queue, and the engine's `lock` to move completions into the shared done
  *     queue, never both at once and never while hashing or in a syscall.
  *     Lock order: engine `lock`, then a worker's lock (submit and close).
+ *   - A completion hook (nvt_engine_set_apply) runs on each worker's I/O
+ *     thread, under the engine's apply_lock held for reading and no other
+ *     lock, before the worker publishes its batch; set_apply takes it for
+ *     writing, so a removed hook has no caller left when it returns.
  *   - No function here needs the Python GIL; the binding releases it around
  *     every call that can block.
  */
@@ -66,6 +70,14 @@ typedef struct {
     int64_t result;
     uint64_t checksum;
 } nvt_completion;
+
+/* A completion hook (nvt_engine_set_apply): called by a worker's I/O thread
+ * with a batch of its completions, after their ops completed (hashed, or
+ * opened when sealed) and before they are published to the done queue, with
+ * no lock of the engine held and no GIL. It must not block, must not keep
+ * `cs`, and may not change what the completions say (they are published as
+ * they are). Several workers may call it at once, each with its own batch. */
+typedef void (*nvt_apply_fn)(void *ctx, const nvt_completion *cs, size_t n);
 
 /* A growable array of completions owned by whoever holds it. */
 typedef struct {
@@ -233,6 +245,24 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
  * see nvt_engine_ring.c), close, submit (-ESHUTDOWN) and wait do nothing.
  */
 void nvt_engine_close(nvt_engine *e);
+
+/*
+ * Install (fn != NULL) or remove (fn == NULL) the completion hook. Blocks
+ * until no worker is inside the hook it replaces, so once a removal returns
+ * `ctx` is never touched again. Any thread; a no-op in a forked child (whose
+ * copy runs no worker). The completions that submit or close complete at
+ * once (refused, cancelled) never reach the hook.
+ */
+void nvt_engine_set_apply(nvt_engine *e, nvt_apply_fn fn, void *ctx);
+
+/* How another extension module (nvmetier._table) reaches
+ * nvt_engine_set_apply: a PyCapsule of this name (Engine.apply_hook() in
+ * nvt_module.c) over this struct. */
+#define NVT_APPLY_HOOK_CAPSULE "nvmetier._uring.apply_hook"
+typedef struct {
+    nvt_engine *engine;
+    void (*set_apply)(nvt_engine *e, nvt_apply_fn fn, void *ctx);
+} nvt_apply_hook_api;
 
 /* Free a closed engine. Completions not yet taken are dropped: take them
  * first with nvt_engine_wait(e, 0, ...) if their op_ids own resources. */

@@ -152,6 +152,10 @@ struct nvt_engine {
     /* Guarded by lock. */
     unsigned *rr; /* per file: ops routed so far (rotation over its workers) */
     nvt_completion_batch done;
+    /* done.len, stored atomically after every change of it (under lock):
+     * the lock-free poll of nvt_engine_wait reads this, never done.len,
+     * which the lock's holders write plainly. */
+    size_t done_hint;
     int closing; /* submit refuses */
     unsigned n_exited; /* I/O threads that published their last completion */
     int setup_done;    /* setup of the worker being started finished */
@@ -170,6 +174,15 @@ struct nvt_engine {
     int sealed;
     nvt_seal_config seal;
     uint64_t auth_failures;           /* atomic */
+
+    /* The completion hook (nvt_engine_set_apply): written under apply_lock
+     * held for writing, called under it held for reading (by each worker
+     * with its batch); apply_on is an atomic hint that spares a hookless
+     * engine the lock. */
+    pthread_rwlock_t apply_lock;
+    nvt_apply_fn apply_fn;
+    void *apply_ctx;
+    int apply_on;
 };
 
 /* ---- completion batches ------------------------------------------------ */
@@ -195,6 +208,11 @@ static inline int batch_reserve(nvt_completion_batch *b, size_t extra) {
 static inline void batch_reserve_hard(nvt_completion_batch *b, size_t extra) {
     while (batch_reserve(b, extra) != 0)
         usleep(1000);
+}
+
+/* After a change of e->done (under e->lock): its length for lock-free pollers. */
+static inline void done_changed_locked(nvt_engine *e) {
+    __atomic_store_n(&e->done_hint, e->done.len, __ATOMIC_RELEASE);
 }
 
 static inline void batch_push(nvt_completion_batch *b, void *op_id, int64_t result, uint64_t checksum) {

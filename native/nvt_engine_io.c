@@ -232,11 +232,21 @@ static void io_on_cqe(nvt_worker *w, unsigned idx, int res) {
     io_finish(w, idx, (res == 0 || s->moved > 0) ? -EIO : res, 0);
 }
 
-/* Hand a worker's reaped completions to waiters. Takes e->lock. */
+/* Hand a worker's reaped completions to waiters. Takes e->lock. The
+ * completion hook (nvt_engine_set_apply: the slot table's side of each
+ * completion, done here instead of on the thread that collects) sees them
+ * first: every completion in `out` is unpublished, and io_publish publishes
+ * all of them. */
 static void io_publish(nvt_worker *w) {
     nvt_engine *e = w->e;
     if (!w->out.len)
         return;
+    if (__atomic_load_n(&e->apply_on, __ATOMIC_ACQUIRE)) {
+        pthread_rwlock_rdlock(&e->apply_lock);
+        if (e->apply_fn)
+            e->apply_fn(e->apply_ctx, w->out.items, w->out.len);
+        pthread_rwlock_unlock(&e->apply_lock);
+    }
     pthread_mutex_lock(&e->lock);
     if (!e->done.len) {
         nvt_completion_batch t = e->done;
@@ -247,6 +257,7 @@ static void io_publish(nvt_worker *w) {
         memcpy(e->done.items + e->done.len, w->out.items, w->out.len * sizeof(*w->out.items));
         e->done.len += w->out.len;
     }
+    done_changed_locked(e);
     w->out.len = 0;
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);

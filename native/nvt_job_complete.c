@@ -6,7 +6,10 @@
  * completions deferred while their set cannot be locked, KV events, and
  * collecting from the bound engine for poll(). Called by the CPython type
  * (nvt_table.c) and by nvt_job_submit.c with the GIL held, on the scheduler
- * thread; the engine's wait_raw releases the GIL while it waits.
+ * thread; the engine's wait_raw releases the GIL while it waits. With the
+ * io_uring engine's hook installed (nvt_job_worker.c) the slot side of the
+ * common completions was applied by the engine's worker before they were
+ * published: nvt_apply_one then only does this process's bookkeeping.
  */
 #include "nvt_jobs.h"
 
@@ -36,21 +39,54 @@ static PyObject *fail_text(job_info *j) {
 /* Apply one completion: the slot is published or freed, the op released and
  * its job counted down, with nothing that can fail in between (a failed key
  * marks the job, a lost KV event is counted). Returns 0, or 1 when its set
- * could not be locked (nothing changed: apply it again later, see nvt_defer). */
+ * could not be locked (nothing changed: apply it again later, see nvt_defer).
+ * A completion whose slot side the engine's worker applied already
+ * (op_info.applied, nvt_job_worker.c) is only accounted for here: the
+ * counters, its job, its KV event; it never needs the set. */
 int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject **stored,
                   PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
-    if (raw >= t->n_ops_cap || !t->ops[oi].in_use)
+    if (raw >= t->n_ops_cap || !op_at(t, (uint32_t)oi)->in_use)
         return 0; /* not ours (a stale completion): ignore */
-    op_info *o = &t->ops[oi];
+    op_info *o = op_at(t, (uint32_t)oi);
     job_info none; /* an abandoned op's job: not in use, so nvt_job_fail ignores it */
     memset(&none, 0, sizeof(none));
     job_info *j = o->job == JOB_NONE ? &none : &t->jobs[o->job];
     uint64_t set = o->slot / t->core.ways;
     slot_ref s = slot_at(&t->core, set, o->slot % t->core.ways);
     int ok = c->result == t->row_bytes;
-    if (nvt_set_lock(&t->core, set) != 0)
+    if (o->applied == NVT_APPLIED_PUBLISHED) {
+        /* Its worker wrote the record and published the slot (nvt_job_worker.c). */
+        t->core.d_ready++;
+        t->core.c.ops_written++;
+        t->core.c.bytes_written += (unsigned long long)t->row_bytes;
+        j->moved += (uint64_t)t->row_bytes;
+        PyObject **into = j->stored ? &j->stored : stored; /* as below */
+        if (events && nvt_append_key(into, o->key, o->key_len) < 0)
+            event_lost(t);
+        goto done;
+    }
+    if (o->applied == NVT_APPLIED_LOADED || o->applied == NVT_APPLIED_LOADED_VERIFIED) {
+        /* Its worker checked the slot and released this load's pin. */
+        if (o->applied == NVT_APPLIED_LOADED_VERIFIED)
+            t->core.c.loads_verified_unverified++;
+        t->core.c.ops_read++;
+        t->core.c.bytes_read += (unsigned long long)t->row_bytes;
+        j->moved += (uint64_t)t->row_bytes;
+        goto done;
+    }
+    int locked;
+    if (o->applied == NVT_APPLIED_RECOVER) {
+        /* Its worker found the set's holder dead: the recovery is ours. */
+        int recovered;
+        locked = nvt_set_lock_after_death(&t->core, set, o->dead_holder, o->dead_inc, &recovered) == 0;
+        if (recovered)
+            o->applied = NVT_APPLIED_NONE;
+    } else {
+        locked = nvt_set_lock(&t->core, set) == 0;
+    }
+    if (!locked)
         return 1; /* its holder is stopped or slow: the op stays in flight */
     if (o->kind == NVT_OP_WRITE) {
         if ((*s.state) == NVT_WRITING && (*s.gen) == o->gen && (*s.flags & NVT_FLAG_PURGED)) {
@@ -142,6 +178,7 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
             j->moved += (uint64_t)t->row_bytes;
         }
     }
+done:
     op_release(t, oi);
     j->remaining--;
     return 0;
@@ -365,7 +402,7 @@ void nvt_defer(TableObject *self, const nvt_completion *c, uint64_t deadline_ms)
  * jobless, until its set can be locked (then its slot is published or freed,
  * or its lease released). */
 static void abandon_op(TableObject *self, uint32_t oi, PyObject *finished) {
-    op_info *o = &self->ops[oi];
+    op_info *o = op_at(self, (uint32_t)oi);
     uint32_t ji = o->job;
     o->job = JOB_NONE;
     self->core.c.completions_abandoned++;
@@ -381,8 +418,8 @@ static void apply_or_defer(TableObject *self, const nvt_completion *c, uint64_t 
                            PyObject *finished, PyObject **stored, PyObject **removed) {
     uintptr_t raw = (uintptr_t)c->op_id;
     uint32_t oi = (uint32_t)raw;
-    int live = raw < self->n_ops_cap && self->ops[oi].in_use;
-    uint32_t ji = live ? self->ops[oi].job : JOB_NONE;
+    int live = raw < self->n_ops_cap && op_at(self, (uint32_t)oi)->in_use;
+    uint32_t ji = live ? op_at(self, (uint32_t)oi)->job : JOB_NONE;
     if (nvt_apply_one(self, c, events, stored, removed) > 0) {
         if (deadline_ms && ji != JOB_NONE && nvt_now_ms() >= deadline_ms)
             abandon_op(self, oi, finished);
@@ -419,16 +456,18 @@ int nvt_apply_batch(TableObject *self, const nvt_completion *cs, Py_ssize_t n, i
         report_unreported(self, finished);
     apply_deferred(self, events, finished, stored, removed);
     /* Prefetch (prefetch_set's comment): each op's slab entry, then once
-     * those arrive, its set's head and state line and its record. */
+     * those arrive, its set's head and state line and its record, unless
+     * the engine's worker applied it already (then only the entry is read). */
     for (Py_ssize_t i = 0; i < n; i++) {
         uintptr_t raw = (uintptr_t)cs[i].op_id;
         if (raw < self->n_ops_cap)
-            __builtin_prefetch(&self->ops[raw], 0);
+            __builtin_prefetch(op_at(self, (uint32_t)raw), 0);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uintptr_t raw = (uintptr_t)cs[i].op_id;
-        if (raw < self->n_ops_cap && self->ops[raw].in_use) {
-            uint32_t slot = self->ops[raw].slot;
+        const op_info *o = raw < self->n_ops_cap ? op_at(self, (uint32_t)raw) : NULL;
+        if (o && o->in_use && (o->applied == NVT_APPLIED_NONE || o->applied == NVT_APPLIED_RECOVER)) {
+            uint32_t slot = o->slot;
             prefetch_set(&self->core, slot / self->core.ways, 0);
             __builtin_prefetch(record(&self->core, slot), 1);
         }

@@ -384,7 +384,7 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
          * load), so a fresh claim leaves the index page alone. */
         if (old != NVT_EMPTY)
             zero_record(&self->core, slot);
-        op_info *o = &self->ops[oi];
+        op_info *o = op_at(self, (uint32_t)oi);
         o->slot = (uint32_t)slot;
         o->gen = *s.gen;
         set_unlock(&self->core, set);
@@ -413,7 +413,7 @@ done:
 void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
     for (Py_ssize_t i = 0; i < n_ops; i++) {
         uint32_t oi = (uint32_t)(uintptr_t)ops[i].op_id;
-        op_info *o = &self->ops[oi];
+        op_info *o = op_at(self, (uint32_t)oi);
         uint64_t set = o->slot / self->core.ways;
         if (nvt_set_lock(&self->core, set) == 0) {
             slot_ref s = slot_at(&self->core, set, o->slot % self->core.ways);
@@ -487,7 +487,7 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
             goto error;
         }
         uint64_t slot = set * self->core.ways + (uint64_t)w;
-        op_info *o = &self->ops[oi];
+        op_info *o = op_at(self, (uint32_t)oi);
         o->slot = (uint32_t)slot;
         o->gen = gen;
         o->expected = expected;

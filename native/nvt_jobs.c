@@ -64,12 +64,34 @@ static int slab_grow(void **items, size_t size, uint32_t **free_list, uint32_t *
     return 0;
 }
 
+/* One more block of the op slab (op_block_of): the capacity doubles, and
+ * no entry moves. -1 when out of memory (or at 2^32 ops), nothing changed. */
+static int op_slab_grow(TableObject *t) {
+    uint32_t old = t->n_ops_cap, add = old ? old : NVT_OP_BLOCK0, first;
+    if (old > UINT32_MAX - add || nvt_alloc_fails())
+        return -1;
+    unsigned b = op_block_of(old, &first);
+    uint32_t *fr = PyMem_Realloc(t->op_free, (size_t)(old + add) * sizeof(uint32_t));
+    if (!fr)
+        return -1;
+    t->op_free = fr;
+    op_info *blk = PyMem_Calloc(add, sizeof(op_info)); /* zeroed: in_use = 0, which a stale id must find */
+    if (!blk)
+        return -1;
+    t->op_blocks[b] = blk;
+    for (uint32_t i = old + add; i > old; i--)
+        fr[t->n_op_free++] = i - 1;
+    __atomic_store_n(&t->n_ops_cap, old + add, __ATOMIC_RELEASE);
+    return 0;
+}
+
 int64_t nvt_op_alloc(TableObject *t) {
-    if (!t->n_op_free && slab_grow((void **)&t->ops, sizeof(op_info), &t->op_free, &t->n_op_free,
-                                   &t->n_ops_cap, 1024) < 0)
+    if (!t->n_op_free && op_slab_grow(t) < 0)
         return -1;
     uint32_t i = t->op_free[--t->n_op_free];
-    t->ops[i].in_use = 1;
+    op_info *o = op_at(t, i);
+    o->in_use = 1;
+    o->applied = NVT_APPLIED_NONE;
     return i;
 }
 

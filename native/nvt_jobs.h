@@ -5,11 +5,15 @@
  * on the CPython type's object (TableObject) and on the keys and lists vLLM
  * hands over, so it includes Python.h; the table's rules stay in nvt_core.
  *
- * Three units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
+ * Four units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
  * allocation-failure test hook), nvt_job_submit.c (keys to ops: the store and
- * load loops, submit_store/submit_load) and nvt_job_complete.c (completions,
- * job reports, watches, deferred completions, KV events, collect). All run
- * with the GIL held on the thread that owns the Table (the scheduler thread).
+ * load loops, submit_store/submit_load), nvt_job_complete.c (completions,
+ * job reports, watches, deferred completions, KV events, collect) and
+ * nvt_job_worker.c (the slot side of a completion, applied by an io_uring
+ * worker before it publishes it). All but nvt_worker_apply run with the GIL
+ * held on the thread that owns the Table (the scheduler thread);
+ * nvt_worker_apply runs on the engine's I/O threads, without the GIL, and
+ * reads only what nvt_job_worker.c lists.
  */
 #ifndef NVT_JOBS_H
 #define NVT_JOBS_H
@@ -44,6 +48,24 @@ static inline int fail_quiet(int kind) { return kind == FAIL_MISSING || kind == 
 /* op_info.job of an op whose job stopped waiting for it (abandon_op). */
 #define JOB_NONE UINT32_MAX
 
+/* What an engine's worker did with an op's completion (op_info.applied;
+ * nvt_job_worker.c), which nvt_apply_one then only accounts for:
+ *   NONE       nothing: nvt_apply_one applies it (the thread engine, a busy
+ *              set, anything but the common cases);
+ *   PUBLISHED  a write that landed: its record written, then the slot READY;
+ *   LOADED     a load that verified (or asked for no check) of the slot it
+ *              leased: its pin released;
+ *   LOADED_VERIFIED  the same, and that load was the slot's first verified
+ *              one (its UNVERIFIED flag cleared);
+ *   RECOVER    nothing, but the worker found the set's holder dead
+ *              (EOWNERDEAD: it marked the mutex consistent, the repair is
+ *              the scheduler thread's, see nvt_set_lock_after_death). */
+enum { NVT_APPLIED_NONE = 0, NVT_APPLIED_PUBLISHED, NVT_APPLIED_LOADED, NVT_APPLIED_LOADED_VERIFIED, NVT_APPLIED_RECOVER };
+
+/* One op in flight. Written by the scheduler thread before the op is
+ * submitted and not changed while it is in flight (a worker reads it then,
+ * and writes `applied`, `dead_holder` and `dead_inc` only), read back when
+ * its completion is collected. */
 typedef struct {
     uint32_t slot;
     uint32_t gen;
@@ -56,8 +78,28 @@ typedef struct {
     uint8_t kind;
     uint8_t key_len;
     uint8_t in_use;
+    uint8_t applied; /* NVT_APPLIED_*, by the worker (zeroed at alloc) */
+    uint16_t dead_holder, dead_inc; /* RECOVER: the set's holder fields as the worker found them */
     char key[REC_KEY_MAX];
 } op_info;
+
+/* The op slab grows by blocks that never move (a worker reads an op's entry
+ * while the scheduler thread allocates others): block 0 holds ops
+ * [0, NVT_OP_BLOCK0), block b >= 1 ops [NVT_OP_BLOCK0 << (b-1), NVT_OP_BLOCK0 << b),
+ * so the capacity doubles as it did when the slab was one array. */
+#define NVT_OP_BLOCK0_SHIFT 10u
+#define NVT_OP_BLOCK0 (1u << NVT_OP_BLOCK0_SHIFT)
+#define NVT_OP_BLOCKS (33u - NVT_OP_BLOCK0_SHIFT) /* up to 2^32 ops */
+
+static inline unsigned op_block_of(uint32_t i, uint32_t *first) {
+    if (i < NVT_OP_BLOCK0) {
+        *first = 0;
+        return 0;
+    }
+    unsigned b = 32u - (unsigned)__builtin_clz(i >> NVT_OP_BLOCK0_SHIFT);
+    *first = NVT_OP_BLOCK0 << (b - 1);
+    return b;
+}
 
 typedef struct {
     int64_t job_id;
@@ -95,7 +137,9 @@ typedef struct {
     int have_tbuf, have_ibuf;
     nvt_core core; /* the table itself: mappings, geometry, registry entry, counters */
     int64_t n_paths, slot_bytes, row_bytes, n_rows;
-    op_info *ops;
+    /* The op slab (op_at): blocks that never move; n_ops_cap is written
+     * atomically (a worker checks op ids against it). */
+    op_info *op_blocks[NVT_OP_BLOCKS];
     uint32_t n_ops_cap, *op_free, n_op_free;
     job_info *jobs;
     uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
@@ -147,6 +191,12 @@ typedef struct {
     /* Keys whose slot this process freed because their retention passed
      * (the core's on_expired): one removal event at the next take_events. */
     PyObject *expired;
+    /* The engine's completion hook (bind(..., apply_hook)): the capsule
+     * (nvt_engine.h's nvt_apply_hook_api, a reference to the engine) while
+     * installed, and the registry entry the worker names as a set's holder
+     * (copied at install: detach() removes the hook first). */
+    PyObject *apply_cap;
+    uint16_t apply_holder, apply_holder_inc;
     /* The module's fork count when this Table was made: a forked child that
      * inherits it shares the parent's registry entry and OFD lock, so it must
      * not use it (the CPython type refuses; the child opens its own). */
@@ -166,9 +216,16 @@ unsigned long long nvt_test_fail_allocs(long long after, long long count);
  * one fails (the caller then acts as out of memory). */
 int nvt_alloc_fails(void);
 
+/* Op i of the slab (i < n_ops_cap). */
+static inline op_info *op_at(const TableObject *t, uint32_t i) {
+    uint32_t first;
+    unsigned b = op_block_of(i, &first);
+    return &t->op_blocks[b][i - first];
+}
+
 /* Slab entries go back to their free list (both sides of the job path). */
 static inline void op_release(TableObject *t, uint32_t i) {
-    t->ops[i].in_use = 0;
+    op_at(t, i)->in_use = 0;
     t->op_free[t->n_op_free++] = i;
 }
 
@@ -211,6 +268,11 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);
 void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
 PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
+
+/* ------------------------------------------------------ nvt_job_worker.c */
+int nvt_apply_hook_install(TableObject *t, PyObject *capsule);
+void nvt_apply_hook_remove(TableObject *t);
+void nvt_worker_apply(void *ctx, const nvt_completion *cs, size_t n);
 
 /* ---------------------------------------------------- nvt_job_complete.c */
 int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject **stored, PyObject **removed);

@@ -589,6 +589,44 @@ static PyObject *NvtEngine_inject_enter_error(NvtEngineObject *self, PyObject *a
     Py_RETURN_NONE;
 }
 
+/* apply_hook(): what the slot table (nvmetier._table, another extension
+ * module, which cannot link against this one) needs to install its
+ * completion hook on this engine: a capsule named NVT_APPLY_HOOK_CAPSULE
+ * over an nvt_apply_hook_api (nvt_engine.h). The capsule holds a reference
+ * to this Engine, so the nvt_engine outlives whoever holds the capsule. */
+static void nvt_apply_hook_free(PyObject *cap) {
+    nvt_apply_hook_api *api = PyCapsule_GetPointer(cap, NVT_APPLY_HOOK_CAPSULE);
+    PyObject *owner = PyCapsule_GetContext(cap);
+    PyMem_Free(api);
+    Py_XDECREF(owner);
+}
+
+PyDoc_STRVAR(apply_hook_doc, "apply_hook() -> capsule\n\n"
+                             "The engine's completion hook for nvmetier._table.Table.bind(): its I/O\n"
+                             "threads then apply the slot table's side of each completion before\n"
+                             "publishing it (see nvt_engine_set_apply). Raw ops only.");
+
+static PyObject *NvtEngine_apply_hook(NvtEngineObject *self, PyObject *Py_UNUSED(ignored)) {
+    if (nvt_use_mode(self, 2) < 0)
+        return NULL;
+    nvt_apply_hook_api *api = PyMem_Malloc(sizeof(*api));
+    if (!api)
+        return PyErr_NoMemory();
+    api->engine = self->eng;
+    api->set_apply = nvt_engine_set_apply;
+    PyObject *cap = PyCapsule_New(api, NVT_APPLY_HOOK_CAPSULE, nvt_apply_hook_free);
+    if (!cap) {
+        PyMem_Free(api);
+        return NULL;
+    }
+    if (PyCapsule_SetContext(cap, Py_NewRef((PyObject *)self)) < 0) {
+        Py_DECREF(self);
+        Py_DECREF(cap);
+        return NULL;
+    }
+    return cap;
+}
+
 PyDoc_STRVAR(auth_failures_doc, "auth_failures() -> int: sealed reads whose tag did not verify.");
 
 static PyObject *NvtEngine_auth_failures(NvtEngineObject *self, PyObject *unused) {
@@ -597,6 +635,7 @@ static PyObject *NvtEngine_auth_failures(NvtEngineObject *self, PyObject *unused
 
 static PyMethodDef NvtEngine_methods[] = {
     {"auth_failures", (PyCFunction)NvtEngine_auth_failures, METH_NOARGS, auth_failures_doc},
+    {"apply_hook", (PyCFunction)NvtEngine_apply_hook, METH_NOARGS, apply_hook_doc},
     {"submit", (PyCFunction)NvtEngine_submit, METH_O, submit_doc},
     {"wait", (PyCFunction)NvtEngine_wait, METH_O, wait_doc},
     {"submit_raw", (PyCFunction)NvtEngine_submit_raw, METH_O, submit_raw_doc},

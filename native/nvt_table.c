@@ -28,6 +28,10 @@
  * completion is applied without a job once the set can be locked); a store of
  * a key another sharer is writing waits at most the watch timeout, then
  * fails. A holder that dies is recovered through EOWNERDEAD (nvt_core.c).
+ * With the io_uring engine bound with its apply hook, that engine's I/O
+ * threads also write the shared table (nvt_job_worker.c: a finished write's
+ * record and READY, a verified load's lease), under the same set mutexes,
+ * only tried; bind, detach and dealloc remove the hook first.
  *
  * The data path turns a job's keys into an array of nvt_op (nvt_engine.h's
  * layout, op_id = an index into the op slab) that an engine takes as one
@@ -58,7 +62,9 @@ static void Table_dealloc(TableObject *self) {
     Py_XDECREF(self->expired);
     PyMem_Free(self->jobs);
     PyMem_Free(self->job_free);
-    PyMem_Free(self->ops);
+    nvt_apply_hook_remove(self); /* before anything the hook reads goes */
+    for (unsigned b = 0; b < NVT_OP_BLOCKS; b++)
+        PyMem_Free(self->op_blocks[b]);
     PyMem_Free(self->op_free);
     PyMem_Free(self->held);
     PyMem_Free(self->watches);
@@ -211,6 +217,7 @@ PyDoc_STRVAR(detach_doc, "detach()\n\nLeave the sharer registry (pid cleared, OF
 
 static PyObject *Table_detach(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD(self);
+    nvt_apply_hook_remove(self); /* a worker names this registry entry as a set's holder */
     nvt_detach(&self->core);
     Py_RETURN_NONE;
 }
@@ -460,6 +467,26 @@ error:
     return NULL;
 }
 
+PyDoc_STRVAR(apply_as_worker_doc,
+             "_apply_as_worker(completions)\n\n"
+             "Tests only: what an io_uring worker with this Table's hook does with these\n"
+             "packed completions before it publishes them (nvt_job_worker.c), run on this\n"
+             "thread: the slot side of the common ones; complete() then accounts for them.");
+
+static PyObject *Table_apply_as_worker(TableObject *self, PyObject *arg) {
+    GUARD_ATTACHED(self);
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (!self->apply_cap) { /* as nvt_apply_hook_install would name this process */
+        self->apply_holder = (uint16_t)(self->core.me + 1);
+        self->apply_holder_inc = (uint16_t)self->core.my_inc;
+    }
+    nvt_worker_apply(self, b.buf, (size_t)b.len / sizeof(nvt_completion));
+    PyBuffer_Release(&b);
+    Py_RETURN_NONE;
+}
+
 /* ------------------------------------------------------ submit/poll path */
 /* The calls vLLM makes once per job (submit_store, submit_load) and once per
  * poll (poll) each cross into C once: the ops go to the bound engine's
@@ -469,17 +496,26 @@ error:
  * table's model test drives one step at a time. */
 static PyObject *py_zero_s, *py_empty_tuple;
 
-PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, events)\n\n"
+PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, events, apply_hook=None)\n\n"
                        "The engine the submit/poll path uses (None, None: unbind), how many ops may\n"
                        "be outstanding before stores are dropped, checksum verification of loads,\n"
-                       "and whether KV events are kept for take_events().");
+                       "and whether KV events are kept for take_events(). apply_hook: the io_uring\n"
+                       "engine's apply_hook() capsule: its I/O threads then apply the slot side of\n"
+                       "each common completion (a write's record and READY, a verified load's lease)\n"
+                       "before publishing it, and poll() only accounts for it (nvt_job_worker.c).\n"
+                       "Needs the Table attached; any previous hook is removed first (waiting for\n"
+                       "a worker inside it), as by every bind and by detach().");
 
 static PyObject *Table_bind(TableObject *self, PyObject *args) {
     GUARD(self);
-    PyObject *submit, *wait;
+    PyObject *submit, *wait, *hook = Py_None;
     unsigned int max_q;
     int verify, events;
-    if (!PyArg_ParseTuple(args, "OOIpp", &submit, &wait, &max_q, &verify, &events))
+    if (!PyArg_ParseTuple(args, "OOIpp|O", &submit, &wait, &max_q, &verify, &events, &hook))
+        return NULL;
+    /* The old hook goes first: its worker may be applying into this table. */
+    nvt_apply_hook_remove(self);
+    if (hook != Py_None && nvt_apply_hook_install(self, hook) < 0)
         return NULL;
     Py_XSETREF(self->eng_submit, submit == Py_None ? NULL : Py_NewRef(submit));
     Py_XSETREF(self->eng_wait, wait == Py_None ? NULL : Py_NewRef(wait));
@@ -637,6 +673,7 @@ static PyMethodDef Table_methods[] = {
     {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},
     {"load_ops", (PyCFunction)Table_load_ops, METH_VARARGS, load_ops_doc},
     {"complete", (PyCFunction)Table_complete, METH_VARARGS, complete_doc},
+    {"_apply_as_worker", (PyCFunction)Table_apply_as_worker, METH_O, apply_as_worker_doc},
     {"invalidate", (PyCFunction)Table_invalidate, METH_O, invalidate_doc},
     {"release_leases", (PyCFunction)Table_release_leases, METH_NOARGS, release_leases_doc},
     {"sweep", (PyCFunction)nvt_Table_sweep, METH_NOARGS, nvt_sweep_doc},

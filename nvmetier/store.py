@@ -363,6 +363,10 @@ class BlockStore:
                 # tag's head) binds the record to the sealing it was written for.
                 config.verify_checksums or self._operator is not None,
                 config.enable_kv_events,
+                # The io_uring engine's workers apply the slot side of each
+                # completion themselves (native/nvt_job_worker.c); not under a
+                # wrapper, which may change completions after the engine.
+                getattr(self.engine, "native_apply_hook", None) if engine_wrapper is None else None,
             )
             self._table.set_retention(int((config.retention or 0) * 1e9))
         except BaseException:

@@ -11,7 +11,8 @@
 #    CPython itself does not free everything at exit. Any report fails the run
 #    (-fno-sanitize-recover=all, halt_on_error).
 # 3. The same with -fsanitize=thread, on the io_uring engine's tests only
-#    (the native threads of the code base are the engine's I/O threads).
+#    (the native threads of the code base are the engine's I/O threads, which
+#    also apply completions to the shared table: tests/native/test_uring_apply.py).
 #
 # Needs gcc with its sanitizer runtimes; without them the step is skipped
 # with a message, never failed. Takes 2-3 minutes on 2 cores.
@@ -86,7 +87,7 @@ EOF
 }
 
 TABLE_TESTS=(tests/native tests/unit/test_table_model.py tests/unit/test_table_snapshot.py
-  tests/unit/test_table_header.py tests/unit/test_table_alloc_failure.py
+  tests/unit/test_table_header.py tests/unit/test_table_alloc_failure.py tests/unit/test_table_worker_apply.py
   tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py
   tests/integration/test_engine_sealing.py tests/integration/test_job_events_attacks.py
   tests/integration/test_engine_hash_builds.py)
@@ -103,7 +104,7 @@ if "$PY" -c "import sys; from nvmetier.engine import uring_status; sys.exit(0 if
     echo "=== sanitizers: io_uring engine built with thread ==="
     tsan=$(sanitized_tree thread tsan)
     run_tests "$tsan" "$TSAN_LIB" uring tests/native/test_uring.py tests/native/test_uring_workers.py \
-      tests/integration/test_engine_sealing.py
+      tests/native/test_uring_apply.py tests/integration/test_engine_sealing.py
   fi
 else
   echo "=== sanitizers: io_uring unusable here: its sanitized runs are skipped ==="

@@ -236,6 +236,15 @@ class UringEngine(IoEngine):
         """``wait_raw`` without the Python frame (the store polls at every engine step)."""
         return self._native.wait_raw
 
+    @property
+    def native_apply_hook(self) -> object:
+        """The capsule through which the native slot table installs its
+        completion hook (``Table.bind``): the I/O threads then publish each
+        common completion with its slot already applied (a write's record and
+        READY, a verified load's lease released), so the scheduler thread's
+        poll only accounts for it. Raw ops only."""
+        return self._native.apply_hook()
+
     def submit_raw(self, ops: bytes) -> None:
         """Queue packed ops (``OP_DTYPE``) as they are: no Python object per op.
         An engine carries either op objects or packed ops, never both.
