@@ -405,6 +405,9 @@ class NvmeTierManager(SecondaryTierManager):
         self._spec = offloading_spec
         self._guard = self._build_guard(offloading_spec, primary_kv_view)
         self._guard_wired = False
+        # Per request on the scheduler thread: one C call each, no guard frame.
+        self._track = self._guard.track_call()
+        self._refresh_chunks = self.config.recency_refresh_chunks
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -538,7 +541,7 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._guard.track(req_context)
+        self._track(req_context.req_id, req_context)  # PromotionGuard.track, inlined
         return _REQUEST_CONTEXT
 
     @override
@@ -549,7 +552,7 @@ class NvmeTierManager(SecondaryTierManager):
         # request used, here, once per request (nvmetier.vllm.recency). A
         # request that recorded no key (None: this vLLM records none, which
         # recency warns about once) has nothing to refresh.
-        max_chunks = self.config.recency_refresh_chunks
+        max_chunks = self._refresh_chunks
         if max_chunks and getattr(req_context, POSITIONS_ATTR, None) != {}:
             keys = recency.request_keys(req_context, max_chunks)
             if keys:

@@ -395,16 +395,34 @@ class PromotionGuard(RequestPlanner):
         """A new request (``on_new_request``): waiting until vLLM schedules it."""
         self._waiting[ctx.req_id] = ctx
 
+    def track_call(self) -> Callable[[str, Any], None]:
+        """``track`` as one bound C call per request: the waiting map's own
+        ``__setitem__`` needs the id, so the adapter calls
+        ``track_call()(ctx.req_id, ctx)``; kept for vLLM's scheduler thread,
+        where every Python frame per request counts."""
+        return self._waiting.__setitem__
+
     # ------------------------------------------------------------ steps
     def end_step(
         self, new_req_ids: Collection[str] = (), preempted_req_ids: Collection[str] = ()
     ) -> None:
         """End of a scheduler step (after vLLM submitted its promotions and
         pinned the loads of the requests it scheduled)."""
-        self._cool()
+        if self._hot.ctx is not None:
+            self._cool()
         self._step += 1
         rounds = self._rounds
         waiting = self._waiting
+        if not rounds and not preempted_req_ids:
+            # No round to close or pin (every request that reached the tier
+            # finished): the step's scheduled requests stop waiting, at C speed.
+            if new_req_ids:
+                deque(map(waiting.pop, new_req_ids, repeat(None)), maxlen=0)
+                if self._protect_spent:
+                    self._protect_spent.difference_update(new_req_ids)
+            if self._unloaded:
+                self._count_unloaded()
+            return
         for req_id in preempted_req_ids:
             rnd = rounds.pop(req_id, None)
             if rnd is not None:
@@ -424,8 +442,13 @@ class PromotionGuard(RequestPlanner):
         if rounds and self._view is not None:
             self._pin_landed()
             self._expire_idle()
-        if not self._unloaded:
-            return
+        if self._unloaded:
+            self._count_unloaded()
+
+    def _count_unloaded(self) -> None:
+        """End of a step: the HITs no load took are counted (and warned of,
+        at most once a minute); a round without a CPU tier view closes."""
+        rounds = self._rounds
         n = len(self._unloaded)
         reqs = set(self._unloaded.values())
         self._unloaded.clear()
@@ -444,12 +467,15 @@ class PromotionGuard(RequestPlanner):
 
     def finish(self, req_id: str) -> None:
         """The request finished: drop its pins and forget its round."""
-        self._cool()
+        if self._hot.ctx is not None:
+            self._cool()
         self._waiting.pop(req_id, None)
-        self._protect_spent.discard(req_id)
-        rnd = self._rounds.pop(req_id, None)
-        if rnd is not None:
-            self._release(rnd)
+        if self._protect_spent:
+            self._protect_spent.discard(req_id)
+        if self._rounds:
+            rnd = self._rounds.pop(req_id, None)
+            if rnd is not None:
+                self._release(rnd)
 
     def release_all(self) -> None:
         """Drop every pin and round (before vLLM resets the CPU tier, or at

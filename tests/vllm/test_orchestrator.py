@@ -11,7 +11,7 @@ import textwrap
 import threading
 
 import pytest
-from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.base import LookupResult, ScheduleEndContext
 
 from nvmetier.errors import ConfigError
 from nvmetier.vllm import NvmeTierManager
@@ -189,3 +189,70 @@ def test_the_tier_is_served_at_steps_without_a_tier_poll_thread(make_engine) -> 
     eng.reset_primary()
     assert set(eng.promote(keys).values()) == {LookupResult.HIT}
     assert eng.verify(keys) == len(keys)
+
+
+def test_a_waiting_requests_cpu_chunks_are_kept_from_other_promotions(make_engine) -> None:
+    """A request vLLM announced (``on_new_request``) and has not walked to the
+    tier keeps its CPU-tier chunks: another request's plan promotes only
+    into the free room, never evicting them (the guard protects the waiting
+    requests' chunks before the step's first promotion)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from nvmetier.vllm.harness import record_positions
+
+    eng = make_engine(cpu_chunks=8)
+    a = [key_of(i) for i in range(4)]
+    b = [key_of(100 + i) for i in range(8)]
+    eng.store_all(b)  # B on disk
+    eng.reset_primary()
+    eng.store_all(a)  # A in the CPU tier (and on disk)
+    assert all(eng.primary_has(k) for k in a)
+    ctx_a, ctx_b = ReqContext(req_id="a"), ReqContext(req_id="b")
+    record_positions(ctx_a, a, eng.tokens_per_chunk)
+    record_positions(ctx_b, b, eng.tokens_per_chunk)
+    m = eng.manager
+    with m.lock:
+        m.on_new_request(ctx_a)  # waiting: vLLM has not walked it yet
+        m.on_new_request(ctx_b)
+        answers = [m.lookup(k, ctx_b) for k in b]
+        m.on_schedule_end(ScheduleEndContext(("b",), ()))
+    promoted = sum(r is not LookupResult.MISS for r in answers)
+    assert promoted == 4  # the 4 free rows; A's 4 are kept
+    eng.wait_idle()
+    assert all(eng.primary_has(k) for k in a)
+    with m.lock:
+        m.on_request_finished(ctx_b)
+        m.on_request_finished(ctx_a)
+
+
+def test_a_scheduled_request_stops_waiting_even_in_a_step_with_no_round(make_engine) -> None:
+    """A request vLLM scheduled (``new_req_ids``) is no longer waiting, also
+    in a step where no request had a round: its CPU-tier chunks are then
+    evictable room for another request's promotions (vLLM's own load holds
+    what it needs)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from nvmetier.vllm.harness import record_positions
+
+    eng = make_engine(cpu_chunks=8)
+    a = [key_of(i) for i in range(4)]
+    b = [key_of(100 + i) for i in range(8)]
+    eng.store_all(b)
+    eng.reset_primary()
+    m = eng.manager
+    ctx_a, ctx_b = ReqContext(req_id="a"), ReqContext(req_id="b")
+    with m.lock:
+        m.on_new_request(ctx_a)
+        m.on_schedule_end(ScheduleEndContext(("a",), ()))  # scheduled: runs now
+    record_positions(ctx_a, a, eng.tokens_per_chunk)
+    eng.store_all(a)  # what A computed, in the CPU tier
+    record_positions(ctx_b, b, eng.tokens_per_chunk)
+    with m.lock:
+        m.on_new_request(ctx_b)
+        answers = [m.lookup(k, ctx_b) for k in b]
+        m.on_schedule_end(ScheduleEndContext(("b",), ()))
+    assert sum(r is not LookupResult.MISS for r in answers) == 8
+    eng.wait_idle()
+    with m.lock:
+        m.on_request_finished(ctx_b)
+        m.on_request_finished(ctx_a)
