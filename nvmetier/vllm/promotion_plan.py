@@ -86,9 +86,20 @@ class _Round:
     closed: bool = False
     plans: int = 0
     planned: set[Any] = field(default_factory=set)  # keys to answer HIT
+    # A plan's HITs in the walk's order that it did not lease itself, for
+    # the guard to lease (then None).
+    to_lease: list[Any] | None = None
+    # Planned keys the disk leased at the plan, in step lease_step only
+    # (release_leases drops every lease at the step's end).
+    leased: set[Any] = field(default_factory=set)
+    lease_step: int = -1
     needed: set[Any] = field(default_factory=set)  # keys the planned load takes
     pinned: set[Any] = field(default_factory=set)  # keys this round pinned
     landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
+    # len(landing) when every landing key was in a promotion job in flight
+    # (PromotionGuard.note_load_job): while landing keeps that size, each of
+    # its keys is PENDING until load_finished, so no step need ask about it.
+    in_flight_n: int = -1
     generation: int = 0  # the CPU tier's generation of the pins
     idle_steps: int = 0
     protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
@@ -124,6 +135,7 @@ class RequestPlanner:
     _view: PrimaryView | None
     _on_disk: Callable[[Any], bool] | None
     _on_disk_many: Callable[[list[Any]], bytes] | None
+    _lease_many: Callable[[list[Any]], bytes] | None
     _state: Callable[[Any], int]
     _residencies: Callable[[list[Any]], list[int]]
 
@@ -302,7 +314,8 @@ class RequestPlanner:
             )
         ]
         rnd.needed = set(needed)
-        rnd.planned = {k for k in needed if known[k] == ABSENT}
+        rnd.to_lease = [k for k in needed if known[k] == ABSENT]
+        rnd.planned = set(rnd.to_lease)
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
             rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
@@ -324,7 +337,12 @@ class RequestPlanner:
         Every end adds one chunk, so promotions and pins only grow: once an
         end is not affordable no later one is, and the pass stops there
         unless the request could still need more chunks than the CPU tier
-        holds (the warning's count)."""
+        holds (the warning's count).
+
+        A promotion's plan reads the disk with ``_lease_many`` when there is
+        one: every planned HIT was leased by that read (``rnd.leased``, for
+        this step; a key read past the plan's end stays leased until the
+        step's ``release_leases``, as a HIT vLLM did not load does)."""
         view = self._view
         on_disk = self._on_disk
         assert view is not None and on_disk is not None
@@ -337,7 +355,8 @@ class RequestPlanner:
         wheres: list[int] = []
         append = wheres.append
         need = promos = pins = best = no_disk = 0
-        on_disk_many = self._on_disk_many
+        lease = promote and self._lease_many is not None
+        on_disk_many = self._lease_many if lease else self._on_disk_many
         stop = False
         # The CPU tier's answers, then the disk's for the chunks it lacks,
         # a batch of chunks at a time: one native call per batch, whose
@@ -383,6 +402,9 @@ class RequestPlanner:
             rnd.planned = rnd.needed.copy()
         else:
             rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
+        if lease:  # the disk's read leased every planned key
+            rnd.leased = rnd.planned.copy()
+            rnd.lease_step = self._step
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
             rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void

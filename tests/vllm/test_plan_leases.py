@@ -1,0 +1,148 @@
+"""The promotion guard's plan leases its HITs in one native call
+(``BlockStore.lease_many_call``), under vLLM's real orchestrator: the walk's
+lookups of those keys ask the disk nothing, the HITs are still counted, the
+leases not loaded end with the step, a key the read could not lease is not a
+HIT, and a sealed store and write admission take the same path. About 3 s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+from nvmetier.vllm import METRIC_PREFIX
+from nvmetier.vllm.harness import key_of, record_positions
+from tests.vllm.conftest import nvme_tier
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Calls:
+    """Counts the disk's per-key lookups and the plan's leasing reads."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.leased: list[list[bytes]] = []
+
+    def wrap_tier(self, tier: Any, before_lease: Callable[[list[bytes]], None] | None = None):
+        """Wrap ``tier``'s disk calls (before its first lookup wires them)."""
+        lookup = tier._lookup
+
+        def counted_lookup(key: bytes) -> bool:
+            self.lookups += 1
+            return bool(lookup(key))
+
+        tier._lookup = counted_lookup
+        store = tier.store
+        lease_many_call = store.lease_many_call
+
+        def wrapped_call():
+            real = lease_many_call()
+
+            def lease_many(keys: list[bytes]) -> bytes:
+                self.leased.append(list(keys))
+                if before_lease is not None:
+                    before_lease(keys)
+                return real(keys)
+
+            return lease_many
+
+        store.lease_many_call = wrapped_call
+
+
+def hits_counted(tier: Any) -> float:
+    values = tier.get_stats().reduce()
+    return float(values.get(f"{METRIC_PREFIX}hits:{(tier.tier_label,)}", 0))
+
+
+def new_key(tmp_path) -> str:
+    path = tmp_path / "key"
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.parametrize("kind", ["plain", "sealed", "admission"])
+def test_a_planned_request_is_read_and_leased_in_one_call_and_loads_every_chunk(
+    tmp_path, make_engine, kind
+) -> None:
+    if kind == "sealed":
+        pytest.importorskip("nvmetier._crypto")
+    extra: dict[str, Any] = {
+        "plain": {},
+        "sealed": {"encryption": {"key_file": new_key(tmp_path)}},
+        "admission": {"admit_after_lookups": 1},
+    }[kind]
+    eng = make_engine([nvme_tier(str(tmp_path / "kv"), **extra)], cpu_chunks=32)
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(24)]
+    calls = Calls()
+    eng.store_all([key_of(999)])  # the tier's first data call: its store is final
+    eng.reset_primary()
+    calls.wrap_tier(tier)
+    if kind == "admission":  # asked for once (a MISS), then stored
+        assert set(eng.promote(keys).values()) == {LookupResult.MISS}
+        eng.reset_primary()
+        calls.leased.clear()
+        calls.lookups = 0
+    eng.store_all(keys)
+    assert all(tier.store.slot_of(k) is not None for k in keys)
+    eng.reset_primary()
+    before = hits_counted(tier)
+    results = eng.promote(keys)
+    eng.wait_idle()
+    assert [results[k] for k in keys] == [LookupResult.HIT] * 24
+    assert eng.verify(keys) == 24
+    # One read of the disk, which leased them; no per-key lookup.
+    assert calls.leased == [keys]
+    assert calls.lookups == 0
+    # Every HIT is counted as the per-key lookup counted it.
+    assert hits_counted(tier) - before == 24
+
+
+def test_leases_vllm_did_not_load_end_with_the_step(tmp_path, make_engine) -> None:
+    """The plan leases all of a request's chunks; vLLM's walk takes only the
+    first this step: the others cannot be invalidated until the step ends,
+    and can after (their leases released as an unloaded HIT's are)."""
+    eng = make_engine(cpu_chunks=32)
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(8)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    table = tier.store._table
+    ctx = ReqContext(req_id="walk")
+    record_positions(ctx, keys, eng.tokens_per_chunk)
+    m = eng.manager
+    with m.lock:
+        m.on_new_request(ctx)
+        assert m.lookup(keys[0], ctx) is not LookupResult.MISS  # planned, promoted
+        assert not table.invalidate(keys[5])  # leased by the plan
+        m.on_schedule_end(ScheduleEndContext((), ()))
+    assert table.invalidate(keys[5])  # the step's leases are gone
+    eng.wait_idle()
+    assert eng.verify(keys[:1]) == 1
+    with m.lock:
+        m.on_request_finished(ctx)
+
+
+def test_a_chunk_gone_before_the_plan_could_lease_it_is_not_a_hit(tmp_path, make_engine) -> None:
+    """Another sharer removes a chunk just before the plan's read: the plan
+    ends before it, and the walk loads the chunks before it only."""
+    eng = make_engine(cpu_chunks=32)
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(12)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    table = tier.store._table
+    calls = Calls()
+    calls.wrap_tier(tier, before_lease=lambda batch: table.invalidate(keys[4]))
+    results = eng.promote(keys)
+    eng.wait_idle()
+    assert [results[k] for k in keys[:4]] == [LookupResult.HIT] * 4
+    assert results[keys[4]] is LookupResult.MISS
+    assert eng.verify(keys[:4]) == 4
+    assert calls.lookups == 0
