@@ -2,7 +2,9 @@
 (``BlockStore.lease_many_call``), under vLLM's real orchestrator: the walk's
 lookups of those keys ask the disk nothing, the HITs are still counted, the
 leases not loaded end with the step, a key the read could not lease is not a
-HIT, and a sealed store and write admission take the same path. About 3 s.
+HIT, and a sealed store and write admission take the same path; and rounds
+waiting only on promotions in flight are not asked about every step. About
+3 s.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
 from nvmetier.vllm import METRIC_PREFIX
+from nvmetier.vllm.cpu_view import ABSENT, PENDING, READY
 from nvmetier.vllm.harness import key_of, record_positions
 from tests.vllm.conftest import nvme_tier
 
@@ -146,3 +149,117 @@ def test_a_chunk_gone_before_the_plan_could_lease_it_is_not_a_hit(tmp_path, make
     assert results[keys[4]] is LookupResult.MISS
     assert eng.verify(keys[:4]) == 4
     assert calls.lookups == 0
+
+
+class FakeView:
+    """A CPU tier for the guard alone: what it holds, and what it is asked."""
+
+    def __init__(self) -> None:
+        self.states: dict[bytes, int] = {}
+        self.asked: list[bytes] = []
+        self.pinned: list[bytes] = []
+
+    def state(self, key: bytes) -> int:
+        self.asked.append(key)
+        return self.states.get(key, ABSENT)
+
+    def state_call(self) -> Callable[[bytes], int]:
+        return self.state
+
+    def residencies_call(self) -> Callable[[list[bytes]], list[int]]:
+        return lambda keys: [self.states.get(k, ABSENT) for k in keys]
+
+    def generation(self) -> int:
+        return 0
+
+    def room(self) -> int:
+        return 1000
+
+    def evictable(self, key: bytes) -> bool:
+        return True
+
+    def pin(self, keys: list[bytes], ctx: Any) -> None:
+        self.pinned.extend(keys)
+
+    def unpin(self, keys: Any, ctx: Any) -> int:
+        return 0
+
+    def make_ready(self, keys: list[bytes], ctx: Any) -> None:
+        for key in keys:
+            self.states[key] = READY
+
+
+def planned_guard(keys: list[bytes], leases: bool = True):
+    """A guard over ``FakeView`` whose request ``r`` planned ``keys`` (all
+    on disk), looked every one up and had them promoted as job 1."""
+    from nvmetier.vllm.promotion import PromotionGuard
+
+    view = FakeView()
+    hits: list[int] = []
+    on_disk = set(keys)
+    guard = PromotionGuard(1000, groups=((0, 16, None),))
+    guard.attach(
+        view,  # type: ignore[arg-type]
+        on_disk.__contains__,
+        lambda batch: bytes(k in on_disk for k in batch),
+        (lambda batch: bytes(k in on_disk for k in batch)) if leases else None,
+        hits.append,
+    )
+    ctx = ReqContext(req_id="r")
+    record_positions(ctx, keys)
+    disk_lookups: list[bytes] = []
+
+    def disk_lookup(key: bytes) -> bool:
+        disk_lookups.append(key)
+        return key in on_disk
+
+    lookup = guard.lookup_call(disk_lookup)
+    for key in keys:
+        if lookup(key, ctx):
+            view.states[key] = PENDING  # the orchestrator's prepare_write
+    return guard, view, ctx, hits, disk_lookups
+
+
+def test_the_walk_answers_a_leased_plan_without_asking_the_disk_and_counts_its_hits() -> None:
+    keys = [key_of(i) for i in range(6)]
+    guard, _view, _ctx, hits, disk_lookups = planned_guard(keys)
+    guard.end_step()
+    assert disk_lookups == [] and sum(hits) == 6
+    guard, _view, _ctx, hits, disk_lookups = planned_guard(keys, leases=False)
+    guard.end_step()
+    assert disk_lookups == keys and hits == []  # the disk's lookup counted them
+
+
+def test_a_round_waiting_only_on_promotions_in_flight_is_not_asked_about_each_step() -> None:
+    keys = [key_of(i) for i in range(6)]
+    guard, view, ctx, _hits, _disk = planned_guard(keys)
+    guard.note_load_job(1, keys, ctx)
+    view.asked.clear()
+    for _ in range(3):
+        guard.end_step()
+    assert view.asked == []  # all PENDING until load_finished: nothing to ask
+    # The job lands but for one chunk: those landed are pinned at once, and
+    # the next step asks about the one that failed (gone: forgotten).
+    guard.load_finished(1, False, keys[:5])
+    del view.states[keys[5]]  # vLLM drops the failed promotion's slot
+    assert sorted(view.pinned) == sorted(keys[:5])
+    guard.end_step()
+    assert view.asked == [keys[5]]
+    view.asked.clear()
+    guard.end_step()
+    assert view.asked == []
+    assert guard.stats()["promotion_pins"] == 5
+
+
+def test_a_round_with_a_chunk_in_no_job_is_still_asked_about() -> None:
+    keys = [key_of(i) for i in range(6)]
+    guard, view, ctx, _hits, _disk = planned_guard(keys)
+    guard.note_load_job(1, keys[:4], ctx)  # two promotions not submitted yet
+    view.asked.clear()
+    guard.end_step()
+    assert sorted(view.asked) == sorted(keys[4:])
+    view.states[keys[4]] = READY  # landed some other way: pinned
+    view.asked.clear()
+    guard.end_step()
+    assert sorted(view.asked) == sorted(keys[4:]) and keys[4] in view.pinned
+    assert keys[5] not in view.pinned  # still PENDING
