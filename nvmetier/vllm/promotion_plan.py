@@ -361,14 +361,36 @@ class RequestPlanner:
         # The CPU tier's answers, then the disk's for the chunks it lacks,
         # a batch of chunks at a time: one native call per batch, whose
         # index cache misses overlap (a pass that stops early reads at most a
-        # batch more than it uses; neither read changes anything).
+        # batch more than it uses; the leases of those end with the step).
         for lo in range(first, len(keys), PLAN_BATCH):
             batch = keys[lo : lo + PLAN_BATCH]
             states = residencies(batch)
             disk = None
             if on_disk_many is not None and ABSENT in states:
-                absent = [k for k, w in zip(batch, states, strict=True) if w == ABSENT]
-                disk = iter(on_disk_many(absent))
+                if states.count(ABSENT) < len(states):
+                    absent = [k for k, w in zip(batch, states, strict=True) if w == ABSENT]
+                    disk = iter(on_disk_many(absent))
+                else:
+                    found = on_disk_many(batch)
+                    if 0 not in found:
+                        # Every chunk of the batch is a promotion (the usual
+                        # batch of a request on disk): the loop below in one
+                        # step. The j-th chunk's end is affordable while
+                        # j <= fits; past it the pass stops at that chunk
+                        # (may_stop) or goes on without a better end.
+                        n = len(batch)
+                        fits = min(budget - promos, room - pins - promos) if promote else 0
+                        if fits > 0:
+                            best = need + min(fits, n)
+                        take = n if fits >= n or not may_stop else max(fits, 0) + 1
+                        wheres.extend(states[:take])
+                        need += take
+                        promos += take
+                        if fits < n and may_stop:
+                            stop = True
+                            break
+                        continue
+                    disk = iter(found)
             for key, where in zip(batch, states, strict=True):
                 if where == ABSENT:
                     if not (next(disk) if disk is not None else on_disk(key)):

@@ -263,3 +263,54 @@ def test_a_round_with_a_chunk_in_no_job_is_still_asked_about() -> None:
     guard.end_step()
     assert sorted(view.asked) == sorted(keys[4:]) and keys[4] in view.pinned
     assert keys[5] not in view.pinned  # still PENDING
+
+
+def test_a_dense_plan_of_whole_batches_on_disk_equals_the_per_chunk_pass() -> None:
+    """The dense plan takes a batch all on disk (no chunk in the CPU tier,
+    every one found) in one step: on random requests (CPU tier states, disk
+    holes, budgets, room, CPU tier sizes, walk starts) it plans exactly what
+    the per-chunk pass plans (the disk asked one key at a time)."""
+    import random
+
+    from nvmetier.vllm.promotion import PromotionGuard
+    from nvmetier.vllm.promotion_plan import PLAN_BATCH, _Round
+
+    rng = random.Random(29)
+    for case in range(300):
+        n = rng.choice([3, PLAN_BATCH - 1, PLAN_BATCH, PLAN_BATCH + 5, 2 * PLAN_BATCH + 7])
+        keys = [key_of(case * 1000 + i) for i in range(n)]
+        head = rng.randrange(0, 4)  # chunks the CPU tier holds first
+        mixed = rng.random() < 0.3
+        states = {}
+        for i, key in enumerate(keys):
+            if i < head or (mixed and rng.random() < 0.1):
+                states[key] = rng.choice([READY, PENDING, READY + 1])
+        on_disk = {k for k in keys if rng.random() > (0.02 if rng.random() < 0.5 else 0.0)}
+        cpu_chunks = rng.choice([n // 2 + 1, n, 4 * n])
+        fraction = rng.choice([0.1, 0.5, 1.0])
+        room = rng.choice([0, 5, n // 2, 10 * n])
+        promote = rng.random() < 0.9
+        plans = []
+        for fast in (True, False):
+            view = FakeView()
+            view.states = dict(states)
+            view.room = lambda room=room: room  # type: ignore[method-assign]
+            guard = PromotionGuard(cpu_chunks, fraction, groups=((0, 16, None),))
+            many = (lambda batch, held=on_disk: bytes(k in held for k in batch)) if fast else None
+            guard.attach(view, on_disk.__contains__, many, many)  # type: ignore[arg-type]
+            ctx = ReqContext(req_id="r")
+            record_positions(ctx, keys)
+            rnd = _Round(ctx, 0)
+            first = keys[min(head, n - 1)]
+            guard._plan(rnd, first, promote=promote)
+            plans.append(
+                (
+                    rnd.needed,
+                    rnd.planned,
+                    rnd.landing,
+                    rnd.pinned,
+                    view.pinned,
+                    guard.requests_larger_than_cpu_tier,
+                )
+            )
+        assert plans[0] == plans[1], case
