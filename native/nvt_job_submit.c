@@ -77,13 +77,17 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
         return -1;
     Py_ssize_t ready = 0;
     uint64_t now = mode == NVT_READY_LEASE ? nvt_now_ms() : 0;
+    /* A lease writes the set's lease stamps, and the load that follows it
+     * the recency: their lines come with the set's (the load then finds
+     * them in cache). */
+    int scan = mode == NVT_READY_LEASE;
     /* Two stages ahead: the set's lines 2 * PREFETCH_AHEAD keys ahead, then,
      * once its tags are in, the matching ways' lines PREFETCH_AHEAD ahead. */
     for (Py_ssize_t i = PREFETCH_AHEAD; i < m && i < 2 * READY_AHEAD; i++)
-        prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+        prefetch_set(&self->core, fps[i] % self->core.n_sets, scan);
     for (Py_ssize_t i = 0; i < m; i++) {
         if (i + 2 * READY_AHEAD < m)
-            prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, 0);
+            prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, scan);
         if (i + READY_AHEAD < m)
             prefetch_ways(&self->core, fps[i + READY_AHEAD] % self->core.n_sets, fps[i + READY_AHEAD]);
         const char *k = NULL;
