@@ -430,20 +430,11 @@ class PromotionGuard(RequestPlanner):
             deque(map(self._unloaded.pop, keys, repeat(None)), maxlen=0)
 
     def note_load_job(self, job_id: int, keys: Collection[Any], ctx: Any) -> None:
-        """vLLM submitted promotion job ``job_id`` of ``keys`` for ``ctx``.
-
-        When every chunk the request's round waits for is now in a job in
-        flight, the round is marked so (``in_flight_n``): the steps until
-        ``load_finished`` skip it in ``_pin_landed`` (nothing of it can be
-        ready before then), a check per step instead of a set difference."""
+        """vLLM submitted promotion job ``job_id`` of ``keys`` for ``ctx``."""
         self.note_loaded(keys)
         if self._view is not None and self._rounds:
             self._load_jobs[job_id] = keys
-            in_flight = self._in_flight
-            in_flight.update(keys)
-            rnd = self._rounds.get(getattr(ctx, "req_id", None))  # type: ignore[arg-type]
-            if rnd is not None and rnd.landing and rnd.landing <= in_flight:
-                rnd.in_flight_n = len(rnd.landing)
+            self._in_flight.update(keys)
 
     def load_finished(self, job_id: int, success: bool, ok_keys: Collection[Any] | None) -> None:
         """Promotion job ``job_id`` finished (the tier is about to report it).
@@ -581,11 +572,21 @@ class PromotionGuard(RequestPlanner):
                 rnd.landing.clear()
                 continue
             if rnd.in_flight_n == len(rnd.landing):
-                continue  # all of it in promotions in flight (note_load_job)
+                continue  # all of it still in promotions in flight
+            # A key of a promotion in flight stays PENDING until load_finished.
+            if self._in_flight:
+                rest: Iterable[Any] = rnd.landing - self._in_flight
+                if not rest:
+                    # Nothing of it can be ready before a load_finished, which
+                    # clears this (as a landing that grows does): until then
+                    # a check per step, not this set difference.
+                    rnd.in_flight_n = len(rnd.landing)
+                    continue
+            else:
+                rest = list(rnd.landing)
             ready = []
             state = self._state
-            # A key of a promotion in flight stays PENDING until load_finished.
-            for key in rnd.landing - self._in_flight if self._in_flight else list(rnd.landing):
+            for key in rest:
                 where = state(key)
                 if where == READY:
                     ready.append(key)

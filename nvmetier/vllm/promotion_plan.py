@@ -96,9 +96,10 @@ class _Round:
     needed: set[Any] = field(default_factory=set)  # keys the planned load takes
     pinned: set[Any] = field(default_factory=set)  # keys this round pinned
     landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
-    # len(landing) when every landing key was in a promotion job in flight
-    # (PromotionGuard.note_load_job): while landing keeps that size, each of
-    # its keys is PENDING until load_finished, so no step need ask about it.
+    # len(landing) when every landing key was found in a promotion job in
+    # flight (PromotionGuard._pin_landed): while landing keeps that size and
+    # no job of it finished, each of its keys is PENDING, so no step need
+    # ask about it.
     in_flight_n: int = -1
     generation: int = 0  # the CPU tier's generation of the pins
     idle_steps: int = 0
