@@ -8,8 +8,10 @@ start-up size check live in ``nvmetier.vllm.sizing``, re-exported here.)
 Threads: every method runs on vLLM's scheduler thread under the
 orchestrator's lock (through ``NvmeTierManager``); nothing blocks, nothing
 does I/O. The work is per request, not per key: the tier's lookup
-(``lookup_call``) plans at a request's first lookup of a step, and answers
-the request's further keys in that step from the plan's set.
+(``lookup_call``) plans at a request's first lookup of a step (the plan's
+one read of the disk's index also leases the chunks it will answer HIT for,
+until the step ends), and answers the request's further keys in that step
+from the plan's sets, without asking the disk again.
 
 Why a guard. vLLM loads a disk hit through the CPU tier: a HIT makes the
 orchestrator reserve a CPU slot at once (``prepare_write``, evicting the least

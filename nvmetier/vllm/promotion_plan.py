@@ -8,7 +8,8 @@ fast path and the per-step bookkeeping (pins landing, rounds ending).
 
 Threads: vLLM's scheduler thread only, under the orchestrator's lock
 (through the guard); nothing blocks, nothing does I/O (the disk's answers
-come from the index in memory).
+come from the index in memory; a promotion's plan takes its HITs' leases in
+the same native read, released by the tier's ``on_schedule_end``).
 
 The plan (per request, made at the first lookup of the request that reaches
 the tier, from the CPU tier's state at that moment):
