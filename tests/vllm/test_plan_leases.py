@@ -314,3 +314,47 @@ def test_a_dense_plan_of_whole_batches_on_disk_equals_the_per_chunk_pass() -> No
                 )
             )
         assert plans[0] == plans[1], case
+
+
+def test_the_cpu_tier_is_read_from_vllms_lru_map_as_its_policy_reads_it(make_engine) -> None:
+    """The guard reads vLLM's LRU policy's map directly (no frame per key):
+    every answer is what the policy's own ``get`` says, for chunks absent,
+    ready and ready but pinned, after a reset of the CPU tier too."""
+    from nvmetier.vllm.cpu_view import PrimaryView, _policy_get
+
+    eng = make_engine(cpu_chunks=16)
+    primary = eng.manager.primary_tier
+    policy = primary._policy
+    view = PrimaryView(primary)
+    keys = [key_of(i) for i in range(12)]
+    assert _policy_get(policy) == policy.chunks.get  # vLLM's LRU: its map
+
+    def by_policy(batch: list[bytes]) -> list[int]:
+        chunks = [policy.get(k) for k in batch]
+        return [
+            ABSENT
+            if c is None
+            else PENDING
+            if not c.is_ready
+            else READY + 1
+            if c.ref_cnt
+            else READY
+            for c in chunks
+        ]
+
+    eng.store_all(keys[:6])  # written, cascaded, ready in the CPU tier
+    ctx = ReqContext(req_id="pins")
+    with eng.manager.lock:
+        primary.prepare_read(keys[:2], ctx)  # pinned
+    want = by_policy(keys)
+    assert want == [READY + 1] * 2 + [READY] * 4 + [ABSENT] * 6
+    assert view.residencies_call()(keys) == want
+    assert [view.residency_call()(k) for k in keys] == want
+    assert [view.state_call()(k) for k in keys] == [READY] * 6 + [ABSENT] * 6
+    assert view.residencies_call()(keys[6:]) == [ABSENT] * 6  # none held
+    with eng.manager.lock:
+        primary.complete_load(keys[:2], ctx)
+    eng.reset_primary()
+    assert view.residencies_call()(keys) == by_policy(keys) == [ABSENT] * 12
+    eng.store_all(keys[6:8])
+    assert view.residencies_call()(keys[6:9]) == by_policy(keys[6:9]) == [READY, READY, ABSENT]
