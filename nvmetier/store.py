@@ -576,7 +576,9 @@ class BlockStore:
         natively). Counts neither hits nor admission misses and leaves
         recency alone: the caller reports the HITs it answers from these
         leases with ``count_hits``, and asks ``lookup`` for any other key.
-        The promotion guard's plan reads a request's chunks with it."""
+        The promotion guard's plan reads a request's chunks with it, on
+        vLLM's scheduler thread. Never blocks on disk (a set lock held by
+        another process is waited for a bounded time, as by ``lookup``)."""
         lease_many = self._table.lease_many
         keys = self._keys
         if keys is not None:
@@ -586,7 +588,8 @@ class BlockStore:
 
     def count_hits(self, n: int) -> None:
         """``n`` lookups answered HIT from ``lease_many_call``'s leases
-        (counted in ``hits`` with the table's own)."""
+        (counted in ``hits`` with the table's own). The scheduler thread's,
+        as every lookup; never blocks."""
         self._hits_leased += n
 
     def slot_of(self, key: bytes) -> int | None:
