@@ -59,8 +59,10 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
 
 
 /* Which keys of `seq` (a snapshot of m keys) are READY: out[i] = 1 or 0 when
- * `out`, and when `touch` each READY key marked most recently used, in order.
- * No lease, no count (contains/touch). Every key is parsed and hashed first
+ * `out`; with mode NVT_READY_TOUCH each READY key marked most recently used,
+ * in order, with NVT_READY_LEASE each leased as a lookup hit is
+ * (nvt_hold_lease: lease_many), with NVT_READY_CONTAINS nothing changed. No
+ * count (contains_many/touch/lease_many). Every key is parsed and hashed first
  * (a bad key raises before any set is locked), and each set is prefetched
  * PREFETCH_AHEAD keys ahead, so that the index's cache misses of a request's
  * keys overlap instead of following each other. A set that cannot be locked
@@ -69,18 +71,23 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
 /* How many keys ahead nvt_ready_keys prefetches the matching ways (and twice
  * that, the sets). 8, 16 and 32 measured alike (docs/bench.md). */
 #define READY_AHEAD 16
-Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch) {
+Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int mode) {
     uint64_t fps_local[256], *fps = job_fps(self, seq, m, fps_local, 256, 0);
     if (!fps)
         return -1;
     Py_ssize_t ready = 0;
+    uint64_t now = mode == NVT_READY_LEASE ? nvt_now_ms() : 0;
+    /* A lease writes the set's lease stamps, and the load that follows it
+     * the recency: their lines come with the set's (the load then finds
+     * them in cache). */
+    int scan = mode == NVT_READY_LEASE;
     /* Two stages ahead: the set's lines 2 * PREFETCH_AHEAD keys ahead, then,
      * once its tags are in, the matching ways' lines PREFETCH_AHEAD ahead. */
     for (Py_ssize_t i = PREFETCH_AHEAD; i < m && i < 2 * READY_AHEAD; i++)
-        prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+        prefetch_set(&self->core, fps[i] % self->core.n_sets, scan);
     for (Py_ssize_t i = 0; i < m; i++) {
         if (i + 2 * READY_AHEAD < m)
-            prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, 0);
+            prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, scan);
         if (i + READY_AHEAD < m)
             prefetch_ways(&self->core, fps[i + READY_AHEAD] % self->core.n_sets, fps[i + READY_AHEAD]);
         const char *k = NULL;
@@ -90,8 +97,10 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
         int w = -1;
         if (nvt_set_lock(&self->core, set) == 0) {
             w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
-            if (w >= 0 && touch)
+            if (w >= 0 && mode == NVT_READY_TOUCH)
                 *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
+            else if (w >= 0 && mode == NVT_READY_LEASE)
+                nvt_hold_lease(self, set, w, now);
             set_unlock(&self->core, set);
         }
         if (out)

@@ -248,7 +248,12 @@ static inline void event_lost(TableObject *t) {
 
 /* ------------------------------------------------------ nvt_job_submit.c */
 int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
-Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int touch);
+/* nvt_ready_keys' modes: READY only (contains_many), each READY key made the
+ * most recent (touch), or leased as a lookup hit is (lease_many). */
+enum { NVT_READY_CONTAINS = 0, NVT_READY_TOUCH = 1, NVT_READY_LEASE = 2 };
+Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int mode);
+/* nvt_table.c: lease way w of set (locked) as a lookup hit, for release_leases. */
+void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now);
 int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);
 PyObject *nvt_table_detached(void);
 /* Whether the Table was detached while its arguments were read (a generator

@@ -226,6 +226,30 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
                          "Whether key is READY (its record holds this key). A hit is leased:\n"
                          "no sharer evicts it for lease_ns, and counts as an access.");
 
+/* Lease way `w` of `set` (locked) as a lookup hit: one pin, ending lease_ms
+ * from `now`, remembered for release_leases (out of memory to remember it:
+ * the lease runs out on its own). lookup and lease_many. */
+void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now) {
+    slot_ref s = slot_at(&self->core, set, (uint32_t)w);
+    uint32_t epoch;
+    int pinned = lease_grant(s, now, now + self->core.lease_ms, &epoch);
+    if (pinned && self->n_held == self->cap_held) {
+        size_t cap = self->cap_held ? self->cap_held * 2 : 256;
+        uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
+        if (h) {
+            self->held = h;
+            self->cap_held = cap;
+        }
+    }
+    if (pinned && self->n_held < self->cap_held) {
+        self->held[2 * self->n_held] = set * self->core.ways + (uint64_t)w;
+        self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
+        self->n_held++;
+    } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
+        PyErr_Clear();
+    }
+}
+
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     GUARD_ATTACHED(self);
     uint64_t set;
@@ -235,27 +259,9 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            slot_ref s = slot_at(&self->core, set, (uint32_t)w);
-            uint64_t now = nvt_now_ms();
-            uint32_t epoch;
-            int pinned = lease_grant(s, now, now + self->core.lease_ms, &epoch);
-            *s.last = tick(&self->core, set);
+            nvt_hold_lease(self, set, w, nvt_now_ms());
+            *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set); /* an access */
             hit = 1;
-            if (pinned && self->n_held == self->cap_held) {
-                size_t cap = self->cap_held ? self->cap_held * 2 : 256;
-                uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
-                if (h) {
-                    self->held = h;
-                    self->cap_held = cap;
-                }
-            }
-            if (pinned && self->n_held < self->cap_held) {
-                self->held[2 * self->n_held] = set * self->core.ways + (uint64_t)w;
-                self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
-                self->n_held++;
-            } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
-                PyErr_Clear();
-            }
         }
         set_unlock(&self->core, set);
     }
@@ -312,7 +318,7 @@ static PyObject *Table_touch(TableObject *self, PyObject *keys) {
         Py_DECREF(seq);
         return NULL;
     }
-    Py_ssize_t touched = nvt_ready_keys(self, seq, PySequence_Fast_GET_SIZE(seq), NULL, 1);
+    Py_ssize_t touched = nvt_ready_keys(self, seq, PySequence_Fast_GET_SIZE(seq), NULL, NVT_READY_TOUCH);
     Py_DECREF(seq);
     return touched < 0 ? NULL : PyLong_FromSsize_t(touched);
 }
@@ -334,7 +340,33 @@ static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
     }
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, m);
-    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), 0) < 0)
+    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), NVT_READY_CONTAINS) < 0)
+        Py_CLEAR(out);
+    Py_DECREF(seq);
+    return out;
+}
+
+PyDoc_STRVAR(lease_many_doc,
+             "lease_many(keys) -> bytes\n\n"
+             "contains_many() that also leases each READY key as lookup() leases a hit\n"
+             "(no sharer evicts it until release_leases, or lease_ns): one byte per key,\n"
+             "1 when READY and leased, else 0. Unlike lookup it counts no hit or miss and\n"
+             "leaves the key's recency alone (a plan leases the keys it may answer HIT\n"
+             "for before the walk asks; the caller counts the HITs it answers, and the\n"
+             "load or touch() refreshes recency). The keys' sets are prefetched ahead.");
+
+static PyObject *Table_lease_many(TableObject *self, PyObject *keys) {
+    GUARD_ATTACHED(self);
+    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    if (nvt_args_detached(self)) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, m);
+    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), NVT_READY_LEASE) < 0)
         Py_CLEAR(out);
     Py_DECREF(seq);
     return out;
@@ -668,6 +700,7 @@ static PyMethodDef Table_methods[] = {
     {"lookup", (PyCFunction)Table_lookup, METH_O, lookup_doc},
     {"contains", (PyCFunction)Table_contains, METH_O, contains_doc},
     {"contains_many", (PyCFunction)Table_contains_many, METH_O, contains_many_doc},
+    {"lease_many", (PyCFunction)Table_lease_many, METH_O, lease_many_doc},
     {"touch", (PyCFunction)Table_touch, METH_O, touch_doc},
     {"slot_of", (PyCFunction)Table_slot_of, METH_O, slot_of_doc},
     {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},

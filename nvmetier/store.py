@@ -292,6 +292,7 @@ class BlockStore:
         self.sb = self.files.sb
         self._table = self.files.table
         self._stats: collections.Counter[str] = collections.Counter()
+        self._hits_leased = 0  # count_hits: HITs answered from lease_many's leases
         self._stats["records_dropped_at_open"] += self.files.records_dropped
         self._stats["stores_removed_for_budget"] += len(self.files.removed_for_budget)
         try:
@@ -571,6 +572,30 @@ class BlockStore:
             return lambda batch: contains_many(key_macs(batch))  # type: ignore[no-any-return]
         return contains_many  # type: ignore[no-any-return]
 
+    def lease_many_call(self) -> Callable[[list[bytes]], bytes]:
+        """``contains_many_call`` that also leases: one byte per key, 1 when
+        READY, the key then leased as a ``lookup`` hit is (no sharer evicts
+        it until ``release_holds`` at the step's end, or ``LEASE_S``), in one
+        native call (a sealed store maps the keys to their MACs first,
+        natively). Counts neither hits nor admission misses and leaves
+        recency alone: the caller reports the HITs it answers from these
+        leases with ``count_hits``, and asks ``lookup`` for any other key.
+        The promotion guard's plan reads a request's chunks with it, on
+        vLLM's scheduler thread. Never blocks on disk (a set lock held by
+        another process is waited for a bounded time, as by ``lookup``)."""
+        lease_many = self._table.lease_many
+        keys = self._keys
+        if keys is not None:
+            key_macs = keys.key_macs
+            return lambda batch: lease_many(key_macs(batch))  # type: ignore[no-any-return]
+        return lease_many  # type: ignore[no-any-return]
+
+    def count_hits(self, n: int) -> None:
+        """``n`` lookups answered HIT from ``lease_many_call``'s leases
+        (counted in ``hits`` with the table's own). The scheduler thread's,
+        as every lookup; never blocks."""
+        self._hits_leased += n
+
     def slot_of(self, key: bytes) -> int | None:
         """The slot holding ``key`` READY, or None (tools and tests: where a
         chunk lives on disk, ``sb.slot_location(slot)``)."""
@@ -840,6 +865,7 @@ class BlockStore:
         if table is not None:
             out.update(table.counters())
             used, ready, _watches, _jobs = table.usage()
+        out["hits"] += self._hits_leased
         outstanding = jobs = 0
         if table is not None:
             outstanding, jobs = table.inflight()

@@ -464,11 +464,19 @@ class NvmeTierManager(SecondaryTierManager):
                 self.tier_label,
             )
             return
-        # The plan asks the disk without leasing a slot: only the walk's own
-        # lookups (of the keys the plan answers HIT for) lease. (The store is
-        # not replaced after this: the seed check came first.)
+        # A plan reads the disk in one call that leases what it finds (a
+        # promotion's plan: its walk's lookups of those keys this step ask the
+        # disk nothing, and count their HITs through count_hits) or only
+        # reads it (the protection of waiting requests). (The store is not
+        # replaced after this: the seed check came first.)
         store = self.store
-        self._guard.attach(PrimaryView(primary), store.contains_call(), store.contains_many_call())
+        self._guard.attach(
+            PrimaryView(primary),
+            store.contains_call(),
+            store.contains_many_call(),
+            store.lease_many_call(),
+            store.count_hits,
+        )
 
     def _open_store(self) -> BlockStore:
         return BlockStore(
@@ -659,8 +667,9 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def get_stats(self) -> OffloadingConnectorStats | None:
+        guard = self._guard.stats()  # first: it reports its leased HITs to the store
         now = self.store.stats()
-        now.update(self._guard.stats())
+        now.update(guard)
         stats = OffloadingConnectorStats()
         labels = self._labels
         for name, (kind, _doc) in METRICS.items():

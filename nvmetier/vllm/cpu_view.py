@@ -38,6 +38,23 @@ from vllm.v1.kv_offload.base import get_offload_group_idx
 # tells a ready chunk someone pinned (not evictable) apart as ``READY_HELD``.
 ABSENT, PENDING, READY, READY_HELD = 0, 1, 2, 3
 
+try:  # vLLM's default CPU tier policy, whose get is its map's get
+    from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy as _LRU
+except ImportError:  # pragma: no cover - depends on the vLLM build
+    _LRU = None
+
+
+def _policy_get(policy: Any) -> Callable[[Any], Any] | None:
+    """The CPU tier policy's ``get`` (None: it has none), or, for vLLM's
+    own LRU policy whose ``get`` is exactly ``self.chunks.get``, that dict's
+    ``get`` itself (no Python frame per key; the dict is cleared in place on
+    a reset, never replaced)."""
+    get = getattr(policy, "get", None)
+    if get is None or _LRU is None or type(policy).get is not _LRU.get:
+        return get
+    chunks = getattr(policy, "chunks", None)
+    return chunks.get if type(chunks) is dict else get
+
 
 class PrimaryView:
     """The CPU primary tier, as the guard sees it.
@@ -69,7 +86,7 @@ class PrimaryView:
     def state_call(self) -> Callable[[Any], int]:
         """``state`` as one small function: vLLM's policy map read the way
         its ``lookup`` reads it (the guard's plan asks once per chunk)."""
-        get = getattr(self._policy, "get", None)
+        get = _policy_get(self._policy)
         if get is None:
             return self.state
 
@@ -85,7 +102,7 @@ class PrimaryView:
         """``state`` with a ready chunk's pins: ``READY`` (evictable),
         ``READY_HELD`` (pinned: ``evictable`` is False), ``PENDING`` or
         ``ABSENT``; one policy read per chunk."""
-        get = getattr(self._policy, "get", None)
+        get = _policy_get(self._policy)
         if get is None:
 
             def slow(key: Any) -> int:
@@ -106,13 +123,19 @@ class PrimaryView:
 
     def residencies_call(self) -> Callable[[list[Any]], list[int]]:
         """``residency_call`` of many keys at once: one list, one policy read
-        per key in a comprehension (no Python frame per key)."""
-        get = getattr(self._policy, "get", None)
+        per key in a comprehension (no Python frame per key: vLLM's LRU
+        policy's own map read directly, ``_policy_get``), and none of that
+        when the CPU tier holds none of the keys (a request's chunks on disk
+        only, the usual case)."""
+        get = _policy_get(self._policy)
         if get is None:
             one = self.residency_call()
             return lambda keys: list(map(one, keys))
 
         def residencies(keys: list[Any]) -> list[int]:
+            chunks = list(map(get, keys))
+            if chunks.count(None) == len(chunks):
+                return [ABSENT] * len(chunks)
             return [
                 ABSENT
                 if chunk is None
@@ -121,7 +144,7 @@ class PrimaryView:
                 else READY_HELD
                 if getattr(chunk, "ref_cnt", 0)
                 else READY
-                for chunk in map(get, keys)
+                for chunk in chunks
             ]
 
         return residencies

@@ -8,8 +8,10 @@ start-up size check live in ``nvmetier.vllm.sizing``, re-exported here.)
 Threads: every method runs on vLLM's scheduler thread under the
 orchestrator's lock (through ``NvmeTierManager``); nothing blocks, nothing
 does I/O. The work is per request, not per key: the tier's lookup
-(``lookup_call``) plans at a request's first lookup of a step, and answers
-the request's further keys in that step from the plan's set.
+(``lookup_call``) plans at a request's first lookup of a step (the plan's
+one read of the disk's index also leases the chunks it will answer HIT for,
+until the step ends), and answers the request's further keys in that step
+from the plan's sets, without asking the disk again.
 
 Why a guard. vLLM loads a disk hit through the CPU tier: a HIT makes the
 orchestrator reserve a CPU slot at once (``prepare_write``, evicting the least
@@ -42,7 +44,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
-from itertools import repeat
+from itertools import compress, repeat
 from typing import Any
 
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView
@@ -68,21 +70,29 @@ HOLD_STEPS = 8
 MAX_PLANS = 3
 
 
+# The leases of a request that has none this step (never added to).
+_NO_LEASES: frozenset[Any] = frozenset()
+
+
 class _Hot:
     """The request whose lookups ``lookup_call`` answers from its plan's set.
 
     Set after a lookup of a planned round that cannot plan again this step
     (see ``PromotionGuard._heat``); its HITs are kept in ``hits`` and moved
     into the round (count, landing, not-yet-loaded) by ``_cool``, which every
-    other method of the guard calls first."""
+    other method of the guard calls first. ``leased``: the round's planned
+    keys the disk leased at this step's plan (a HIT without asking the disk
+    again), of which ``n_leased`` were there when it was heated."""
 
-    __slots__ = ("ctx", "hits", "planned", "req_id", "rnd")
+    __slots__ = ("ctx", "hits", "leased", "n_leased", "planned", "req_id", "rnd")
 
     def __init__(self) -> None:
         self.ctx: Any = None
         self.req_id = ""
         self.rnd: _Round | None = None
         self.planned: set[Any] = set()
+        self.leased: set[Any] | frozenset[Any] = _NO_LEASES
+        self.n_leased = 0
         self.hits: list[Any] = []
 
 
@@ -158,6 +168,10 @@ class PromotionGuard(RequestPlanner):
         self._in_flight: set[Any] = set()
         self._protect_spent: set[str] = set()
         self._hot = _Hot()
+        # The disk's leasing read of many keys, and who counts the HITs
+        # answered from its leases (attach).
+        self._lease_many: Callable[[list[Any]], bytes] | None = None
+        self._count_hits: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------ wiring
     def attach(
@@ -165,15 +179,28 @@ class PromotionGuard(RequestPlanner):
         view: PrimaryView,
         on_disk: Callable[[Any], bool],
         on_disk_many: Callable[[list[Any]], bytes] | None = None,
+        lease_many: Callable[[list[Any]], bytes] | None = None,
+        count_hits: Callable[[int], None] | None = None,
     ) -> None:
         """Plan from now on against the CPU tier ``view``; ``on_disk(key)``
         says whether the tier holds a key (no I/O), and ``on_disk_many(keys)``
         (optional: one byte per key, nonzero when held) the same of many
-        keys in one call."""
+        keys in one call.
+
+        ``lease_many(keys)`` (optional: ``on_disk_many`` that also leases
+        each key held, as the disk's lookup leases a hit, until the step
+        ends; it counts nothing) lets a promotion's plan read the disk and
+        lease its HITs in the same call: the request's lookups of them this
+        step ask the disk nothing, and ``count_hits(n)`` is told how many
+        HITs were so answered (once per request and step). A
+        planned key not leased is asked of the disk's own lookup when vLLM
+        looks it up, as without it."""
         self._cool()
         self._view = view
         self._on_disk = on_disk
         self._on_disk_many = on_disk_many
+        self._lease_many = lease_many
+        self._count_hits = count_hits
         self._state = view.state_call()
         self._residencies = view.residencies_call()
 
@@ -190,10 +217,12 @@ class PromotionGuard(RequestPlanner):
         asked: a store's write admission counts it as asked for).
 
         Per request, not per key: the request's first lookup of a step takes
-        the full path (its plan, the step's pins); every further lookup of the
-        same request in that step, once it can plan no more, is one check of
-        the plan's set (``_Hot``), the disk's answer for a planned key, and a
-        list append for a HIT.
+        the full path (its plan, which leases the plan's HITs on disk in one
+        call when ``attach`` gave ``lease_many``, and the step's pins); every
+        further lookup of the same request in that step, once it can plan no
+        more, is one check of the plan's leased set (``_Hot``) and a list
+        append for a HIT; a planned key not leased is asked of the disk
+        (``disk_lookup``) as before.
         """
         hot = self._hot
 
@@ -203,7 +232,7 @@ class PromotionGuard(RequestPlanner):
                     withheld(key)
                 self._heat(ctx)
                 return False
-            hit = bool(disk_lookup(key))
+            hit = self._take_lease(key, ctx) or bool(disk_lookup(key))
             if hit:
                 self.note_hit(key, ctx)
             self._heat(ctx)
@@ -213,6 +242,12 @@ class PromotionGuard(RequestPlanner):
 
             def counted(key: Any, ctx: Any) -> bool:
                 if ctx is hot.ctx:
+                    leased = hot.leased
+                    if key in leased:
+                        leased.discard(key)  # type: ignore[union-attr]  # never the empty one
+                        hot.planned.discard(key)
+                        hot.hits.append(key)
+                        return True
                     planned = hot.planned
                     if key in planned:
                         if disk_lookup(key):
@@ -229,6 +264,12 @@ class PromotionGuard(RequestPlanner):
 
         def lookup(key: Any, ctx: Any) -> bool:
             if ctx is hot.ctx:
+                leased = hot.leased
+                if key in leased:
+                    leased.discard(key)  # type: ignore[union-attr]  # never the empty one
+                    hot.planned.discard(key)
+                    hot.hits.append(key)
+                    return True
                 planned = hot.planned
                 if key in planned:
                     if disk_lookup(key):
@@ -258,6 +299,9 @@ class PromotionGuard(RequestPlanner):
             hot.req_id = ctx.req_id
             hot.rnd = rnd
             hot.planned = rnd.planned
+            if rnd.lease_step == self._step and rnd.leased:
+                hot.leased = rnd.leased
+                hot.n_leased = len(rnd.leased)
 
     def _cool(self) -> None:
         """Move the hot request's HITs into its round, as ``note_hit`` would
@@ -272,9 +316,45 @@ class PromotionGuard(RequestPlanner):
             rnd.landing.update(hits)
             self._unloaded.update(dict.fromkeys(hits, hot.req_id))
         hits.clear()
+        if hot.n_leased:
+            n = hot.n_leased - len(hot.leased)
+            hot.n_leased = 0
+            hot.leased = _NO_LEASES
+            if n and self._count_hits is not None:
+                self._count_hits(n)
         hot.ctx = None
         hot.rnd = None
         hot.planned = set()
+
+    def _plan_and_lease(self, rnd: _Round, key: Any) -> bool:
+        """``_plan`` with the plan's HITs leased on disk (when ``attach`` gave
+        ``lease_many``): a dense plan's own read of the disk leased them; a
+        layout of several groups leases them after its plan, in one call.
+        Those leased are HITs this step without asking the disk again
+        (``_take_lease`` and the hot path)."""
+        rnd.leased = set()
+        if not self._plan(rnd, key):
+            return False
+        keys = rnd.to_lease
+        rnd.to_lease = None
+        lease_many = self._lease_many
+        if lease_many is None or not keys:
+            return True
+        got = lease_many(keys)
+        rnd.leased = set(keys) if got.count(0) == 0 else set(compress(keys, got))
+        rnd.lease_step = self._step
+        return True
+
+    def _take_lease(self, key: Any, ctx: Any) -> bool:
+        """Whether the plan leased ``key`` for request ``ctx`` this step (the
+        lease is then the HIT's, counted for ``count_hits``)."""
+        rnd = self._rounds.get(ctx.req_id)
+        if rnd is None or rnd.lease_step != self._step or key not in rnd.leased:
+            return False
+        rnd.leased.discard(key)
+        if self._count_hits is not None:
+            self._count_hits(1)
+        return True
 
     # ------------------------------------------------------------ lookups
     def admits(self, key: Any, ctx: Any) -> bool:
@@ -302,14 +382,14 @@ class PromotionGuard(RequestPlanner):
             rnd.protect_only = False
             rnd.plans = 0
             rnd.step = -1
-            if not self._plan(rnd, key):
+            if not self._plan_and_lease(rnd, key):
                 rnd.protect_only = True
                 return self._admits_unplanned(key, ctx)
         elif rnd is None:
             if not ctx.get_offload_key_position(key):
                 return self._admits_unplanned(key, ctx)  # no positions: no plan
             rnd = self._rounds[ctx.req_id] = _Round(ctx, self._step)
-            if not self._plan(rnd, key):
+            if not self._plan_and_lease(rnd, key):
                 del self._rounds[ctx.req_id]
                 return self._admits_unplanned(key, ctx)
         elif not rnd.plans:
@@ -320,7 +400,7 @@ class PromotionGuard(RequestPlanner):
             and rnd.plans < MAX_PLANS
             and (key in rnd.needed or not rnd.needed)
         ):
-            self._plan(rnd, key)
+            self._plan_and_lease(rnd, key)
         if key in rnd.planned:
             return True
         self.lookups_withheld += 1
@@ -373,6 +453,10 @@ class PromotionGuard(RequestPlanner):
             return
         self._in_flight.difference_update(keys)
         self._cool()
+        if not success or ok_keys is not None:
+            # Some of its chunks did not land: every round asks again.
+            for rnd in self._rounds.values():
+                rnd.in_flight_n = -1
         landed = set(keys if ok_keys is None and success else ok_keys or ())
         if not landed:
             return
@@ -390,6 +474,7 @@ class PromotionGuard(RequestPlanner):
             view.pin(mine, rnd.ctx)
             rnd.pinned.update(mine)
             rnd.landing.difference_update(mine)
+            rnd.in_flight_n = -1
 
     def track(self, ctx: Any) -> None:
         """A new request (``on_new_request``): waiting until vLLM schedules it."""
@@ -488,7 +573,8 @@ class PromotionGuard(RequestPlanner):
         self._in_flight.clear()
 
     def stats(self) -> dict[str, int]:
-        """Counters and gauges for the tier's metrics."""
+        """Counters and gauges for the tier's metrics (the HITs answered
+        from leases are told to ``count_hits`` first, by ``_cool``)."""
         self._cool()
         return {
             "hits_not_loaded": self.hits_not_loaded,
@@ -503,18 +589,32 @@ class PromotionGuard(RequestPlanner):
         view = self._view
         if view is None:
             return
-        generation = view.generation()
+        generation = None
         for rnd in self._rounds.values():
             if not rnd.landing:
                 continue
+            if generation is None:
+                generation = view.generation()
             if rnd.generation != generation:
                 rnd.pinned.clear()
                 rnd.landing.clear()
                 continue
+            if rnd.in_flight_n == len(rnd.landing):
+                continue  # all of it still in promotions in flight
+            # A key of a promotion in flight stays PENDING until load_finished.
+            if self._in_flight:
+                rest: Iterable[Any] = rnd.landing - self._in_flight
+                if not rest:
+                    # Nothing of it can be ready before a load_finished, which
+                    # clears this (as a landing that grows does): until then
+                    # a check per step, not this set difference.
+                    rnd.in_flight_n = len(rnd.landing)
+                    continue
+            else:
+                rest = list(rnd.landing)
             ready = []
             state = self._state
-            # A key of a promotion in flight stays PENDING until load_finished.
-            for key in rnd.landing - self._in_flight if self._in_flight else list(rnd.landing):
+            for key in rest:
                 where = state(key)
                 if where == READY:
                     ready.append(key)
@@ -528,17 +628,20 @@ class PromotionGuard(RequestPlanner):
     def _expire_idle(self) -> None:
         """End the rounds whose request stays unscheduled with every
         promotion landed, so their pins do not hold the CPU tier for good."""
-        for req_id, rnd in list(self._rounds.items()):
+        gone = []
+        for req_id, rnd in self._rounds.items():
             if rnd.closed or not rnd.pinned or rnd.landing:
                 continue
             rnd.idle_steps += 1
             if rnd.idle_steps <= HOLD_STEPS:
                 continue
             if rnd.protect_only:  # never planned: its walk may still plan
-                del self._rounds[req_id]
+                gone.append(req_id)
                 self._release(rnd)
             else:
                 self._close(rnd)
+        for req_id in gone:
+            del self._rounds[req_id]
 
     def _close(self, rnd: _Round) -> None:
         self._release(rnd)
@@ -551,6 +654,7 @@ class PromotionGuard(RequestPlanner):
             view.unpin(rnd.pinned, rnd.ctx)
         rnd.pinned = set()
         rnd.landing = set()
+        rnd.in_flight_n = -1
 
     # ------------------------------------------------------------ no CPU tier view
     def _chunks_before(self, position: int) -> int:

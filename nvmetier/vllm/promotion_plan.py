@@ -8,7 +8,8 @@ fast path and the per-step bookkeeping (pins landing, rounds ending).
 
 Threads: vLLM's scheduler thread only, under the orchestrator's lock
 (through the guard); nothing blocks, nothing does I/O (the disk's answers
-come from the index in memory).
+come from the index in memory; a promotion's plan takes its HITs' leases in
+the same native read, released by the tier's ``on_schedule_end``).
 
 The plan (per request, made at the first lookup of the request that reaches
 the tier, from the CPU tier's state at that moment):
@@ -86,9 +87,21 @@ class _Round:
     closed: bool = False
     plans: int = 0
     planned: set[Any] = field(default_factory=set)  # keys to answer HIT
+    # A plan's HITs in the walk's order that it did not lease itself, for
+    # the guard to lease (then None).
+    to_lease: list[Any] | None = None
+    # Planned keys the disk leased at the plan, in step lease_step only
+    # (release_leases drops every lease at the step's end).
+    leased: set[Any] = field(default_factory=set)
+    lease_step: int = -1
     needed: set[Any] = field(default_factory=set)  # keys the planned load takes
     pinned: set[Any] = field(default_factory=set)  # keys this round pinned
     landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
+    # len(landing) when every landing key was found in a promotion job in
+    # flight (PromotionGuard._pin_landed): while landing keeps that size and
+    # no job of it finished, each of its keys is PENDING, so no step need
+    # ask about it.
+    in_flight_n: int = -1
     generation: int = 0  # the CPU tier's generation of the pins
     idle_steps: int = 0
     protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
@@ -124,6 +137,7 @@ class RequestPlanner:
     _view: PrimaryView | None
     _on_disk: Callable[[Any], bool] | None
     _on_disk_many: Callable[[list[Any]], bytes] | None
+    _lease_many: Callable[[list[Any]], bytes] | None
     _state: Callable[[Any], int]
     _residencies: Callable[[list[Any]], list[int]]
 
@@ -302,7 +316,8 @@ class RequestPlanner:
             )
         ]
         rnd.needed = set(needed)
-        rnd.planned = {k for k in needed if known[k] == ABSENT}
+        rnd.to_lease = [k for k in needed if known[k] == ABSENT]
+        rnd.planned = set(rnd.to_lease)
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
             rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void
@@ -324,7 +339,12 @@ class RequestPlanner:
         Every end adds one chunk, so promotions and pins only grow: once an
         end is not affordable no later one is, and the pass stops there
         unless the request could still need more chunks than the CPU tier
-        holds (the warning's count)."""
+        holds (the warning's count).
+
+        A promotion's plan reads the disk with ``_lease_many`` when there is
+        one: every planned HIT was leased by that read (``rnd.leased``, for
+        this step; a key read past the plan's end stays leased until the
+        step's ``release_leases``, as a HIT vLLM did not load does)."""
         view = self._view
         on_disk = self._on_disk
         assert view is not None and on_disk is not None
@@ -337,19 +357,42 @@ class RequestPlanner:
         wheres: list[int] = []
         append = wheres.append
         need = promos = pins = best = no_disk = 0
-        on_disk_many = self._on_disk_many
+        lease = promote and self._lease_many is not None
+        on_disk_many = self._lease_many if lease else self._on_disk_many
         stop = False
         # The CPU tier's answers, then the disk's for the chunks it lacks,
         # a batch of chunks at a time: one native call per batch, whose
         # index cache misses overlap (a pass that stops early reads at most a
-        # batch more than it uses; neither read changes anything).
+        # batch more than it uses; the leases of those end with the step).
         for lo in range(first, len(keys), PLAN_BATCH):
             batch = keys[lo : lo + PLAN_BATCH]
             states = residencies(batch)
             disk = None
             if on_disk_many is not None and ABSENT in states:
-                absent = [k for k, w in zip(batch, states, strict=True) if w == ABSENT]
-                disk = iter(on_disk_many(absent))
+                if states.count(ABSENT) < len(states):
+                    absent = [k for k, w in zip(batch, states, strict=True) if w == ABSENT]
+                    disk = iter(on_disk_many(absent))
+                else:
+                    found = on_disk_many(batch)
+                    if 0 not in found:
+                        # Every chunk of the batch is a promotion (the usual
+                        # batch of a request on disk): the loop below in one
+                        # step. The j-th chunk's end is affordable while
+                        # j <= fits; past it the pass stops at that chunk
+                        # (may_stop) or goes on without a better end.
+                        n = len(batch)
+                        fits = min(budget - promos, room - pins - promos) if promote else 0
+                        if fits > 0:
+                            best = need + min(fits, n)
+                        take = n if fits >= n or not may_stop else max(fits, 0) + 1
+                        wheres.extend(states[:take])
+                        need += take
+                        promos += take
+                        if fits < n and may_stop:
+                            stop = True
+                            break
+                        continue
+                    disk = iter(found)
             for key, where in zip(batch, states, strict=True):
                 if where == ABSENT:
                     if not (next(disk) if disk is not None else on_disk(key)):
@@ -383,6 +426,9 @@ class RequestPlanner:
             rnd.planned = rnd.needed.copy()
         else:
             rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
+        if lease:  # the disk's read leased every planned key
+            rnd.leased = rnd.planned.copy()
+            rnd.lease_step = self._step
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
             rnd.pinned.clear()  # vLLM reset the CPU tier since: those pins are void

@@ -1,10 +1,13 @@
-"""Adversarial checks of ``Table.contains_many`` (and ``touch``, its shared
-path) against ``Table.contains``, key by key: random stores, half-written
-stores, leases, purges and retention expiry over two handles, and another
-process storing and purging while this one asks (never a false hit).
+"""Adversarial checks of ``Table.contains_many`` (and ``touch`` and
+``lease_many``, its shared path) against ``Table.contains`` and
+``Table.lookup``, key by key: random stores, half-written stores, leases,
+purges and retention expiry over two handles, and another process storing
+and purging while this one asks (never a false hit); ``lease_many`` leases
+what it answers READY as ``lookup`` does, until ``release_leases``, and
+counts nothing.
 
 Reuses the model test's small table (4 sets of 2 ways) and helpers; no disk.
-About 2 s.
+About 3 s.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import multiprocessing
 import os
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_table_model import KEYS, Shared, _handle, _ok
@@ -46,7 +50,7 @@ def test_contains_many_agrees_with_contains_in_every_state(ops, order) -> None:
     a purge, a retention switched on with the wall clock moved past it), the
     batch answers as contains does, key by key, in any key order."""
     sh = Shared()
-    a, b = _handle(sh), _handle(sh)
+    a, b, c = _handle(sh), _handle(sh), _handle(sh)
     job = 1000
     try:
         for op, key, flag in ops:
@@ -72,8 +76,65 @@ def test_contains_many_agrees_with_contains_in_every_state(ops, order) -> None:
                 one = bytes(h.contains(k) for k in order)
                 assert many == one, (op, key, flag)
                 assert h.contains_many(order) == one
+            # A third handle leases what is READY, counts nothing, and lets
+            # go of its own grants only (b's lookup lease stays).
+            counted = c.counters()
+            assert c.lease_many(order) == one, (op, key, flag)
+            assert c.counters() == counted
+            c.release_leases()
     finally:
         _table._set_wall_clock_offset_ns(0)
+        sh.close()
+
+
+def _stored(t, keys: list[bytes], job: int = 1) -> None:
+    packed, _failed, _ev, _pending = t.store_ops(job, keys, list(range(len(keys))), 64, True)
+    t.complete(_ok(np.frombuffer(packed, dtype=OP_DTYPE)), False)
+
+
+def test_lease_many_leases_as_lookup_does_until_release_leases() -> None:
+    """Key by key, ``lease_many`` answers as ``lookup`` and leaves each READY
+    key leased as a lookup hit (no sharer invalidates it) until this handle's
+    ``release_leases``; it counts neither hits nor misses."""
+    sh = Shared()
+    a, b = _handle(sh), _handle(sh)
+    try:
+        ready = [KEYS[0], KEYS[4]]  # two sets
+        _stored(a, ready)
+        writing = KEYS[1]
+        a.store_ops(2, [writing], [0], 64, True)  # left WRITING: not READY
+        asked = [KEYS[0], writing, b"never", KEYS[4], KEYS[0]]
+        counted = b.counters()
+        got = b.lease_many(asked)
+        assert got == bytes([1, 0, 0, 1, 1])
+        assert b.counters() == counted
+        # Leased: neither handle can remove them, as after a lookup hit.
+        assert not a.invalidate(KEYS[0]) and not a.invalidate(KEYS[4])
+        b.release_leases()
+        # KEYS[0] was leased twice in the batch: both grants are released.
+        assert a.invalidate(KEYS[0]) and a.invalidate(KEYS[4])
+        # The same as lookup's, answer by answer.
+        _stored(a, ready, job=3)
+        one = bytes(b.lookup(k) for k in asked)
+        b.release_leases()
+        assert b.lease_many(asked) == one
+        b.release_leases()
+    finally:
+        sh.close()
+
+
+def test_lease_many_refuses_what_lookup_refuses() -> None:
+    sh = Shared()
+    t = _handle(sh)
+    try:
+        with pytest.raises(TypeError, match="a key must be bytes"):
+            t.lease_many([KEYS[0], "str"])
+        with pytest.raises(TypeError, match="keys must be a sequence"):
+            t.lease_many(7)
+        t.detach()
+        with pytest.raises(RuntimeError, match="not attached"):
+            t.lease_many([KEYS[0]])
+    finally:
         sh.close()
 
 

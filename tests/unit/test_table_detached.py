@@ -79,6 +79,7 @@ CALLS: dict[str, Callable[[_table.Table], object]] = {
     "lookup": lambda t: t.lookup(b"k"),
     "contains": lambda t: t.contains(b"k"),
     "contains_many": lambda t: t.contains_many([b"k"]),
+    "lease_many": lambda t: t.lease_many([b"k"]),
     "slot_of": lambda t: t.slot_of(b"k"),
     "touch": lambda t: t.touch([b"k"]),
     "store_ops": lambda t: t.store_ops(1, [b"k"], ROWS, 10, False),
@@ -155,6 +156,7 @@ def test_a_table_attached_again_after_detach_stores(shared: Shared) -> None:
 # The calls that read a sequence of keys (Python code may run while it is read).
 KEY_CALLS: dict[str, Callable[[_table.Table, object], object]] = {
     "contains_many": lambda t, keys: t.contains_many(keys),
+    "lease_many": lambda t, keys: t.lease_many(keys),
     "touch": lambda t, keys: t.touch(keys),
     "store_ops": lambda t, keys: t.store_ops(1, keys, np.array([1, 2]), 10, False),
     "load_ops": lambda t, keys: t.load_ops(1, keys, np.array([1, 2]), False),

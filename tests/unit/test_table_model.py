@@ -627,6 +627,19 @@ class TableModel(RuleBasedStateMachine):
             h.counters["hits"] += 1
         assert h.table.lookup(key) == (slot is not None)
 
+    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=3))
+    def lease_many(self, hi: int, keys: list[bytes]) -> None:
+        """lookup's lease of each READY key, in order, counting nothing and
+        leaving recency alone (the promotion guard's plan)."""
+        h = self.handles[hi % len(self.handles)]
+        got = []
+        for key in keys:
+            slot = self.find(key, (READY,))
+            if slot is not None:
+                h.held.append((slot, self.grant(slot)))
+            got.append(slot is not None)
+        assert h.table.lease_many(keys) == bytes(got)
+
     @rule()
     def advance_clock(self) -> None:
         """Time jumps past the end of every lease granted so far (the table's
