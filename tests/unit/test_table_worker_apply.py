@@ -61,12 +61,13 @@ def test_a_write_applied_by_the_worker_is_ready_before_its_completion_is_collect
     comps = _ok(ops, checksum=0x1234)
     a._apply_as_worker(comps)
     assert _state(shared, slot) == READY and a.contains(key)  # visible to every sharer now
-    assert a.usage()[1] == 0 and a.counters()["ops_written"] == 0  # nothing counted yet
+    assert a.usage()[1] == 1  # the shared gauge counts it with the slot
+    assert a.counters()["ops_written"] == 0  # this process's counters: by the poll
     done, stored, _removed = a.complete(comps, True)
     assert done == [(1, False, 4096, None, None)] and stored == [key]
     got = a.counters()
     assert got["ops_written"] == 1 and got["bytes_written"] == 4096 and got["write_errors"] == 0
-    assert a.usage()[1] == 1  # the ready gauge, published by the scheduler thread's apply
+    assert a.usage()[1] == 1  # counted once, not again by the scheduler thread's apply
     assert shared.raw_record(slot)[8:16] == (0x1234).to_bytes(
         8, "little"
     )  # the record carries its checksum
@@ -173,3 +174,25 @@ def test_a_write_whose_set_another_sharer_holds_is_applied_later_by_the_schedule
     finally:
         _reap(pid)
         _reap(grand)
+
+
+def test_a_write_the_worker_published_is_counted_ready_even_if_its_process_never_collects_it(
+    shared: Shared,
+) -> None:
+    """The shared ``ready`` gauge counts every READY slot. A process that dies
+    (SIGKILL) or unbinds between its worker's publish and its next poll
+    (close's drain timed out, then the engine's close landed the writes)
+    never collects those completions: their slots are READY for every sharer,
+    so the gauge must already count them; before, it stayed one short per
+    chunk, for as long as the store is shared (only the last closer's sweep
+    recounts)."""
+    a = _handle(shared)
+    b = _handle(shared)  # another sharer, which outlives `a`
+    keys = SET0_KEYS[:2]
+    ops, _ = _store(a, keys, job_id=1)
+    a._apply_as_worker(_ok(ops, checksum=5))
+    a.detach()  # gone without collecting (as after a SIGKILL)
+    assert all(b.contains(k) for k in keys)
+    assert b.usage()[:2] == (2, 2)
+    b.invalidate(keys[0])
+    assert b.usage()[:2] == (1, 1)
