@@ -244,3 +244,41 @@ def test_chunks_published_by_a_sharer_killed_before_its_poll_count_as_ready(tmp_
         assert outcome.success and good == present and bad == []
     finally:
         other.close()
+
+
+def test_a_table_freed_while_its_engine_completes_its_ops_is_never_touched_after(tmp_path) -> None:
+    """The Table goes (garbage, never unbound) with writes in flight: its
+    dealloc removes the hook, waiting for a worker inside it, so the workers
+    that complete those writes afterwards never read the freed Table (ASan
+    runs this: scripts/sanitize.sh)."""
+    import gc
+    import mmap
+
+    from nvmetier.engine.uring import UringEngine
+    from tests.unit.test_table_model import N_ROWS, N_SLOTS, ROW_BYTES, Shared
+
+    shared = Shared()
+    path = str(tmp_path / "data")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, N_SLOTS * ROW_BYTES)
+    primary = memoryview(mmap.mmap(-1, N_ROWS * ROW_BYTES))
+    eng = UringEngine(primary, [fd], queue_depth=2, workers=2)
+    try:
+        for trial in range(20):
+            table, _ = shared.handle()
+            table.bind(eng.submit_raw, eng.native_wait_raw, 64, True, False, eng.native_apply_hook)
+            keys = [b"freed-%d-%d" % (trial, i) for i in range(6)]
+            assert table.submit_store(trial, keys, list(range(len(keys)))) is None
+            n_ops, _jobs = table.inflight()
+            assert n_ops > 0
+            del table
+            gc.collect()
+            taken, deadline = 0, time.monotonic() + 10
+            while taken < n_ops and time.monotonic() < deadline:
+                taken += len(eng.wait_raw(0.1)) // 24
+            assert taken == n_ops
+    finally:
+        eng.close()
+        primary.release()
+        os.close(fd)
+        shared.close()
