@@ -13,6 +13,7 @@ holder, a failure, a checksum mismatch, a purge.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -196,3 +197,41 @@ def test_a_write_the_worker_published_is_counted_ready_even_if_its_process_never
     assert b.usage()[:2] == (2, 2)
     b.invalidate(keys[0])
     assert b.usage()[:2] == (1, 1)
+
+
+def test_a_dead_holders_writing_slot_stays_while_its_lock_file_is_open_after_the_worker_found_it(
+    shared: Shared,
+) -> None:
+    """The worker that finds a set's holder dead only makes the mutex
+    consistent and releases it; the repair is the scheduler thread's, later.
+    In between, and after it, the dead sharer's WRITING slot (whose write may
+    still land while its lock file is open) is reclaimed by nobody: not by
+    another sharer's store into the full set, not by the repair (which waits,
+    bounded, for the lock file); once the lock file closes it goes."""
+    a = _handle(shared)
+    b = _handle(shared)
+    k1, k2, k3 = SET0_KEYS
+    ops, _ = _store(a, [k1])
+    comps = _ok(ops)
+    pid, grand = _fork_holder(shared, 0, [k2], "die")  # k2 WRITING, set 0 held, then killed
+    try:
+        os.waitpid(pid, 0)
+        a._apply_as_worker(comps)  # EOWNERDEAD: consistent and released, not applied
+        slot = int(ops[0]["file_offset"]) // 4096
+        assert _state(shared, slot) == WRITING
+        _store(b, [k3], job_id=7, dropped=[0])  # the set is full: the dead's slot stays
+        assert b.counters()["dead_slots_reclaimed"] == 0
+        done, _, _ = a.complete(comps, False)  # the repair, then the write applied
+        assert done == [(1, False, 4096, None, None)] and a.contains(k1)
+        got = a.counters()
+        assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 0
+        assert not a.contains(k2) and not b.contains(k2)
+        os.kill(grand, 9)  # the lock file closes (the grandchild is init's to reap)
+        deadline = time.monotonic() + 5
+        while not a.counters()["dead_slots_reclaimed"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+            a.store_ops(8, [k3], np.arange(1, dtype=np.int64), 64, False)
+        assert a.counters()["dead_slots_reclaimed"] == 1
+    finally:
+        _reap(pid)
+        _reap(grand)
