@@ -257,7 +257,6 @@ def test_a_table_freed_while_its_engine_completes_its_ops_is_never_touched_after
     from nvmetier.engine.uring import UringEngine
     from tests.unit.test_table_model import N_ROWS, N_SLOTS, ROW_BYTES, Shared
 
-    shared = Shared()
     path = str(tmp_path / "data")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, N_SLOTS * ROW_BYTES)
@@ -265,6 +264,7 @@ def test_a_table_freed_while_its_engine_completes_its_ops_is_never_touched_after
     eng = UringEngine(primary, [fd], queue_depth=2, workers=2)
     try:
         for trial in range(20):
+            shared = Shared()  # a fresh table: the last one's slots stay WRITING
             table, _ = shared.handle()
             table.bind(eng.submit_raw, eng.native_wait_raw, 64, True, False, eng.native_apply_hook)
             keys = [b"freed-%d-%d" % (trial, i) for i in range(6)]
@@ -277,8 +277,8 @@ def test_a_table_freed_while_its_engine_completes_its_ops_is_never_touched_after
             while taken < n_ops and time.monotonic() < deadline:
                 taken += len(eng.wait_raw(0.1)) // 24
             assert taken == n_ops
+            shared.close()
     finally:
         eng.close()
         primary.release()
         os.close(fd)
-        shared.close()
