@@ -199,6 +199,20 @@ def test_a_write_the_worker_published_is_counted_ready_even_if_its_process_never
     assert b.usage()[:2] == (1, 1)
 
 
+def _exited(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether ``pid`` (not our child) exited, its files closed: a zombie or gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.005)
+    return False
+
+
 def test_a_dead_holders_writing_slot_stays_while_its_lock_file_is_open_after_the_worker_found_it(
     shared: Shared,
 ) -> None:
@@ -227,10 +241,8 @@ def test_a_dead_holders_writing_slot_stays_while_its_lock_file_is_open_after_the
         assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 0
         assert not a.contains(k2) and not b.contains(k2)
         os.kill(grand, 9)  # the lock file closes (the grandchild is init's to reap)
-        deadline = time.monotonic() + 5
-        while not a.counters()["dead_slots_reclaimed"] and time.monotonic() < deadline:
-            time.sleep(0.01)
-            a.store_ops(8, [k3], np.arange(1, dtype=np.int64), 64, False)
+        assert _exited(grand)
+        a.store_ops(8, [k3], np.arange(1, dtype=np.int64), 64, False)
         assert a.counters()["dead_slots_reclaimed"] == 1
     finally:
         _reap(pid)
