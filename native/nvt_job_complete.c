@@ -57,8 +57,8 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
     slot_ref s = slot_at(&t->core, set, o->slot % t->core.ways);
     int ok = c->result == t->row_bytes;
     if (o->applied == NVT_APPLIED_PUBLISHED) {
-        /* Its worker wrote the record and published the slot (nvt_job_worker.c). */
-        t->core.d_ready++;
+        /* Its worker wrote the record, published the slot and counted it
+         * in the shared ready gauge (nvt_job_worker.c). */
         t->core.c.ops_written++;
         t->core.c.bytes_written += (unsigned long long)t->row_bytes;
         j->moved += (uint64_t)t->row_bytes;

@@ -16,7 +16,9 @@
  * completions (the done queue's lock orders the worker's writes of
  * `applied` before that). It writes the shared table under the set's mutex
  * exactly as nvt_apply_one would, and never the per-process fields of the
- * core (counters, gauges, the stalled and dying sets: the scheduler thread's).
+ * core (counters, the gauges' pending changes d_used/d_ready, the stalled and
+ * dying sets: the scheduler thread's); a slot it publishes is added to the
+ * shared `ready` gauge at once (one atomic), not left to the collect.
  * Install and remove run on the scheduler thread with the GIL; removal
  * blocks until no worker is inside the hook.
  *
@@ -78,6 +80,10 @@ static uint8_t worker_apply_one(TableObject *t, const nvt_completion *c, op_info
             *s.owner = 0;
             *s.last = tick(&t->core, set);
             __atomic_store_n(s.state, NVT_READY, __ATOMIC_RELEASE);
+            /* The shared gauge counts it now, with the slot: a process that
+             * never collects this completion (killed, or unbound after its
+             * engine's close landed the write) must not leave it short. */
+            __atomic_add_fetch(&t->core.hdr->ready, 1, __ATOMIC_RELAXED);
             done = NVT_APPLIED_PUBLISHED;
         }
     } else if (*s.gen == o->gen && *s.state == NVT_READY && (!o->verify || c->checksum == o->expected)) {

@@ -50,3 +50,4 @@ def test_the_core_runs_from_c_alone(tmp_path) -> None:
     run = subprocess.run([exe], capture_output=True, text=True, timeout=60, check=False)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ok bounded set lock" in run.stdout
+    assert "ok set lock awaited" in run.stdout

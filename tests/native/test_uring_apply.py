@@ -194,3 +194,91 @@ def test_stores_and_loads_racing_over_a_small_table_never_serve_wrong_bytes(tmp_
         assert served > 0 and stats["ops_read"] == served and stats["checksum_failures"] == 0
     finally:
         store.close()
+
+
+_KILLED_WRITER = """
+import os, signal, sys, time
+from tests.fault.faultkit import IDENTITY, ROW, STORE_NAME, config, key, new_buffer, payload
+from nvmetier.store import BlockStore
+buf = new_buffer()
+store = BlockStore(config(sys.argv[1]), store_name=STORE_NAME, identity=IDENTITY, buffer=buf,
+                   row_bytes=ROW, engine="uring")
+keys = [key(i, 7) for i in range(int(sys.argv[2]))]
+for r, k in enumerate(keys):
+    buf[r * ROW : (r + 1) * ROW] = payload(k)
+store.submit_store(1, keys, list(range(len(keys))))
+# Take the completions from the engine without applying them (no poll, no
+# table call that could hold a set the worker tries): each was seen by its
+# worker's hook before it could be taken.
+taken, deadline = 0, time.monotonic() + 20
+while taken < len(keys) and time.monotonic() < deadline:
+    taken += len(store.engine.wait_raw(0.1)) // 24
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_chunks_published_by_a_sharer_killed_before_its_poll_count_as_ready(tmp_path, buf) -> None:
+    """A sharer SIGKILLed after its workers published its writes but before
+    its scheduler thread polled: the chunks are READY for the others, and the
+    shared ready gauge counts them (it stayed short by each, until the last
+    closer's sweep, when the gauge was only added to at the poll)."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path / "kv")
+    other = _uring(root, buf)
+    try:
+        n = 12
+        proc = subprocess.run(
+            [sys.executable, "-c", _KILLED_WRITER, root, str(n)],
+            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+            timeout=60,
+        )
+        assert proc.returncode == -9
+        present = [k for k in (key(i, 7) for i in range(n)) if other.contains(k)]
+        # Published by the dead sharer's workers (one whose set was busy at
+        # that instant was left to a poll that never came: reclaimed).
+        assert present
+        assert other.stats()["slots_ready"] == len(present)
+        outcome, good, bad = load_keys(other, buf, present)
+        assert outcome.success and good == present and bad == []
+    finally:
+        other.close()
+
+
+def test_a_table_freed_while_its_engine_completes_its_ops_is_never_touched_after(tmp_path) -> None:
+    """The Table goes (garbage, never unbound) with writes in flight: its
+    dealloc removes the hook, waiting for a worker inside it, so the workers
+    that complete those writes afterwards never read the freed Table (ASan
+    runs this: scripts/sanitize.sh)."""
+    import gc
+    import mmap
+
+    from nvmetier.engine.uring import UringEngine
+    from tests.unit.test_table_model import N_ROWS, N_SLOTS, ROW_BYTES, Shared
+
+    path = str(tmp_path / "data")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, N_SLOTS * ROW_BYTES)
+    primary = memoryview(mmap.mmap(-1, N_ROWS * ROW_BYTES))
+    eng = UringEngine(primary, [fd], queue_depth=2, workers=2)
+    try:
+        for trial in range(20):
+            shared = Shared()  # a fresh table: the last one's slots stay WRITING
+            table, _ = shared.handle()
+            table.bind(eng.submit_raw, eng.native_wait_raw, 64, True, False, eng.native_apply_hook)
+            keys = [b"freed-%d-%d" % (trial, i) for i in range(6)]
+            assert table.submit_store(trial, keys, list(range(len(keys)))) is None
+            n_ops, _jobs = table.inflight()
+            assert n_ops > 0
+            del table
+            gc.collect()
+            taken, deadline = 0, time.monotonic() + 10
+            while taken < n_ops and time.monotonic() < deadline:
+                taken += len(eng.wait_raw(0.1)) // 24
+            assert taken == n_ops
+            shared.close()
+    finally:
+        eng.close()
+        primary.release()
+        os.close(fd)

@@ -13,6 +13,7 @@ holder, a failure, a checksum mismatch, a purge.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -61,12 +62,13 @@ def test_a_write_applied_by_the_worker_is_ready_before_its_completion_is_collect
     comps = _ok(ops, checksum=0x1234)
     a._apply_as_worker(comps)
     assert _state(shared, slot) == READY and a.contains(key)  # visible to every sharer now
-    assert a.usage()[1] == 0 and a.counters()["ops_written"] == 0  # nothing counted yet
+    assert a.usage()[1] == 1  # the shared gauge counts it with the slot
+    assert a.counters()["ops_written"] == 0  # this process's counters: by the poll
     done, stored, _removed = a.complete(comps, True)
     assert done == [(1, False, 4096, None, None)] and stored == [key]
     got = a.counters()
     assert got["ops_written"] == 1 and got["bytes_written"] == 4096 and got["write_errors"] == 0
-    assert a.usage()[1] == 1  # the ready gauge, published by the scheduler thread's apply
+    assert a.usage()[1] == 1  # counted once, not again by the scheduler thread's apply
     assert shared.raw_record(slot)[8:16] == (0x1234).to_bytes(
         8, "little"
     )  # the record carries its checksum
@@ -170,6 +172,78 @@ def test_a_write_whose_set_another_sharer_holds_is_applied_later_by_the_schedule
         done, _, _ = a.complete(comps, False)
         assert done == [(1, False, 4096, None, None)]
         assert a.contains(key) and a.counters()["lock_recoveries"] == 1
+    finally:
+        _reap(pid)
+        _reap(grand)
+
+
+def test_a_write_the_worker_published_is_counted_ready_even_if_its_process_never_collects_it(
+    shared: Shared,
+) -> None:
+    """The shared ``ready`` gauge counts every READY slot. A process that dies
+    (SIGKILL) or unbinds between its worker's publish and its next poll
+    (close's drain timed out, then the engine's close landed the writes)
+    never collects those completions: their slots are READY for every sharer,
+    so the gauge must already count them; before, it stayed one short per
+    chunk, for as long as the store is shared (only the last closer's sweep
+    recounts)."""
+    a = _handle(shared)
+    b = _handle(shared)  # another sharer, which outlives `a`
+    keys = SET0_KEYS[:2]
+    ops, _ = _store(a, keys, job_id=1)
+    a._apply_as_worker(_ok(ops, checksum=5))
+    a.detach()  # gone without collecting (as after a SIGKILL)
+    assert all(b.contains(k) for k in keys)
+    assert b.usage()[:2] == (2, 2)
+    b.invalidate(keys[0])
+    assert b.usage()[:2] == (1, 1)
+
+
+def _exited(pid: int, timeout_s: float = 10.0) -> bool:
+    """Whether ``pid`` (not our child) exited, its files closed: a zombie or gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def test_a_dead_holders_writing_slot_stays_while_its_lock_file_is_open_after_the_worker_found_it(
+    shared: Shared,
+) -> None:
+    """The worker that finds a set's holder dead only makes the mutex
+    consistent and releases it; the repair is the scheduler thread's, later.
+    In between, and after it, the dead sharer's WRITING slot (whose write may
+    still land while its lock file is open) is reclaimed by nobody: not by
+    another sharer's store into the full set, not by the repair (which waits,
+    bounded, for the lock file); once the lock file closes it goes."""
+    a = _handle(shared)
+    b = _handle(shared)
+    k1, k2, k3 = SET0_KEYS
+    ops, _ = _store(a, [k1])
+    comps = _ok(ops)
+    pid, grand = _fork_holder(shared, 0, [k2], "die")  # k2 WRITING, set 0 held, then killed
+    try:
+        os.waitpid(pid, 0)
+        a._apply_as_worker(comps)  # EOWNERDEAD: consistent and released, not applied
+        slot = int(ops[0]["file_offset"]) // 4096
+        assert _state(shared, slot) == WRITING
+        _store(b, [k3], job_id=7, dropped=[0])  # the set is full: the dead's slot stays
+        assert b.counters()["dead_slots_reclaimed"] == 0
+        done, _, _ = a.complete(comps, False)  # the repair, then the write applied
+        assert done == [(1, False, 4096, None, None)] and a.contains(k1)
+        got = a.counters()
+        assert got["lock_recoveries"] == 1 and got["dead_slots_reclaimed"] == 0
+        assert not a.contains(k2) and not b.contains(k2)
+        os.kill(grand, 9)  # the lock file closes (the grandchild is init's to reap)
+        assert _exited(grand)
+        a.store_ops(8, [k3], np.arange(1, dtype=np.int64), 64, False)
+        assert a.counters()["dead_slots_reclaimed"] == 1
     finally:
         _reap(pid)
         _reap(grand)

@@ -60,6 +60,20 @@ static void *hold_and_wait(void *arg) {
     return NULL;
 }
 
+/* Another thread of this process (an io_uring worker applying a completion)
+ * holds set 1 for a few ms and writes a slot under it. */
+static int held_flag;
+
+static void *hold_briefly(void *arg) {
+    nvt_core *t = arg;
+    CHECK(pthread_mutex_lock(&set_head(t->base, t->set_bytes, 1)->mu) == 0);
+    __atomic_store_n(&held_flag, 1, __ATOMIC_RELEASE);
+    usleep(5 * 1000);
+    *slot_at(t, 1, 0).last = 42;
+    set_unlock(t, 1);
+    return NULL;
+}
+
 int main(void) {
     table_len = nvt_table_bytes(N_SLOTS, WAYS);
     table = mmap(NULL, table_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -133,6 +147,18 @@ int main(void) {
     CHECK(b.c.set_lock_timeouts == 2);
     pthread_join(th, NULL);
     printf("ok bounded set lock\n");
+
+    /* Held briefly by another thread: waited for (not tried only), and what
+     * that thread wrote under the mutex is seen once it is taken (under TSan
+     * too: the wait must be one TSan sees as an acquisition). */
+    CHECK(pthread_create(&th, NULL, hold_briefly, &a) == 0);
+    while (!__atomic_load_n(&held_flag, __ATOMIC_ACQUIRE))
+        usleep(100);
+    CHECK(nvt_set_lock(&b, 1) == 0);
+    CHECK(*slot_at(&b, 1, 0).last == 42);
+    set_unlock(&b, 1);
+    pthread_join(th, NULL);
+    printf("ok set lock awaited\n");
 
     nvt_detach(&a);
     CHECK(!nvt_sharer_live(fd_b, 0) || b.me == 0);
