@@ -193,16 +193,22 @@ def test_a_chunk_moved_under_another_keys_record_never_opens(tmp_path, buffer, k
 
 
 def test_every_write_gets_its_own_nonce(tmp_path, buffer, key_file) -> None:
-    store = sealed(tmp_path, buffer, key_file)
+    # Room for every key in its set whatever the keyed placement (the default
+    # 16 MiB of 8 ways overflowed a set in ~2% of runs: a second-lifetime
+    # store then evicted a first-lifetime chunk and its slot was read twice).
+    room = {"capacity_bytes": "64MiB", "ways": 16}
+    store = sealed(tmp_path, buffer, key_file, **room)
     keys = [key(i) for i in range(48)]
     store_keys(store, buffer, keys)
     offsets = [slot_offset(store, k) for k in keys]
     store.close()
-    store = sealed(tmp_path, buffer, key_file)  # a second process lifetime
+    store = sealed(tmp_path, buffer, key_file, **room)  # a second process lifetime
     more = [key(500 + i) for i in range(16)]
     store_keys(store, buffer, more)
     offsets += [slot_offset(store, k) for k in more]
+    assert all(store.slot_of(k) is not None for k in keys)  # nothing evicted
     store.close()
+    assert len(set(offsets)) == 64  # 64 slots: a repeated nonce is a reused nonce
     data, _index = files_of(tmp_path)
     nonces = []
     with open(data, "rb") as f:
