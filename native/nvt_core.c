@@ -324,6 +324,13 @@ static int recover_set(nvt_core *t, uint64_t set) {
     return recover_named(t, set, h->holder, h->holder_inc);
 }
 
+/* The set (just locked) names this process as its holder. */
+static void mark_holder(nvt_core *t, uint64_t set) {
+    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
+    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
+    h->holder_inc = (uint16_t)t->my_inc;
+}
+
 /* nvt_set_lock for a set whose holder another thread of this process (an
  * engine's worker, which must not wait nor touch this core's state) found
  * dead: it took EOWNERDEAD, marked the mutex consistent and handed over the
@@ -340,9 +347,7 @@ int nvt_set_lock_after_death(nvt_core *t, uint64_t set, uint16_t holder, uint16_
         r = recover_named(t, set, holder, holder_inc);
     if (r != 0)
         return -1;
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
-    h->holder_inc = (uint16_t)t->my_inc;
+    mark_holder(t, set);
     return 0;
 }
 
@@ -356,9 +361,7 @@ int nvt_set_lock(nvt_core *t, uint64_t set) {
         r = recover_set(t, set);
     if (r != 0)
         return -1;
-    nvt_set_head *h = set_head(t->base, t->set_bytes, set);
-    h->holder = (uint16_t)(t->me >= 0 ? t->me + 1 : 0);
-    h->holder_inc = (uint16_t)t->my_inc;
+    mark_holder(t, set);
     return 0;
 }
 

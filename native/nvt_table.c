@@ -329,7 +329,8 @@ PyDoc_STRVAR(contains_many_doc,
              "no lease, no count. The keys' sets are prefetched ahead, so their cache\n"
              "misses overlap (a request's keys land in random sets).");
 
-static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
+/* contains_many and lease_many: one byte per key from nvt_ready_keys in `mode`. */
+static PyObject *ready_bytes(TableObject *self, PyObject *keys, int mode) {
     GUARD_ATTACHED(self);
     PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
     if (!seq)
@@ -340,10 +341,14 @@ static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
     }
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, m);
-    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), NVT_READY_CONTAINS) < 0)
+    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), mode) < 0)
         Py_CLEAR(out);
     Py_DECREF(seq);
     return out;
+}
+
+static PyObject *Table_contains_many(TableObject *self, PyObject *keys) {
+    return ready_bytes(self, keys, NVT_READY_CONTAINS);
 }
 
 PyDoc_STRVAR(lease_many_doc,
@@ -356,20 +361,7 @@ PyDoc_STRVAR(lease_many_doc,
              "load or touch() refreshes recency). The keys' sets are prefetched ahead.");
 
 static PyObject *Table_lease_many(TableObject *self, PyObject *keys) {
-    GUARD_ATTACHED(self);
-    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
-    if (!seq)
-        return NULL;
-    if (nvt_args_detached(self)) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject *out = PyBytes_FromStringAndSize(NULL, m);
-    if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), NVT_READY_LEASE) < 0)
-        Py_CLEAR(out);
-    Py_DECREF(seq);
-    return out;
+    return ready_bytes(self, keys, NVT_READY_LEASE);
 }
 
 PyDoc_STRVAR(store_ops_doc,

@@ -565,12 +565,7 @@ class BlockStore:
         when READY (a sealed store maps them to their MACs first, natively).
         The promotion guard's plan asks it for a request's chunks at once, so
         that the index's cache misses of those keys overlap."""
-        contains_many = self._table.contains_many
-        keys = self._keys
-        if keys is not None:
-            key_macs = keys.key_macs
-            return lambda batch: contains_many(key_macs(batch))  # type: ignore[no-any-return]
-        return contains_many  # type: ignore[no-any-return]
+        return self._many_call(self._table.contains_many)
 
     def lease_many_call(self) -> Callable[[list[bytes]], bytes]:
         """``contains_many_call`` that also leases: one byte per key, 1 when
@@ -583,12 +578,16 @@ class BlockStore:
         The promotion guard's plan reads a request's chunks with it, on
         vLLM's scheduler thread. Never blocks on disk (a set lock held by
         another process is waited for a bounded time, as by ``lookup``)."""
-        lease_many = self._table.lease_many
+        return self._many_call(self._table.lease_many)
+
+    def _many_call(self, native: Callable[[list[bytes]], bytes]) -> Callable[[list[bytes]], bytes]:
+        """``native`` (a table call over a list of keys) itself, or for a
+        sealed store the keys mapped to their MACs first, natively."""
         keys = self._keys
         if keys is not None:
             key_macs = keys.key_macs
-            return lambda batch: lease_many(key_macs(batch))  # type: ignore[no-any-return]
-        return lease_many  # type: ignore[no-any-return]
+            return lambda batch: native(key_macs(batch))
+        return native
 
     def count_hits(self, n: int) -> None:
         """``n`` lookups answered HIT from ``lease_many_call``'s leases
