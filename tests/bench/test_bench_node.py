@@ -157,8 +157,13 @@ def test_smallest_real_run(tmp_path: Path) -> None:
         assert x["store_gbps"] > 0 and x["load_gbps"] > 0 and x["errors"] == 0
         assert x["store_cpu_s_per_gb"] >= 0 and x["load_cpu_s_per_gb"] >= 0
         assert "store_vs_fio" not in x  # no fio rows to compare with
+        # Every run is profiled: item 2's floor (one cold XXH3 pass) beside each row.
+        assert x["xxh3_cold_s_per_gb"] > 0
+        assert isinstance(x["store_within_floor"], bool)
+        assert isinstance(x["load_within_floor"], bool)
     header = next(line for line in r.stdout.splitlines() if line.startswith("drives"))
     assert header.split()[:5] == ["drives", "level", "target", "store", "GB/s"]
+    assert header.rstrip().endswith("XXH3 cold  beyond XXH3 st/ld")
     assert "skipped: fio: --fio none" in r.stdout
     # Everything the runs made in the drives was removed.
     assert all(not os.listdir(d) for d in drives)
