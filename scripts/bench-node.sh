@@ -26,8 +26,14 @@
 #   4. fio: the one on PATH, else the pack's static bin/fio, else none (the
 #      fio rows are then missing, and the table says so);
 #   5. the vLLM level runs when vLLM imports (e.g. PYTHON=/path/to/vllm-venv/bin/python);
-#      otherwise it is skipped with the reason in the table and the JSON.
-# Environment: PYTHON (the interpreter), BENCH_NODE_PACK (default bench-node-pack).
+#      else, where the interpreter has torch, from the vLLM carry made by
+#      scripts/bench-node-vllm-pack.sh ($BENCH_NODE_VLLM, default .bench-node-vllm/:
+#      vLLM's Python files and the wheels they need, unzipped once into
+#      .bench-node/vllm-site-TAG and put on PYTHONPATH, with VLLM_TARGET_DEVICE=cpu
+#      since it has no CUDA kernels); otherwise it is skipped with the reason in
+#      the table and the JSON.
+# Environment: PYTHON (the interpreter), BENCH_NODE_PACK (default bench-node-pack),
+# BENCH_NODE_VLLM (default .bench-node-vllm).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -106,6 +112,22 @@ if ! command -v fio >/dev/null 2>&1 && [ -x "$pack/bin/fio" ]; then
   say "fio: the pack's $(fio --version 2>/dev/null || echo fio) ($pack/bin/fio)"
 fi
 
-# 5. the runs (tools/bench_node.py: the plan, the budget, the table) ------------
+# 5. vLLM: the interpreter's own, else the carry's (scripts/bench-node-vllm-pack.sh)
+vllm_carry=${BENCH_NODE_VLLM:-$root/.bench-node-vllm}
+if ! "$py" -c 'import vllm' 2>/dev/null && [ -f "$vllm_carry/site.zip" ]; then
+  carry_tag=$(sed -n 's/^python: \(cp[0-9]*\).*/\1/p' "$vllm_carry/MANIFEST" 2>/dev/null || true)
+  if [ "$carry_tag" != "$tag" ]; then
+    say "vLLM carry $vllm_carry is for ${carry_tag:-an unknown Python}, not $tag: not used (scripts/bench-node-vllm-pack.sh --python ${tag:2:1}.${tag:3})"
+  elif ! "$py" -c 'import torch' 2>/dev/null; then
+    say "vLLM carry $vllm_carry not used: $py has no torch"
+  else
+    vsite=$("$py" "$vllm_carry/unpack.py" "$state/vllm-site-$tag")
+    export PYTHONPATH="$PYTHONPATH:$vsite"
+    export VLLM_TARGET_DEVICE=${VLLM_TARGET_DEVICE:-cpu}
+    say "vLLM: the carry's ($vllm_carry unpacked in $vsite; VLLM_TARGET_DEVICE=$VLLM_TARGET_DEVICE)"
+  fi
+fi
+
+# 6. the runs (tools/bench_node.py: the plan, the budget, the table) ------------
 say "python: $py ($tag)"
 exec "$py" "$root/tools/bench_node.py" "$@"

@@ -134,9 +134,24 @@ def _loop_drives_why_not() -> str | None:
 def _vllm_why_not() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return (
-            f"vLLM is not importable by {sys.executable} (vLLM and torch are too big to "
-            "carry): run in an environment with vllm>=0.32 installed (PYTHON=.../bin/python "
-            "scripts/bench-node.sh) for the vllm level"
+            f"vLLM is not importable by {sys.executable} (torch is too big to carry): "
+            "run in an environment with vllm>=0.32 installed (PYTHON=.../bin/python "
+            "scripts/bench-node.sh) for the vllm level, or carry the folder "
+            "scripts/bench-node-vllm-pack.sh makes where torch is installed"
+        )
+    # Found is not importable: a carried vLLM can lack a dependency, or meet a
+    # torch it does not work with. Import what the vllm level imports, apart.
+    probe = "import nvmetier.vllm.harness"
+    try:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                           cwd=ROOT, timeout=300)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"importing vLLM with {sys.executable} took over 300 s"
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        return (
+            f"vLLM is found but does not import with {sys.executable} ({last}); with "
+            "scripts/bench-node-vllm-pack.sh's carry on a GPU machine, VLLM_TARGET_DEVICE=cpu"
         )
     return None
 

@@ -80,6 +80,22 @@ def test_dry_run_plan(
     assert "skipped: fio: --fio none" in printed
 
 
+def test_vllm_found_but_not_importable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM that is found but fails to import (a carry missing a wheel, a
+    torch it does not work with) skips the vllm level with the import's error,
+    rather than failing each vllm run."""
+    bn = _runner()
+    fake = tmp_path / "vllm"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('carried vLLM lacks pydantic_core')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{ROOT}")
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    why = bn._vllm_why_not()
+    assert why is not None
+    assert "found but does not import" in why and "lacks pydantic_core" in why
+
+
 def test_dry_run_fio_once_per_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """fio runs with the tier level, or with the vllm level when it runs alone."""
     bn = _runner()
