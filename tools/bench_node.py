@@ -55,6 +55,12 @@ FIRST_RATE = 300 * MiB
 # measured (2.4x on 2 loaded cores).
 FIXED_S = {"tier": 3.0, "vllm": 20.0}
 VLLM_SLOWER = 3.0
+# The vllm level's CPU primary tier, per drive: a load batch is at most the
+# primary, so a fixed primary would give each drive less to read per batch as
+# drives are added (512 MiB over 8 drives is 64 MiB each, and the batch's
+# ramp and drain then cost more than its transfer). A node with 8 drives has a
+# CPU tier of tens of GiB; this keeps each drive's batch the same at any count.
+PRIMARY_PER_DRIVE = 512 * MiB
 
 
 def parse_size(text: str) -> int:
@@ -95,6 +101,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=390.0, help="seconds for all the runs")
     p.add_argument("--engine", default="auto", help="uring, threads, or auto (uring if usable)")
     p.add_argument("--fs-tier", action="store_true", help="vllm level: vLLM's fs tier beside")
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=2,
+        help="vllm level: requests in flight while loading, each of 1/K of the primary "
+        "(default 2: the next request's promotions start while one drains, as vLLM "
+        "schedules several; 1: one at a time)",
+    )
+    p.add_argument(
+        "--primary-per-drive",
+        default=PRIMARY_PER_DRIVE,
+        type=parse_size,
+        help="vllm level: CPU primary tier per drive (the primary is N times this at N "
+        f"drives; default {PRIMARY_PER_DRIVE >> 20} MiB)",
+    )
     p.add_argument(
         "--fio",
         default="auto",
@@ -193,6 +214,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     bad = [lv for lv in levels if lv not in LEVELS]
     if bad or not levels:
         raise SystemExit(f"bench-node: --levels {args.levels!r}: use tier, vllm or tier,vllm")
+    if args.load_requests < 1:
+        raise SystemExit(
+            f"bench-node: --load-requests {args.load_requests}: requests in flight are >= 1"
+        )
+    if args.primary_per_drive < args.bs * args.load_requests:
+        raise SystemExit(
+            f"bench-node: --primary-per-drive {args.primary_per_drive}: less than one chunk "
+            f"per request in flight (--bs {args.bs} x --load-requests {args.load_requests})"
+        )
     if args.bs % 4096:
         raise SystemExit(f"bench-node: --bs {args.bs} is not a multiple of 4096")
     per_drive = args.bytes_per_drive or (QUICK_PER_DRIVE if args.quick else FULL_PER_DRIVE)
@@ -218,7 +248,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         # The tmpfs behind the drives holds the tier's bytes and fio's: keep
         # both (and a margin) within half of the memory available.
         mem = _mem_available()
-        by_mem = max(1, int(mem * 0.5 // (3 * per_drive + 256 * MiB))) if mem else 8
+        primary = args.primary_per_drive if "vllm" in levels else 0
+        by_mem = max(1, int(mem * 0.5 // (3 * per_drive + primary + 256 * MiB))) if mem else 8
         # One I/O worker per drive (and one fio job per drive): a core each.
         by_cpu = cpus
         cap = min(by_mem, by_cpu)
@@ -296,7 +327,8 @@ def bench_argv(args: argparse.Namespace, p: dict[str, Any], run: dict[str, Any],
     if run["fio"] and (level == "tier" or "tier" not in p["levels"]):
         argv.append("--compare-fio")
     if level == "vllm":
-        argv += ["--lookups", "2000"]
+        argv += ["--lookups", "2000", "--primary", _size(args.primary_per_drive * n)]
+        argv += ["--load-requests", str(args.load_requests)]
         if not args.fs_tier:
             argv.append("--no-fs-tier")
     return argv
@@ -390,6 +422,24 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def bytes_that_fit(
+    left: float, run: dict[str, Any], todo: list[dict[str, Any]], rate: dict[str, float]
+) -> int:
+    """What ``run`` may move in its share of the ``left`` seconds: the time
+    for moving bytes (``left`` less the fixed cost of this run and of every
+    run still ``todo``), shared in proportion to planned bytes, at the rate
+    measured so far for its level (bytes per second of moving time; a guess
+    before the first)."""
+    level = run["level"]
+    ahead = [run, *todo]
+    moving = left - sum(FIXED_S[r["level"]] for r in ahead)
+    share = moving * run["planned_bytes"] / sum(r["planned_bytes"] for r in ahead)
+    guess = rate.get(level)
+    if guess is None:
+        guess = rate.get("tier", FIRST_RATE) / (VLLM_SLOWER if level == "vllm" else 1.0)
+    return int(guess * max(0.0, share))
+
+
 def run_all(args: argparse.Namespace, p: dict[str, Any], out: dict[str, Any]) -> None:
     engine = _engine(args.engine)
     out["engine"] = engine
@@ -405,12 +455,7 @@ def run_all(args: argparse.Namespace, p: dict[str, Any], out: dict[str, Any]) ->
         run = todo.pop(0)
         n, level = run["drives"], run["level"]
         left = args.budget_s - (time.monotonic() - t_start)
-        # This run's share of the time left, in proportion to its planned bytes.
-        share = left * run["planned_bytes"] / sum(r["planned_bytes"] for r in [run, *todo])
-        guess = rate.get(level)
-        if guess is None:
-            guess = rate.get("tier", FIRST_RATE) / (VLLM_SLOWER if level == "vllm" else 1.0)
-        fits = int(guess * max(0.0, share - FIXED_S[level]))
+        fits = bytes_that_fit(left, run, todo, rate)
         size = min(run["planned_bytes"], fits) // (args.bs * n) * (args.bs * n)
         floor = max(FLOOR_PER_DRIVE // args.bs * args.bs, args.bs) * n
         record: dict[str, Any] = {**run, "bytes": size, "loadavg_before": _loadavg()}

@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         help="vllm level: pause before re-scanning keys a tier answered RETRY (a step)",
     )
+    p.add_argument(
+        "--load-requests",
+        type=int,
+        default=1,
+        help="vllm level: requests in flight in the load phase, each of 1/K of --primary "
+        "(1: one request of the whole primary at a time, each waited out before the next)",
+    )
     p.add_argument("--job-chunks", type=int, default=1, help="tier level: chunks per job")
     p.add_argument(
         "--primary-shm",
@@ -303,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.rounds < 1:
         print("nvmetier bench: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if args.load_requests < 1:
+        print(
+            f"nvmetier bench: --load-requests {args.load_requests}: requests in flight "
+            "are >= 1 (e.g. --load-requests 2)",
+            file=sys.stderr,
+        )
         return 2
     args.peer_list = [b.strip() for b in args.peer_backends.split(",") if b.strip()]
     if args.peers != "none":

@@ -236,7 +236,12 @@ def run_vllm_level(
         # Zero the rows (untimed) so that a verified row proves its load.
         eng.rows[:] = 0
         _settle_heap()
-        per_req = cpu_chunks
+        # --load-requests K: K requests in flight, each of 1/K of the primary
+        # (vLLM schedules several; the next request's promotions start while
+        # an earlier one's drain). K = 1: one request of the whole primary at
+        # a time, each waited out before the next (the figures before K).
+        window = max(1, int(getattr(args, "load_requests", 1) or 1))
+        per_req = max(1, cpu_chunks // window)
         loaded = misses = retries = 0
         job_lat: list[float] = []
         lookup_s = 0.0
@@ -246,7 +251,14 @@ def run_vllm_level(
         cpu = clock.start()
         busy = 0.0
         last: list[bytes] = []
-        for b in range(0, n, per_req):
+        pipelined = window > 1
+        if pipelined:
+            t_phase = time.perf_counter()
+            got = _load_window(m, eng, keys, per_req, window, retry_s, record_positions)
+            wait_idle()
+            busy = lookup_s = time.perf_counter() - t_phase
+            loaded, misses, retries, job_lat, last = got
+        for b in range(0, n if not pipelined else 0, per_req):
             part = keys[b : b + per_req]
             ctx = ReqContext(req_id=f"load-{b}")
             # A prompt of these chunks, positions recorded as vLLM's connector
@@ -318,6 +330,7 @@ def run_vllm_level(
                 "chunks": n,
                 "tier_by_method": clock.by_method_us(loaded),
                 "chunks_per_request": per_req,
+                "load_requests_in_flight": window,
                 "lookup_misses": misses,
                 "lookup_retries": retries,
                 "lookup_and_submit_s": round(lookup_s, 4),
@@ -346,6 +359,73 @@ def run_vllm_level(
             for root in roots:
                 shutil.rmtree(root, ignore_errors=True)
     return results, lookups
+
+
+def _load_window(
+    m: Any,
+    eng: Any,
+    keys: list[bytes],
+    per_req: int,
+    window: int,
+    retry_s: float,
+    record_positions: Callable,
+) -> tuple[int, int, int, list[float], list[bytes]]:
+    """Promote ``keys`` as vLLM's scheduler would with ``window`` requests of
+    ``per_req`` chunks in flight: each step asks every active request's
+    unanswered chunks (RETRY and HIT_PENDING are asked again the next step),
+    ends the step, retires the requests whose chunks all answered (the
+    landed ones counted through the primary, as vLLM would load them) and
+    admits the next. Returns (loaded, misses, retries, per-request latency,
+    a sample of loaded keys to verify)."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
+
+    again = (LookupResult.RETRY, LookupResult.HIT_PENDING)
+    starts = list(range(0, len(keys), per_req))
+    active: list[tuple[Any, list[bytes], list[bytes], float]] = []
+    loaded = misses = retries = 0
+    job_lat: list[float] = []
+    last: list[bytes] = []
+    nxt = 0
+    while nxt < len(starts) or active:
+        while len(active) < window and nxt < len(starts):
+            b = starts[nxt]
+            nxt += 1
+            part = keys[b : b + per_req]
+            ctx = ReqContext(req_id=f"load-{b}")
+            record_positions(ctx, part, eng.tokens_per_chunk)
+            with m.lock:
+                m.on_new_request(ctx)
+            active.append((ctx, part, [], time.perf_counter()))
+        stepped = []
+        with m.lock:
+            for ctx, pending, promoted, t0 in active:
+                still = []
+                for key in pending:
+                    r = m.lookup(key, ctx)
+                    if r in again:
+                        still.append(key)
+                    elif r is LookupResult.MISS:
+                        misses += 1
+                    else:
+                        promoted.append(key)
+                retries += len(still)
+                stepped.append((ctx, still, promoted, t0))
+            m.on_schedule_end(ScheduleEndContext(tuple(e[0].req_id for e in active), ()))
+        active = []
+        for ctx, still, promoted, t0 in stepped:
+            if still:
+                active.append((ctx, still, promoted, t0))
+                continue
+            job_lat.append(time.perf_counter() - t0)
+            probe = ReqContext(req_id=f"probe-{ctx.req_id}")
+            with m.lock:
+                landed = sum(m.primary_tier.lookup(k, probe) is LookupResult.HIT for k in promoted)
+                m.on_request_finished(ctx)
+            loaded += landed
+            last = promoted[:: max(1, len(promoted) // 32)][:32]
+        if active:
+            time.sleep(retry_s)
+    return loaded, misses, retries, job_lat, last
 
 
 def _vllm_verify(

@@ -75,6 +75,10 @@ def test_dry_run_plan(
         assert cmd[cmd.index("--level") + 1] == r["level"]
         assert "--compare-fio" not in cmd  # --fio none
         assert ("--no-fs-tier" in cmd) == (r["level"] == "vllm")
+        assert "--profile" in cmd
+        if r["level"] == "vllm":  # the primary grows with the drives: 512 MiB each
+            assert cmd[cmd.index("--primary") + 1] == bn._size(512 * n << 20)
+            assert cmd[cmd.index("--load-requests") + 1] == "2"
     printed = capsys.readouterr().out
     assert "would run: nvmetier bench --level tier" in printed
     assert "skipped: fio: --fio none" in printed
@@ -125,6 +129,11 @@ def test_bad_input_names_the_problem(tmp_path: Path) -> None:
         bn.main(["--dry-run", "--drives", str(tmp_path), "--levels", "disk"])
     with pytest.raises(SystemExit, match=r"--fio .*: not an executable named fio"):
         bn.main(["--dry-run", "--drives", str(tmp_path), "--fio", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"--load-requests 0: requests in flight are >= 1"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--load-requests", "0"])
+    with pytest.raises(SystemExit, match=r"--primary-per-drive 2097152: less than one chunk"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--primary-per-drive", "2m",
+                 "--load-requests", "2"])  # fmt: skip
 
 
 def test_bench_dirs_option(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -196,3 +205,22 @@ def test_out_of_time_runs_are_skipped_not_squeezed(tmp_path: Path) -> None:
     assert doc["rows"] == [] and "rc" not in doc["runs"][0]
     assert "out of time" in doc["runs"][0]["skipped"]
     assert any(s["what"] == "tier level at 1 drives" for s in doc["skipped"])
+
+
+def test_first_run_of_a_vllm_only_plan_gets_its_share() -> None:
+    """The vllm level alone at 1,2,4,8 drives in 260 s: the first run moved
+    nothing on the device machine, because its fixed cost (20 s) was taken
+    from its own byte-proportional share (2/30 of the time) instead of from
+    the time left. Every run's fixed cost comes off the total first."""
+    bn = _runner()
+    gib = 1 << 30
+    runs = [{"drives": n, "level": "vllm", "planned_bytes": 2 * gib * n} for n in (1, 2, 4, 8)]
+    first, todo = runs[0], runs[1:]
+    # 260 s - 4 x 20 s = 180 s for moving bytes; the first run's share is 2/30 of it.
+    expected_s = (260 - 4 * bn.FIXED_S["vllm"]) * 2 / 30
+    guess = bn.FIRST_RATE / bn.VLLM_SLOWER
+    assert bn.bytes_that_fit(260.0, first, todo, {}) == int(guess * expected_s)
+    assert bn.bytes_that_fit(260.0, first, todo, {}) >= bn.FLOOR_PER_DRIVE
+    # A measured rate replaces the guess; out of time, nothing fits.
+    assert bn.bytes_that_fit(260.0, first, todo, {"vllm": 1e9}) == int(1e9 * expected_s)
+    assert bn.bytes_that_fit(60.0, first, todo, {"vllm": 1e9}) == 0

@@ -254,6 +254,37 @@ def test_vllm_level_times_lookups_that_reach_the_store(tmp_path, capsys) -> None
     assert lk["hit_ns"]["p50"] > 0 and lk["miss_ns"]["p50"] > 0
 
 
+@pytest.mark.timeout(180)
+def test_vllm_level_load_window_loads_every_chunk(tmp_path, capsys) -> None:
+    """``--load-requests 3``: three requests in flight through vLLM's
+    orchestrator, each a third of a 16-chunk primary (5 chunks, the last
+    request shorter); every stored chunk is promoted, lands and verifies,
+    as with one request at a time (a few seconds)."""
+    pytest.importorskip("vllm.v1.kv_offload.tiering")
+    report = _run(
+        capsys,
+        *("--level", "vllm", "--bs", "64k", "--size", "4m", "--engine", "threads"),
+        *("--no-fs-tier", "--lookups", "10", "--primary", "1m", "--load-requests", "3"),
+        *("--dir", str(tmp_path), "--no-drop-caches"),
+    )
+    (load,) = [r for r in report["results"] if r["phase"] == "read"]
+    extra = load["extra"]
+    assert extra["load_requests_in_flight"] == 3
+    assert extra["chunks_per_request"] == 5
+    assert load["bytes"] == 4 << 20 and load["errors"] == 0
+    assert extra["lookup_misses"] == 0
+    got, of = extra["verified_sample"].split("/")
+    assert got == of and int(of) > 0
+
+
+def test_vllm_level_load_window_must_be_positive(tmp_path, capsys) -> None:
+    from nvmetier.bench import main
+
+    rc = main(["--level", "vllm", "--load-requests", "0", "--dir", str(tmp_path)])
+    assert rc == 2
+    assert "--load-requests 0" in capsys.readouterr().err
+
+
 @pytest.mark.timeout(60)
 def test_tier_level_profile_breaks_the_cpu_down_per_gb(tmp_path, capsys) -> None:
     """``--profile`` at the tier level: every phase says where its CPU went
