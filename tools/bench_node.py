@@ -560,6 +560,13 @@ def main(argv: list[str] | None = None) -> int:
             "st/ld: the tier's CPU per GB beyond its own XXH3 pass (--profile), stores/loads "
             "(issue 29 item 2 asks the tier to stay within XXH3 cold + 0.02)."
         )
+    for r in out["rows"]:
+        if r.get("errors"):
+            print(
+                f"missed: {r['drives']} drive(s), {r['level']} level, {r['target']}: "
+                f"{r['errors']} chunks not moved (misses or failures; its GB/s counts only "
+                "the bytes moved: see the run's report)"
+            )
     for s in out["skipped"]:
         print(f"skipped: {s['what']}: {s['why']}")
     print(f"bench-node: JSON in {path}" + (f" ({out['wall_s']} s)" if "wall_s" in out else ""))

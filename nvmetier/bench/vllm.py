@@ -90,12 +90,17 @@ def _vllm_tier_dict(
     if which == "fs":
         return {"type": "fs", "root_dir": roots[0]}
     cap = 2 * n * (bs + 4096 + 128) + (64 << 20)
+    # The store phase cascades up to a primary's worth at once: a queue bound
+    # below that drops stores by design (max_queued_bytes, 1 GiB by default),
+    # and the load phase then counts misses rather than moving bytes.
+    queued = max(1 << 30, args.primary)
     return {
         "type": "NvmeTierManager",
         "module_path": "nvmetier.vllm",
         "root_dir": roots if len(roots) > 1 else roots[0],
         "io_workers": getattr(args, "io_workers", "auto"),
         "capacity_bytes": cap,
+        "max_queued_bytes": queued,
         "io_engine": which.removeprefix("nvmetier-"),
         "io_threads": args.iodepth,
         "queue_depth": args.iodepth,

@@ -317,3 +317,22 @@ def test_tier_level_profile_breaks_the_cpu_down_per_gb(tmp_path, capsys) -> None
         assert prof["threads"] and "main (caller)" in prof["threads"]
         assert prof["xxh3"]["impl"] in ("avx512", "avx2", "baseline")
         assert prof["xxh3"]["warm_s_per_gb"] > 0 and prof["xxh3"]["cold_s_per_gb"] > 0
+
+
+def test_vllm_level_queue_bound_holds_a_primary() -> None:
+    """A store phase cascades up to the whole primary at once: the tier's
+    queue bound (max_queued_bytes, 1 GiB by default) must hold that much, or
+    the tier drops stores by design and the load phase counts misses. On the
+    device machine a 4 GiB primary lost 6,648 of 7,208 chunks that way."""
+    import argparse
+
+    from nvmetier.bench.vllm import _vllm_tier_dict
+
+    def tier(primary: int, options: list[str] | None = None) -> dict:
+        args = argparse.Namespace(primary=primary, iodepth=32, direct=1, tier_option=options)
+        return _vllm_tier_dict(args, "nvmetier-uring", ["/x"], 2 << 20, 2048)
+
+    assert tier(4 << 30)["max_queued_bytes"] == 4 << 30
+    assert tier(512 << 20)["max_queued_bytes"] == 1 << 30  # never below the default
+    # --tier-option still has the last word.
+    assert tier(4 << 30, ["max_queued_bytes=123456789"])["max_queued_bytes"] == 123456789
