@@ -149,6 +149,10 @@ class RequestPlanner:
             dense = self._layout_one_group(ctx)
             if dense is not None:
                 return dense
+        return self._layout_of_groups(ctx)
+
+    def _layout_of_groups(self, ctx: Any) -> list[_Group]:
+        """``_layout_of`` by the general path: the keys sorted by group."""
         by_group = request_keys(ctx)
         out: list[_Group] = []
         for index, ends in sorted(by_group.items()):
