@@ -1,12 +1,14 @@
 /*
  * nvt_table_module: the functions of the module nvmetier._table that take no
  * Table (the type is nvt_table.c, which also runs the module's init): the
- * table file's size, format, header and live sharers, and the tests' hooks
- * (clock offsets, the dying wait, allocation failures). Called with the GIL
+ * table file's size, format, header and live sharers, the tests' hooks
+ * (clock offsets, the dying wait, allocation failures), and chunk_run (the
+ * promotion plan's layout of a request, on vLLM's scheduler thread). Called with the GIL
  * held, by whichever thread opens, checks or inspects a store; none waits.
  */
 #include "nvt_table_type.h"
 
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -151,7 +153,55 @@ static PyObject *py_set_wall_offset(PyObject *m, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(chunk_run_doc,
+             "chunk_run(positions, suffix, tokens_per_chunk) -> list | None\n\n"
+             "The keys of `positions` (a dict: key -> end token), in its order, when every\n"
+             "key is bytes ending with `suffix` and the i-th value is the int\n"
+             "(i + 1) * tokens_per_chunk (one KV group recorded chunk after chunk from the\n"
+             "first); else None (the caller's general path decides). The promotion\n"
+             "guard's plan lays a request out with it, on vLLM's scheduler thread.");
+
+/* One pass over the dict's entries, no object made but the list: the
+ * promotion plan's layout of a one-group request (nvmetier.vllm.
+ * promotion_plan._layout_one_group), which in Python sliced every key. */
+static PyObject *py_chunk_run(PyObject *m, PyObject *args) {
+    PyObject *positions;
+    const char *suffix;
+    Py_ssize_t suffix_len;
+    long long tpc;
+    if (!PyArg_ParseTuple(args, "O!y#L", &PyDict_Type, &positions, &suffix, &suffix_len, &tpc))
+        return NULL;
+    Py_ssize_t n = PyDict_GET_SIZE(positions);
+    if (tpc <= 0 || n > LLONG_MAX / tpc)
+        Py_RETURN_NONE;
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(positions, &pos, &key, &value)) {
+        if (i >= n || !PyBytes_Check(key) || !PyLong_CheckExact(value))
+            goto no_run;
+        Py_ssize_t len = PyBytes_GET_SIZE(key);
+        if (len < suffix_len || memcmp(PyBytes_AS_STRING(key) + len - suffix_len, suffix, (size_t)suffix_len))
+            goto no_run;
+        int overflow = 0;
+        long long end = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (overflow || end != (long long)(i + 1) * tpc)
+            goto no_run;
+        Py_INCREF(key);
+        PyList_SET_ITEM(out, i, key);
+        i++;
+    }
+    if (i == n)
+        return out;
+no_run:
+    Py_DECREF(out); /* unset items are NULL, which list dealloc skips */
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef module_methods[] = {
+    {"chunk_run", py_chunk_run, METH_VARARGS, chunk_run_doc},
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
     {"_set_wall_clock_offset_ns", py_set_wall_offset, METH_O, set_wall_offset_doc},

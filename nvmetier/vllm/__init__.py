@@ -405,6 +405,7 @@ class NvmeTierManager(SecondaryTierManager):
         self._spec = offloading_spec
         self._guard = self._build_guard(offloading_spec, primary_kv_view)
         self._guard_wired = False
+        self._hot = self._guard.hot
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
         self._refresh_chunks = self.config.recency_refresh_chunks
@@ -526,6 +527,17 @@ class NvmeTierManager(SecondaryTierManager):
         # HIT only for the chunks the request's plan will load through the CPU
         # tier (nvmetier.vllm.promotion says why: otherwise a read storm); the
         # guard's lookup_call asks the disk for those alone.
+        # The request's later lookups of a step (once its plan cannot change
+        # this step) inline, one frame: a key its plan leased is a HIT (the
+        # guard's lookup_call path, the same sets; PromotionGuard._heat says
+        # when a request is hot); anything else asks the guard.
+        hot = self._hot
+        if req_context is hot.ctx:
+            leased = hot.leased
+            if key in leased:
+                leased.discard(key)
+                hot.hits.append(key)
+                return _HIT
         return _HIT if self._answer(key, req_context) else _MISS
 
     def _first_lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:

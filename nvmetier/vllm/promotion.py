@@ -70,10 +70,6 @@ HOLD_STEPS = 8
 MAX_PLANS = 3
 
 
-# The leases of a request that has none this step (never added to).
-_NO_LEASES: frozenset[Any] = frozenset()
-
-
 class _Hot:
     """The request whose lookups ``lookup_call`` answers from its plan's set.
 
@@ -82,7 +78,12 @@ class _Hot:
     into the round (count, landing, not-yet-loaded) by ``_cool``, which every
     other method of the guard calls first. ``leased``: the round's planned
     keys the disk leased at this step's plan (a HIT without asking the disk
-    again), of which ``n_leased`` were there when it was heated."""
+    again; the round's own set, a key leaving it at its HIT), of which
+    ``n_leased`` were there when it was heated. ``planned``: the round's
+    other planned keys (the disk is asked; a key leaves it at its HIT). A
+    HIT leaves the round's ``planned`` at ``_cool``: while hot, a key
+    answered HIT is in neither set, so a second lookup of it is a MISS as
+    ``note_hit`` makes it."""
 
     __slots__ = ("ctx", "hits", "leased", "n_leased", "planned", "req_id", "rnd")
 
@@ -91,7 +92,7 @@ class _Hot:
         self.req_id = ""
         self.rnd: _Round | None = None
         self.planned: set[Any] = set()
-        self.leased: set[Any] | frozenset[Any] = _NO_LEASES
+        self.leased: set[Any] = set()
         self.n_leased = 0
         self.hits: list[Any] = []
 
@@ -244,8 +245,7 @@ class PromotionGuard(RequestPlanner):
                 if ctx is hot.ctx:
                     leased = hot.leased
                     if key in leased:
-                        leased.discard(key)  # type: ignore[union-attr]  # never the empty one
-                        hot.planned.discard(key)
+                        leased.discard(key)
                         hot.hits.append(key)
                         return True
                     planned = hot.planned
@@ -266,8 +266,7 @@ class PromotionGuard(RequestPlanner):
             if ctx is hot.ctx:
                 leased = hot.leased
                 if key in leased:
-                    leased.discard(key)  # type: ignore[union-attr]  # never the empty one
-                    hot.planned.discard(key)
+                    leased.discard(key)
                     hot.hits.append(key)
                     return True
                 planned = hot.planned
@@ -282,6 +281,12 @@ class PromotionGuard(RequestPlanner):
             return slow(key, ctx)
 
         return lookup
+
+    @property
+    def hot(self) -> _Hot:
+        """The hot request's state (``_heat``): the tier's ``lookup`` answers
+        a leased key of it inline, as ``lookup_call``'s function does."""
+        return self._hot
 
     def _heat(self, ctx: Any) -> None:
         """Answer the request's next lookups from its plan's set, if no lookup
@@ -298,10 +303,14 @@ class PromotionGuard(RequestPlanner):
             hot.ctx = ctx
             hot.req_id = ctx.req_id
             hot.rnd = rnd
-            hot.planned = rnd.planned
             if rnd.lease_step == self._step and rnd.leased:
                 hot.leased = rnd.leased
                 hot.n_leased = len(rnd.leased)
+                # The planned keys not leased (usually none): the only ones
+                # the disk is asked about while hot.
+                hot.planned = rnd.planned - rnd.leased
+            else:
+                hot.planned = rnd.planned
 
     def _cool(self) -> None:
         """Move the hot request's HITs into its round, as ``note_hit`` would
@@ -312,6 +321,7 @@ class PromotionGuard(RequestPlanner):
         hits = hot.hits
         rnd = hot.rnd
         if hits and rnd is not None:
+            rnd.planned.difference_update(hits)
             rnd.hits += len(hits)
             rnd.landing.update(hits)
             self._unloaded.update(dict.fromkeys(hits, hot.req_id))
@@ -319,7 +329,7 @@ class PromotionGuard(RequestPlanner):
         if hot.n_leased:
             n = hot.n_leased - len(hot.leased)
             hot.n_leased = 0
-            hot.leased = _NO_LEASES
+            hot.leased = set()
             if n and self._count_hits is not None:
                 self._count_hits(n)
         hot.ctx = None

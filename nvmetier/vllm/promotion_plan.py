@@ -62,6 +62,7 @@ from itertools import compress
 from operator import itemgetter
 from typing import Any
 
+from nvmetier._table import chunk_run
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView, key_positions, request_keys
 
 # A chunk neither in the CPU tier nor on disk (``_plan``'s classification).
@@ -148,6 +149,10 @@ class RequestPlanner:
             dense = self._layout_one_group(ctx)
             if dense is not None:
                 return dense
+        return self._layout_of_groups(ctx)
+
+    def _layout_of_groups(self, ctx: Any) -> list[_Group]:
+        """``_layout_of`` by the general path: the keys sorted by group."""
         by_group = request_keys(ctx)
         out: list[_Group] = []
         for index, ends in sorted(by_group.items()):
@@ -167,7 +172,14 @@ class RequestPlanner:
         if not positions:
             return None
         ((index, (tpc, window)),) = self._layout.items()
-        if set(map(_GROUP_SUFFIX, positions)) != {index.to_bytes(4, "big")}:
+        suffix = index.to_bytes(4, "big")
+        if tpc > 0:
+            # The usual record (every key of the group, chunk after chunk
+            # from the first) in one native pass; anything else below.
+            run = chunk_run(positions, suffix, tpc)
+            if run is not None:
+                return [_Group(index, tpc, window, run)]
+        if set(map(_GROUP_SUFFIX, positions)) != {suffix}:
             return None
         if list(positions.values()) == list(range(tpc, (len(positions) + 1) * tpc, tpc)):
             # Recorded chunk after chunk from the first (the connector's

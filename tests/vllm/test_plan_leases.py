@@ -358,3 +358,45 @@ def test_the_cpu_tier_is_read_from_vllms_lru_map_as_its_policy_reads_it(make_eng
     assert view.residencies_call()(keys) == by_policy(keys) == [ABSENT] * 12
     eng.store_all(keys[6:8])
     assert view.residencies_call()(keys[6:9]) == by_policy(keys[6:9]) == [READY, READY, ABSENT]
+
+
+def test_the_tier_answers_a_hot_requests_leased_keys_itself_each_once(make_engine) -> None:
+    """After the plan (the request's first lookup), the tier's own ``lookup``
+    answers the request's leased keys HIT without the guard's function; a
+    key already answered HIT is a MISS if asked again in the step (as the
+    guard answers it); the HITs are counted, and at the step's end they leave
+    the round's planned keys (a later plan does not count them again)."""
+    eng = make_engine(cpu_chunks=32)
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(8)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    ctx = ReqContext(req_id="walk")
+    record_positions(ctx, keys, eng.tokens_per_chunk)
+    m = eng.manager
+    before = hits_counted(tier)
+    with m.lock:
+        m.on_new_request(ctx)
+        assert tier.lookup(keys[0], ctx) is LookupResult.HIT  # the plan, through the guard
+        answered: list[bytes] = []
+        guard_answer = tier._answer
+
+        def spy(key: bytes, req_ctx: Any) -> bool:
+            answered.append(key)
+            return guard_answer(key, req_ctx)
+
+        tier._answer = spy
+        assert [tier.lookup(k, ctx) for k in keys[1:6]] == [LookupResult.HIT] * 5
+        assert answered == []  # the tier's own frame answered them
+        assert tier.lookup(keys[3], ctx) is LookupResult.MISS  # once only
+        assert answered == [keys[3]]
+        rnd = tier._guard._rounds["walk"]
+        assert set(keys[1:6]) <= rnd.planned  # until the step ends
+        tier.on_schedule_end(ScheduleEndContext((), ()))
+        assert rnd.planned == set(keys[6:])
+        assert rnd.hits == 6
+        tier._answer = guard_answer
+    assert hits_counted(tier) - before == 6
+    with m.lock:
+        tier.on_request_finished(ctx)
+        tier.on_schedule_end(ScheduleEndContext((), ("walk",)))

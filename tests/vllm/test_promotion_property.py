@@ -142,6 +142,11 @@ def _run(seed: int, sc: dict[str, Any], *, disk: bool) -> WalkModel:
     return model
 
 
+# HITs answered from the plans' leases (the tier's inline answer), summed
+# over the schedules checked: each block checks that its schedules took it.
+LEASED_HITS = [0]
+
+
 def check_schedule(seed: int) -> tuple[int, int]:
     """Check one schedule; returns the tokens its requests loaded with the
     tier and with no disk tier (the same trace, a run of its own)."""
@@ -172,6 +177,7 @@ def check_schedule(seed: int) -> tuple[int, int]:
         room = model.primary._get_num_free_chunks() + model.primary._num_evictable_cache_chunks
         assert room == sc["cpu_chunks"], f"{where}: {sc['cpu_chunks'] - room} CPU chunks held"
         with_disk = sum(r.loaded_tokens or 0 for r in measured)
+        LEASED_HITS[0] += model.tier.hits_leased
     finally:
         model.shutdown()
     baseline = _run(seed, sc, disk=False)
@@ -191,6 +197,7 @@ def test_random_schedules_never_load_fewer_tokens_than_no_disk_tier(block: int) 
         return
     per = SCHEDULES // 10
     with_disk = without = 0
+    LEASED_HITS[0] = 0
     for seed in range(block * per, (block + 1) * per):
         got, base = check_schedule(seed)
         with_disk += got
@@ -199,3 +206,4 @@ def test_random_schedules_never_load_fewer_tokens_than_no_disk_tier(block: int) 
     # schedule (a request deferred for its promotions meets other stores), so
     # one schedule may load less; the sum over the block may not.
     assert with_disk >= without, f"seeds {block * per}..: {with_disk} tokens, {without} without"
+    assert LEASED_HITS[0] > 0, f"seeds {block * per}..: no HIT answered from a plan's leases"

@@ -117,6 +117,8 @@ class MemoryTier(SecondaryTierManager):
             groups=kv_groups(offloading_spec, connector_groups()),
         )
         self._wired = False
+        self.hits_leased = 0  # HITs answered from the plans' leases (count_hits)
+        self._hot: Any = None
         self._answer: Callable[[bytes, ReqContext], bool] = lambda key, ctx: False
         self.reads: list[tuple[int, bytes]] = []  # (step, key) of every chunk read
         # HITs of this step: the orchestrator reserves their CPU slots at once
@@ -128,14 +130,41 @@ class MemoryTier(SecondaryTierManager):
             self._wired = True
             primary = find_primary(self._spec, self)
             if primary is not None:
-                self.guard.attach(PrimaryView(primary), self.disk.__contains__)
+                # As NvmeTierManager attaches its store: a promotion's plan
+                # reads the disk and leases its HITs in one call.
+                self.guard.attach(
+                    PrimaryView(primary),
+                    self.disk.__contains__,
+                    self._on_disk_many,
+                    self._on_disk_many,
+                    self._count_hits,
+                )
             # The tier's production path: admits, the disk, note_hit, with the
             # guard's per-request fast answer (as NvmeTierManager.lookup).
             self._answer = self.guard.lookup_call(self.disk.__contains__)
-        if not self.answers or not self._answer(key, req_context):
+            self._hot = self.guard.hot
+        if not self.answers:
+            return MISS
+        # NvmeTierManager.lookup's inline answer of a hot request's leased key.
+        hot = self._hot
+        if req_context is hot.ctx:
+            leased = hot.leased
+            if key in leased:
+                leased.discard(key)
+                hot.hits.append(key)
+                self._answered_hit.add(key)
+                return HIT
+        if not self._answer(key, req_context):
             return MISS
         self._answered_hit.add(key)
         return HIT
+
+    def _on_disk_many(self, keys: list[bytes]) -> bytes:
+        disk = self.disk
+        return bytes(k in disk for k in keys)
+
+    def _count_hits(self, n: int) -> None:
+        self.hits_leased += n
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         self._jobs.append((self._step + 1, job_metadata, False))
