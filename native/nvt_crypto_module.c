@@ -294,8 +294,37 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
     long long seal_epoch;
     unsigned long long until, limit;
     unsigned int max_epoch, gen_seen = 0;
-    if (!PyArg_ParseTuple(args, "OLKKI|I", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen))
+    PyObject *gone_obj = NULL;
+    if (!PyArg_ParseTuple(args, "OLKKI|IO", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen, &gone_obj))
         return NULL;
+    /* The keys file's destroyed epochs (a sequence of ints; none: empty). */
+    uint32_t gone[NVT_MAX_EPOCHS];
+    Py_ssize_t n_gone = 0;
+    if (gone_obj && gone_obj != Py_None) {
+        PyObject *gs = PySequence_Fast(gone_obj, "destroyed must be a sequence of epochs");
+        if (!gs)
+            return NULL;
+        n_gone = PySequence_Fast_GET_SIZE(gs);
+        if (n_gone > NVT_MAX_EPOCHS) {
+            Py_DECREF(gs);
+            PyErr_SetString(PyExc_ValueError, "too many destroyed epochs");
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < n_gone; i++) {
+            unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(gs, i));
+            if (v == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(gs);
+                return NULL;
+            }
+            if (v > UINT32_MAX) {
+                Py_DECREF(gs);
+                PyErr_SetString(PyExc_ValueError, "a destroyed epoch is a u32");
+                return NULL;
+            }
+            gone[i] = (uint32_t)v;
+        }
+        Py_DECREF(gs);
+    }
     PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
     if (!seq)
         return NULL;
@@ -332,7 +361,13 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
         PyBuffer_Release(&fb);
     }
     Py_DECREF(seq);
-    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen) != 0) {
+    int set_rc = rc ? 0
+                    : nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen, gone,
+                                   (uint32_t)n_gone);
+    if (set_rc == -ENOMEM) {
+        PyErr_NoMemory();
+        rc = -1;
+    } else if (set_rc != 0) {
         PyErr_SetString(PyExc_ValueError, "the key table refused the entries (a forked child's table?)");
         rc = -1;
     }
@@ -457,9 +492,10 @@ static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
 
 static PyMethodDef keys_methods[] = {
     {"set", (PyCFunction)keys_set, METH_VARARGS,
-     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0): replace the table;\n"
-     "entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched keys_gen\n"
-     "read before the keys file was."},
+     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0, destroyed=()): replace\n"
+     "the table; entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched\n"
+     "keys_gen read before the keys file was; destroyed: the keys file's destroyed epochs (they, and any\n"
+     "epoch held before and left out now, open as EKEYREVOKED)."},
     {"hold", (PyCFunction)keys_hold, METH_O,
      "hold(on): a table replacement that may leave no sealing epoch for a moment begins (True) or ends\n"
      "(False); a seal finding none meanwhile waits for the end (at most 2 s) instead of failing."},
@@ -472,8 +508,9 @@ static PyMethodDef keys_methods[] = {
      "zeros); OSError(EAGAIN) when no epoch may seal. The GIL is released."},
     {"open", (PyCFunction)keys_open, METH_VARARGS,
      "open(seed, file_idx, file_offset, trailer, src, dst) -> checksum: open src into dst (may be src);\n"
-     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(ENOKEY) for an epoch\n"
-     "announced since the table was read (reload, then retry)."},
+     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(EKEYREVOKED) for an\n"
+     "epoch known destroyed, OSError(ENOKEY) for an epoch announced since the table was read (reload,\n"
+     "then retry)."},
     {"capsule", (PyCFunction)keys_capsule, METH_NOARGS, "capsule() -> the table for nvmetier._uring."},
     {NULL, NULL, 0, NULL},
 };
