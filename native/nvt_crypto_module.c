@@ -298,28 +298,30 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLKKI|IO", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen, &gone_obj))
         return NULL;
     /* The keys file's destroyed epochs (a sequence of ints; none: empty). */
-    uint32_t gone[NVT_MAX_EPOCHS];
+    uint32_t *gone = PyMem_Malloc(NVT_MAX_EPOCHS * sizeof(*gone));
+    if (!gone)
+        return PyErr_NoMemory();
     Py_ssize_t n_gone = 0;
     if (gone_obj && gone_obj != Py_None) {
         PyObject *gs = PySequence_Fast(gone_obj, "destroyed must be a sequence of epochs");
         if (!gs)
-            return NULL;
+            goto fail;
         n_gone = PySequence_Fast_GET_SIZE(gs);
         if (n_gone > NVT_MAX_EPOCHS) {
             Py_DECREF(gs);
             PyErr_SetString(PyExc_ValueError, "too many destroyed epochs");
-            return NULL;
+            goto fail;
         }
         for (Py_ssize_t i = 0; i < n_gone; i++) {
             unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(gs, i));
             if (v == (unsigned long)-1 && PyErr_Occurred()) {
                 Py_DECREF(gs);
-                return NULL;
+                goto fail;
             }
             if (v > UINT32_MAX) {
                 Py_DECREF(gs);
                 PyErr_SetString(PyExc_ValueError, "a destroyed epoch is a u32");
-                return NULL;
+                goto fail;
             }
             gone[i] = (uint32_t)v;
         }
@@ -327,18 +329,19 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
     }
     PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
     if (!seq)
-        return NULL;
+        goto fail;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > NVT_MAX_EPOCHS) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "too many epochs");
-        return NULL;
+        goto fail;
     }
     size_t bytes = (size_t)(n ? n : 1) * sizeof(nvt_epoch_key);
     nvt_epoch_key *ents = nvt_secret_alloc(bytes);
     if (!ents) {
         Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto fail;
     }
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
@@ -372,9 +375,13 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
         rc = -1;
     }
     nvt_secret_free(ents, bytes);
+    PyMem_Free(gone);
     if (rc)
         return NULL;
     Py_RETURN_NONE;
+fail:
+    PyMem_Free(gone);
+    return NULL;
 }
 
 static PyObject *keys_seals(KeysObject *self, PyObject *unused) {

@@ -68,7 +68,7 @@ typedef struct nvt_keys {
     uint64_t seal_until_ns;/* CLOCK_REALTIME: no seal after it */
     uint64_t seal_limit;   /* no seal past this many under one epoch */
     uint64_t seals;        /* atomic: seals under the sealing epoch */
-    uint32_t max_epoch;    /* epochs up to this one are known: one not held was destroyed */
+    uint32_t max_epoch;    /* the keys file's highest epoch when read (live or destroyed) */
     uint32_t refs;         /* atomic */
     /* The store's shared keys_gen (nvt_table_header, advanced after every
      * new epoch is durable and before its first seal; NULL: no other process
