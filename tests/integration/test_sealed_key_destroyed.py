@@ -230,6 +230,49 @@ def test_chunks_published_before_their_key_was_purged_load_as_key_destroyed(
     store.close()
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+def test_purges_of_a_busy_sealed_store_raise_no_corruption_alarm(tmp_path, buffer, engine) -> None:
+    # The race as it happens: `purge --all` (the CLI's function, on another
+    # thread) again and again while this thread stores and loads. Loads fail
+    # by generation (loads_raced), find their key gone (load_keys_missing) or
+    # find their epoch destroyed (loads_key_destroyed); none is corruption,
+    # and every key a load reports served holds its own bytes.
+    store = sealed(tmp_path, buffer, engine)
+    stop = threading.Event()
+    purges: list[purge.PurgeResult] = []
+
+    def purger() -> None:
+        while not stop.is_set():
+            purges.extend(purge.purge(str(tmp_path / "kv"), older_than_s=None))
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=purger, name="purger")
+    thread.start()
+    n, job, wrong, failed = 0, 1, 0, 0
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 10 and (time.monotonic() - t0 < 1 or len(purges) < 10):
+            keys = [key(n + i) for i in range(16)]
+            n += 16
+            fill_rows(buffer, keys, range(16))
+            store.submit_store(job, keys, list(range(16)))
+            run(store)
+            submit_load(store, buffer, keys, range(16, 32), job + 1)
+            (o,) = run(store)
+            job += 2
+            ok = keys if o.success else list(o.successful_keys or [])
+            failed += len(keys) - len(ok)
+            wrong += len(ok) - len(served(buffer, ok, [16 + keys.index(k) for k in ok]))
+    finally:
+        stop.set()
+        thread.join()
+        stats = store.stats()
+        store.close()
+    assert all(r.error is None for r in purges) and len(purges) >= 10
+    assert wrong == 0 and failed > 0
+    assert stats["checksum_failures"] == 0 and stats["auth_failures"] == 0
+
+
 def _trailer_at(store, tmp_path, k: bytes) -> tuple[str, int]:
     slot = store.slot_of(k)
     assert slot is not None
