@@ -111,8 +111,9 @@ void nvt_keys_unref(nvt_keys *k);
  * epoch changes. `destroyed` (`n_destroyed` epochs, any order) are the
  * `keys` file's destroyed entries; they join the epochs known destroyed,
  * as does every epoch the table held before this call and `ents` lacks
- * (epoch numbers are never reused: a new one is 1 + the highest in the
- * file). 0, -EINVAL or -ENOMEM. */
+ * (a new epoch is 1 + the highest in the file, so a number is not reused
+ * while its entry lasts; one that is live again opens as live: the live
+ * entries are looked up first). 0, -EINVAL or -ENOMEM. */
 int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
                  uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen, const uint32_t *destroyed,
                  uint32_t n_destroyed);
@@ -150,7 +151,8 @@ int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
  * (loads_key_destroyed instead of auth_failures), never its outcome: a
  * miss, no byte served. An epoch is classified destroyed only when the
  * `keys` file says so or this table held it: a number below the newest that
- * is neither (never existed, or its entry torn) stays -EBADMSG.
+ * is neither (never existed, or its entry torn before this table read it)
+ * stays -EBADMSG.
  *
  * An epoch newer than the table knows while keys_gen has not moved since the
  * table's `keys` file was read is -EBADMSG: every epoch is durable in `keys`
