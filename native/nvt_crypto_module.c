@@ -289,13 +289,16 @@ static PyObject *keys_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)self;
 }
 
-static PyObject *keys_set(KeysObject *self, PyObject *args) {
+static PyObject *keys_set(KeysObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"entries", "seal_epoch", "seal_until_ns", "seal_limit", "max_epoch", "gen_seen",
+                             "destroyed", NULL};
     PyObject *list;
     long long seal_epoch;
     unsigned long long until, limit;
     unsigned int max_epoch, gen_seen = 0;
     PyObject *gone_obj = NULL;
-    if (!PyArg_ParseTuple(args, "OLKKI|IO", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen, &gone_obj))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLKKI|IO", kwlist, &list, &seal_epoch, &until, &limit, &max_epoch,
+                                     &gen_seen, &gone_obj))
         return NULL;
     /* The keys file's destroyed epochs (a sequence of ints; none: empty). */
     uint32_t *gone = PyMem_Malloc(NVT_MAX_EPOCHS * sizeof(*gone));
@@ -498,7 +501,7 @@ static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
 }
 
 static PyMethodDef keys_methods[] = {
-    {"set", (PyCFunction)keys_set, METH_VARARGS,
+    {"set", (PyCFunction)(void (*)(void))keys_set, METH_VARARGS | METH_KEYWORDS,
      "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0, destroyed=()): replace\n"
      "the table; entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched\n"
      "keys_gen read before the keys file was; destroyed: the keys file's destroyed epochs (they, and any\n"

@@ -70,7 +70,7 @@ COUNTERS = (
     # checksum_failures: a miss, the slot freed).
     "auth_failures",
     # Sealed chunks found under a key epoch known destroyed (a purge, a
-    # retention, a rotation) while their load was in flight or since: a
+    # retention, a full keys file) while their load was in flight or since: a
     # miss, the slot freed; not corruption (neither counter above).
     "loads_key_destroyed",
     # READY chunks whose recency a touch refreshed (vLLM's tier: the chunks a

@@ -42,9 +42,9 @@ METRICS: dict[str, tuple[str, str]] = {
     ),
     "loads_key_destroyed": (
         "counter",
-        "Sealed chunks found under a key epoch destroyed by a purge, a retention or a "
-        "rotation while their load was in flight (a miss, freed; not corruption, not in "
-        "checksum_failures or auth_failures).",
+        "Sealed chunks found on load under a key epoch destroyed by a purge, the retention "
+        "or a full keys file (a miss, freed; not in checksum_failures or auth_failures; "
+        "a rise with no purge or retention: treat as auth_failures).",
     ),
     "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
