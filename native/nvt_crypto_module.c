@@ -289,27 +289,62 @@ static PyObject *keys_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     return (PyObject *)self;
 }
 
-static PyObject *keys_set(KeysObject *self, PyObject *args) {
+static PyObject *keys_set(KeysObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"entries", "seal_epoch", "seal_until_ns", "seal_limit", "max_epoch", "gen_seen",
+                             "destroyed", NULL};
     PyObject *list;
     long long seal_epoch;
     unsigned long long until, limit;
     unsigned int max_epoch, gen_seen = 0;
-    if (!PyArg_ParseTuple(args, "OLKKI|I", &list, &seal_epoch, &until, &limit, &max_epoch, &gen_seen))
+    PyObject *gone_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLKKI|IO", kwlist, &list, &seal_epoch, &until, &limit, &max_epoch,
+                                     &gen_seen, &gone_obj))
         return NULL;
+    /* The keys file's destroyed epochs (a sequence of ints; none: empty). */
+    uint32_t *gone = PyMem_Malloc(NVT_MAX_EPOCHS * sizeof(*gone));
+    if (!gone)
+        return PyErr_NoMemory();
+    Py_ssize_t n_gone = 0;
+    if (gone_obj && gone_obj != Py_None) {
+        PyObject *gs = PySequence_Fast(gone_obj, "destroyed must be a sequence of epochs");
+        if (!gs)
+            goto fail;
+        n_gone = PySequence_Fast_GET_SIZE(gs);
+        if (n_gone > NVT_MAX_EPOCHS) {
+            Py_DECREF(gs);
+            PyErr_SetString(PyExc_ValueError, "too many destroyed epochs");
+            goto fail;
+        }
+        for (Py_ssize_t i = 0; i < n_gone; i++) {
+            unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(gs, i));
+            if (v == (unsigned long)-1 && PyErr_Occurred()) {
+                Py_DECREF(gs);
+                goto fail;
+            }
+            if (v > UINT32_MAX) {
+                Py_DECREF(gs);
+                PyErr_SetString(PyExc_ValueError, "a destroyed epoch is a u32");
+                goto fail;
+            }
+            gone[i] = (uint32_t)v;
+        }
+        Py_DECREF(gs);
+    }
     PyObject *seq = PySequence_Fast(list, "entries must be a sequence of (epoch, key, fingerprint)");
     if (!seq)
-        return NULL;
+        goto fail;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     if (n > NVT_MAX_EPOCHS) {
         Py_DECREF(seq);
         PyErr_SetString(PyExc_ValueError, "too many epochs");
-        return NULL;
+        goto fail;
     }
     size_t bytes = (size_t)(n ? n : 1) * sizeof(nvt_epoch_key);
     nvt_epoch_key *ents = nvt_secret_alloc(bytes);
     if (!ents) {
         Py_DECREF(seq);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        goto fail;
     }
     int rc = 0;
     for (Py_ssize_t i = 0; i < n && rc == 0; i++) {
@@ -332,14 +367,24 @@ static PyObject *keys_set(KeysObject *self, PyObject *args) {
         PyBuffer_Release(&fb);
     }
     Py_DECREF(seq);
-    if (rc == 0 && nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen) != 0) {
+    int set_rc = rc ? 0
+                    : nvt_keys_set(self->keys, ents, (uint32_t)n, seal_epoch, until, limit, max_epoch, gen_seen, gone,
+                                   (uint32_t)n_gone);
+    if (set_rc == -ENOMEM) {
+        PyErr_NoMemory();
+        rc = -1;
+    } else if (set_rc != 0) {
         PyErr_SetString(PyExc_ValueError, "the key table refused the entries (a forked child's table?)");
         rc = -1;
     }
     nvt_secret_free(ents, bytes);
+    PyMem_Free(gone);
     if (rc)
         return NULL;
     Py_RETURN_NONE;
+fail:
+    PyMem_Free(gone);
+    return NULL;
 }
 
 static PyObject *keys_seals(KeysObject *self, PyObject *unused) {
@@ -456,10 +501,11 @@ static PyObject *keys_capsule(KeysObject *self, PyObject *unused) {
 }
 
 static PyMethodDef keys_methods[] = {
-    {"set", (PyCFunction)keys_set, METH_VARARGS,
-     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0): replace the table;\n"
-     "entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched keys_gen\n"
-     "read before the keys file was."},
+    {"set", (PyCFunction)(void (*)(void))keys_set, METH_VARARGS | METH_KEYWORDS,
+     "set(entries, seal_epoch, seal_until_ns, seal_limit, max_epoch, gen_seen=0, destroyed=()): replace\n"
+     "the table; entries are (epoch, key, fingerprint); seal_epoch -1: no sealing; gen_seen: the watched\n"
+     "keys_gen read before the keys file was; destroyed: the keys file's destroyed epochs (they, and any\n"
+     "epoch held before and left out now, open as EKEYREVOKED)."},
     {"hold", (PyCFunction)keys_hold, METH_O,
      "hold(on): a table replacement that may leave no sealing epoch for a moment begins (True) or ends\n"
      "(False); a seal finding none meanwhile waits for the end (at most 2 s) instead of failing."},
@@ -472,8 +518,9 @@ static PyMethodDef keys_methods[] = {
      "zeros); OSError(EAGAIN) when no epoch may seal. The GIL is released."},
     {"open", (PyCFunction)keys_open, METH_VARARGS,
      "open(seed, file_idx, file_offset, trailer, src, dst) -> checksum: open src into dst (may be src);\n"
-     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(ENOKEY) for an epoch\n"
-     "announced since the table was read (reload, then retry)."},
+     "OSError(EBADMSG) when it does not verify (or its epoch never existed), OSError(EKEYREVOKED) for an\n"
+     "epoch known destroyed, OSError(ENOKEY) for an epoch announced since the table was read (reload,\n"
+     "then retry)."},
     {"capsule", (PyCFunction)keys_capsule, METH_NOARGS, "capsule() -> the table for nvmetier._uring."},
     {NULL, NULL, 0, NULL},
 };

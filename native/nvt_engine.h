@@ -98,7 +98,8 @@ typedef struct {
  * into the row plus the trailer into a small buffer (one readv of both) and
  * opens the row in place in the worker thread before the completion is
  * published: a tag that does not verify completes with -EBADMSG, an epoch
- * the key table does not hold yet with -ENOKEY. The slot format, the
+ * known destroyed with -EKEYREVOKED, an epoch the key table does not hold
+ * yet with -ENOKEY. The slot format, the
  * nonces and the authenticated data are nvt_seal.h's (one definition for
  * both engines). */
 struct nvt_keys;
@@ -274,7 +275,7 @@ void nvt_engine_free(nvt_engine *e);
  */
 int nvt_probe(const char **stage);
 
-/* Ops that failed their tag (-EBADMSG), since open (racy counter). */
+/* Ops that failed their tag (-EBADMSG; not -EKEYREVOKED), since open (racy counter). */
 uint64_t nvt_engine_auth_failures(const nvt_engine *e);
 
 #endif /* NVT_ENGINE_H */

@@ -61,8 +61,11 @@ int nvt_seal_read_ready(nvt_engine *e, nvt_slot *s) {
 
 /* Open a sealed read into its row (from its arena span, or in place): its
  * length, with the tag's head as checksum; -EBADMSG when the trailer or the
- * tag does not verify or its epoch was destroyed (the row then holds
- * garbage the table never serves); -ENOKEY for an epoch not loaded yet. */
+ * tag does not verify or its epoch never existed (the row then holds
+ * garbage the table never serves; counted in auth_failures); -EKEYREVOKED
+ * when its epoch is known destroyed (a purge or a retention: not an
+ * authentication failure, not counted); -ENOKEY for an epoch not loaded
+ * yet. */
 int64_t nvt_seal_open(nvt_engine *e, nvt_read_done *r, uint64_t *checksum) {
     uint8_t *out = r->dst ? r->dst : r->data;
     int rc = nvt_keys_open(e->seal.keys, r->seed, r->file_idx, r->file_off, r->trailer, r->data, out, r->length,

@@ -141,11 +141,27 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
         } else if (c->result == -ECANCELED || c->result == -ENOKEY) {
             /* Never read (the engine refused or cancelled the op), or sealed
              * under an epoch announced since this process's key table was
-             * read (nvt_keys_open; one that never existed is -EBADMSG):
+             * read (nvt_keys_open; one that never existed is -EBADMSG, one
+             * destroyed -EKEYREVOKED, below):
              * nothing is known against the slot, which stays READY. */
             set_unlock(&t->core, set);
             t->core.c.loads_cancelled++;
             nvt_job_fail(j, o->pos, FAIL_READ_IO, ECANCELED);
+        } else if (c->result == -EKEYREVOKED) {
+            /* Sealed under an epoch known destroyed (nvt_keys_open: a purge,
+             * a retention or a rotation destroyed it while this load was in
+             * flight, or since the slot was published): nothing can ever
+             * open the slot. A miss, freed with its removed event as a
+             * corrupt one is, but not corruption: its own counter, and the
+             * job fails quietly as for a key that is not there. */
+            const unsigned char *r = record(&t->core, o->slot);
+            int kl = r[5];
+            if (events && kl <= REC_KEY_MAX && nvt_append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
+                event_lost(t);
+            nvt_clear_slot_locked(&t->core, s, o->slot);
+            set_unlock(&t->core, set);
+            t->core.c.loads_key_destroyed++;
+            nvt_job_fail(j, o->pos, FAIL_MISSING, 0);
         } else if (c->result == -EBADMSG || (o->verify && ok && c->checksum != o->expected)) {
             /* Proven corruption of this very slot (a payload checksum, or an
              * encrypted chunk's tag, that does not verify): a miss, freed. */

@@ -102,11 +102,52 @@ static int by_epoch(const void *a, const void *b) {
     return x < y ? -1 : x > y;
 }
 
+static int by_u32(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The epochs known destroyed after a set: those known before, the `keys`
+ * file's destroyed ones, and the table's current ones the new table lacks
+ * (`now`, its `n` epochs, sorted). Sorted, unique, the newest NVT_MAX_EPOCHS
+ * kept. `tmp`: room for 3 * NVT_MAX_EPOCHS. Under the write lock. */
+static void merge_gone_locked(nvt_keys *k, uint32_t *tmp, const uint32_t *now, uint32_t n, const uint32_t *destroyed,
+                              uint32_t n_destroyed) {
+    uint32_t m = k->n_gone;
+    memcpy(tmp, k->gone, (size_t)m * sizeof(*tmp));
+    memcpy(tmp + m, destroyed, (size_t)n_destroyed * sizeof(*tmp));
+    m += n_destroyed;
+    for (uint32_t i = 0, j = 0; i < k->n; i++) {
+        while (j < n && now[j] < k->ents[i].epoch)
+            j++;
+        if (j == n || now[j] != k->ents[i].epoch)
+            tmp[m++] = k->ents[i].epoch; /* held, now gone */
+    }
+    qsort(tmp, m, sizeof(*tmp), by_u32);
+    uint32_t u = 0;
+    for (uint32_t i = 0; i < m; i++)
+        if (u == 0 || tmp[u - 1] != tmp[i])
+            tmp[u++] = tmp[i];
+    uint32_t from = u > NVT_MAX_EPOCHS ? u - NVT_MAX_EPOCHS : 0;
+    memmove(k->gone, tmp + from, (size_t)(u - from) * sizeof(*tmp));
+    k->n_gone = u - from;
+}
+
 int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
-                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen) {
-    if (n > NVT_MAX_EPOCHS || !k->map_bytes)
+                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen, const uint32_t *destroyed,
+                 uint32_t n_destroyed) {
+    if (n > NVT_MAX_EPOCHS || n_destroyed > NVT_MAX_EPOCHS || !k->map_bytes)
         return -EINVAL;
+    /* The merge's room (3 tables' worth), then the new epochs, sorted. */
+    uint32_t *tmp = malloc(4 * (size_t)NVT_MAX_EPOCHS * sizeof(*tmp));
+    if (!tmp)
+        return -ENOMEM;
+    uint32_t *now = tmp + 3 * (size_t)NVT_MAX_EPOCHS;
+    for (uint32_t i = 0; i < n; i++)
+        now[i] = ents[i].epoch;
+    qsort(now, n, sizeof(*now), by_u32);
     pthread_rwlock_wrlock(&k->lock);
+    merge_gone_locked(k, tmp, now, n, destroyed, n_destroyed);
     uint32_t old_epoch = k->seal_at ? k->ents[k->seal_at - 1].epoch : 0;
     int had = k->seal_at != 0;
     memcpy(k->ents, ents, (size_t)n * sizeof(*ents));
@@ -125,6 +166,7 @@ int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t sea
     k->max_epoch = max_epoch;
     k->gen_seen = gen_seen;
     pthread_rwlock_unlock(&k->lock);
+    free(tmp);
     return 0;
 }
 
@@ -247,11 +289,13 @@ int nvt_keys_open(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
     if (lo == k->n || k->ents[lo].epoch != epoch) {
         /* Newer than the table: not loaded yet, unless no epoch was announced
          * since the table was read (then it never existed: nvt_seal.h). A
-         * forked child's wiped table proves nothing. Older: destroyed. */
+         * forked child's wiped table proves nothing. Known destroyed: its
+         * own code (not corruption). Any other: never existed. */
         int unknown = epoch > k->max_epoch &&
                       (!k->map_bytes || (k->gen && __atomic_load_n(k->gen, __ATOMIC_ACQUIRE) != k->gen_seen));
+        int gone = !unknown && bsearch(&epoch, k->gone, k->n_gone, sizeof(epoch), by_u32) != NULL;
         pthread_rwlock_unlock(&k->lock);
-        return unknown ? -ENOKEY : -EBADMSG;
+        return unknown ? -ENOKEY : gone ? -EKEYREVOKED : -EBADMSG;
     }
     memcpy(key, k->ents[lo].key, sizeof(key));
     make_aad(k, seed, epoch, file_idx, file_off, aad);

@@ -68,7 +68,7 @@ typedef struct nvt_keys {
     uint64_t seal_until_ns;/* CLOCK_REALTIME: no seal after it */
     uint64_t seal_limit;   /* no seal past this many under one epoch */
     uint64_t seals;        /* atomic: seals under the sealing epoch */
-    uint32_t max_epoch;    /* epochs up to this one are known: one not held was destroyed */
+    uint32_t max_epoch;    /* the keys file's highest epoch when read (live or destroyed) */
     uint32_t refs;         /* atomic */
     /* The store's shared keys_gen (nvt_table_header, advanced after every
      * new epoch is durable and before its first seal; NULL: no other process
@@ -85,6 +85,12 @@ typedef struct nvt_keys {
     uint64_t layout_digest;
     uint8_t store_id[NVT_STORE_ID_BYTES];
     uint64_t map_bytes;
+    /* Epochs known to have existed and been destroyed (sorted, unique; the
+     * newest NVT_MAX_EPOCHS kept): the `keys` file's destroyed entries, and
+     * any epoch this table held that a later nvt_keys_set left out. A
+     * trailer naming one opens as -EKEYREVOKED. Under lock. */
+    uint32_t n_gone;
+    uint32_t gone[NVT_MAX_EPOCHS];
     nvt_epoch_key ents[];
 } nvt_keys;
 
@@ -102,9 +108,15 @@ void nvt_keys_unref(nvt_keys *k);
 
 /* Replace the table (entries need not be sorted; at most NVT_MAX_EPOCHS).
  * seal_epoch < 0: no sealing. The seal count restarts when the sealing
- * epoch changes. 0 or -EINVAL. */
+ * epoch changes. `destroyed` (`n_destroyed` epochs, any order) are the
+ * `keys` file's destroyed entries; they join the epochs known destroyed,
+ * as does every epoch the table held before this call and `ents` lacks
+ * (a new epoch is 1 + the highest in the file, so a number is not reused
+ * while its entry lasts; one that is live again opens as live: the live
+ * entries are looked up first). 0, -EINVAL or -ENOMEM. */
 int nvt_keys_set(nvt_keys *k, const nvt_epoch_key *ents, uint32_t n, int64_t seal_epoch, uint64_t seal_until_ns,
-                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen);
+                 uint64_t seal_limit, uint32_t max_epoch, uint32_t gen_seen, const uint32_t *destroyed,
+                 uint32_t n_destroyed);
 
 /* Begin (1) or end (0) a replacement of the table during which it may lack
  * a sealing epoch: seals wait for its end (at most NVT_HOLD_WAIT_MS). */
@@ -126,10 +138,21 @@ int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
                   uint64_t row_bytes, uint64_t slot_bytes, uint64_t *checksum);
 
 /* Open `len` sealed bytes of `src` into `dst` (may be `src`) with the
- * slot's `trailer`. 0 (checksum set), -EBADMSG (not a trailer, a destroyed
- * epoch, a tag that does not verify: dst holds garbage), -ENOKEY (an epoch
- * newer than this table knows while keys_gen moved since the table was read:
- * reload, then retry), -EIO (libcrypto).
+ * slot's `trailer`. 0 (checksum set), -EBADMSG (not a trailer, a tag that
+ * does not verify, an epoch that never existed: dst holds garbage),
+ * -EKEYREVOKED (an epoch this table knows existed and was destroyed, by a
+ * purge, a retention or a full `keys` file: nothing can open it, dst
+ * untouched), -ENOKEY (an epoch newer than this table knows while keys_gen
+ * moved since the table was read: reload, then retry), -EIO (libcrypto).
+ *
+ * -EKEYREVOKED is decided from the trailer's epoch alone (no key, so no tag
+ * to check): whoever can write the data files can make any chunk claim a
+ * destroyed epoch. That changes which counter its load lands in
+ * (loads_key_destroyed instead of auth_failures), never its outcome: a
+ * miss, no byte served. An epoch is classified destroyed only when the
+ * `keys` file says so or this table held it: a number below the newest that
+ * is neither (never existed, or its entry torn before this table read it)
+ * stays -EBADMSG.
  *
  * An epoch newer than the table knows while keys_gen has not moved since the
  * table's `keys` file was read is -EBADMSG: every epoch is durable in `keys`

@@ -718,6 +718,13 @@ class Keyring:
     def load_wipeable(self, skeys: StoreKeys) -> tuple[list[Epoch], int]:
         """``load`` with each key in a bytearray the caller wipes once
         loaded (``_wipe``): no copy of an epoch key outlives the reload."""
+        live, top, _destroyed = self.load_table(skeys)
+        return live, top
+
+    def load_table(self, skeys: StoreKeys) -> tuple[list[Epoch], int, list[int]]:
+        """``load_wipeable`` and the epochs the file names destroyed (what a
+        native key table opens as ``EKEYREVOKED``: nvt_seal.h), from one
+        read of the file."""
         ents = self.epochs()
         top = max((e.epoch for e in ents), default=0)
         live = []
@@ -726,7 +733,7 @@ class Keyring:
                 e.key = skeys.unwrap_epoch(self.store_id, e)
                 if e.key is not None:
                     live.append(e)
-        return live, top
+        return live, top, [e.epoch for e in ents if e.state == ENTRY_DESTROYED]
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:

@@ -69,6 +69,10 @@ COUNTERS = (
     # Encrypted chunks whose AES-GCM tag did not verify (also counted in
     # checksum_failures: a miss, the slot freed).
     "auth_failures",
+    # Sealed chunks found under a key epoch known destroyed (a purge, a
+    # retention, a full keys file) while their load was in flight or since: a
+    # miss, the slot freed; not corruption (neither counter above).
+    "loads_key_destroyed",
     # READY chunks whose recency a touch refreshed (vLLM's tier: the chunks a
     # finished request used, whichever tier or the GPU served them).
     "chunks_touched",

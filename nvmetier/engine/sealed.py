@@ -31,7 +31,10 @@ fingerprint. The completion's checksum is the tag's first 8 bytes: the table
 writes it into the record at the store's commit and compares it at every
 load, so a record only ever serves the sealing it was written for; a tag that
 does not verify completes the load with ``-EBADMSG``, which the table treats
-as a checksum failure (a miss, the slot freed, ``auth_failures`` counted).
+as a checksum failure (a miss, the slot freed, ``auth_failures`` counted). A
+chunk sealed under an epoch known destroyed (a purge, a retention, a full
+``keys`` file: nvt_seal.h) completes with ``-EKEYREVOKED`` instead: a miss,
+the slot freed too, counted in ``loads_key_destroyed``, not as corruption.
 
 Nonces are 96 random bits per seal, under the sealing process's current
 epoch key (``Sealing``). The authenticated data binds each chunk to its key
@@ -197,7 +200,7 @@ class Sealing:
         """Load every live epoch into the native table. False when this
         process's own epoch is gone (destroyed by a purge): rotate."""
         self._seen = self._generation()
-        live, top = self.keyring.load_wipeable(self.keys)
+        live, top, destroyed = self.keyring.load_table(self.keys)
         cur = self._current
         mine = cur is not None and any(e.epoch == cur.epoch for e in live)
         self.native.set(
@@ -207,6 +210,10 @@ class Sealing:
             crypto.EPOCH_MAX_SEALS,
             top,
             self._seen & 0xFFFFFFFF,  # read before the keys file (nvt_seal.h: nvt_keys_open)
+            # Known destroyed (with every epoch the table held and no longer
+            # does): a chunk under one opens as EKEYREVOKED, a miss that is
+            # not counted as an authentication failure.
+            destroyed,
         )
         for e in live:
             if isinstance(e.key, bytearray):
@@ -344,7 +351,8 @@ class Sealing:
         completion's checksum (the tag's head).
 
         Raises:
-            OSError: EBADMSG (``row`` then holds garbage), ENOKEY.
+            OSError: EBADMSG (``row`` then holds garbage), EKEYREVOKED,
+                ENOKEY (as ``open_into``).
         """
         return self.open_into(row, trailer, seed, None, file_idx, file_off)
 
@@ -362,7 +370,9 @@ class Sealing:
 
         Raises:
             OSError: EBADMSG when the trailer or the tag does not verify or
-                the epoch was destroyed (``dst`` then holds garbage); ENOKEY
+                the epoch never existed (``dst`` then holds garbage);
+                EKEYREVOKED when the epoch is known destroyed (the keys file
+                says so, or this table held it: ``dst`` untouched); ENOKEY
                 for an epoch not loaded yet.
         """
         got = self.native.open(

@@ -16,9 +16,10 @@ one chunk: a worker seals the row into its own page-aligned bounce slot and
 writes that; a load reads the slot straight into the row plus the trailer
 page into the worker's small buffer (one ``preadv``) and opens the row in
 place (libcrypto, the GIL released). A tag that does not verify completes
-with ``-EBADMSG``. With ``staging`` too, the slot image lives in the
-worker's huge-page arena instead: sealed into it from the row, or read into
-it whole and opened from it into the row.
+with ``-EBADMSG``, an epoch known destroyed with ``-EKEYREVOKED``. With
+``staging`` too, the slot image lives in the worker's huge-page arena
+instead: sealed into it from the row, or read into it whole and opened from
+it into the row.
 
 ``submit`` only enqueues. Completions go to a ``queue.SimpleQueue`` that
 ``wait_completions`` drains. Packed ops (``submit_raw``) are enqueued as one

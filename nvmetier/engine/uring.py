@@ -215,7 +215,8 @@ class UringEngine(IoEngine):
     # ------------------------------------------------------------ sealing
     @property
     def auth_failures(self) -> int:
-        """Sealed reads whose trailer or tag did not verify (``-EBADMSG``)."""
+        """Sealed reads whose trailer or tag did not verify (``-EBADMSG``;
+        not those under an epoch known destroyed, ``-EKEYREVOKED``)."""
         return int(self._native.auth_failures())
 
     def submit(self, ops: Sequence[Op]) -> None:

@@ -40,6 +40,12 @@ METRICS: dict[str, tuple[str, str]] = {
         "Encrypted chunks whose AES-GCM tag did not verify on load (a miss, freed; "
         "also counted in checksum_failures).",
     ),
+    "loads_key_destroyed": (
+        "counter",
+        "Sealed chunks found on load under a key epoch destroyed by a purge, the retention "
+        "or a full keys file (a miss, freed; not in checksum_failures or auth_failures; "
+        "a rise with no purge or retention: treat as auth_failures).",
+    ),
     "read_errors": ("counter", "Chunk reads that failed with an I/O error."),
     "write_errors": ("counter", "Chunk writes that failed with an I/O error."),
     "stores_dropped_queue_full": (
