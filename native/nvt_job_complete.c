@@ -36,6 +36,16 @@ static PyObject *fail_text(job_info *j) {
     }
 }
 
+/* A slot no load can ever read (its payload or tag proven bad, or its key
+ * epoch destroyed): its removed KV event, then freed. Under its set's lock. */
+static void free_unreadable(TableObject *t, slot_ref s, uint64_t slot, int events, PyObject **removed) {
+    const unsigned char *r = record(&t->core, slot);
+    int kl = r[5];
+    if (events && kl <= REC_KEY_MAX && nvt_append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
+        event_lost(t);
+    nvt_clear_slot_locked(&t->core, s, slot);
+}
+
 /* Apply one completion: the slot is published or freed, the op released and
  * its job counted down, with nothing that can fail in between (a failed key
  * marks the job, a lost KV event is counted). Returns 0, or 1 when its set
@@ -154,22 +164,14 @@ int nvt_apply_one(TableObject *t, const nvt_completion *c, int events, PyObject 
              * open the slot. A miss, freed with its removed event as a
              * corrupt one is, but not corruption: its own counter, and the
              * job fails quietly as for a key that is not there. */
-            const unsigned char *r = record(&t->core, o->slot);
-            int kl = r[5];
-            if (events && kl <= REC_KEY_MAX && nvt_append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
-                event_lost(t);
-            nvt_clear_slot_locked(&t->core, s, o->slot);
+            free_unreadable(t, s, o->slot, events, removed);
             set_unlock(&t->core, set);
             t->core.c.loads_key_destroyed++;
             nvt_job_fail(j, o->pos, FAIL_MISSING, 0);
         } else if (c->result == -EBADMSG || (o->verify && ok && c->checksum != o->expected)) {
             /* Proven corruption of this very slot (a payload checksum, or an
              * encrypted chunk's tag, that does not verify): a miss, freed. */
-            const unsigned char *r = record(&t->core, o->slot);
-            int kl = r[5];
-            if (events && kl <= REC_KEY_MAX && nvt_append_key(removed, (const char *)r + REC_KEY_OFFSET, kl) < 0)
-                event_lost(t);
-            nvt_clear_slot_locked(&t->core, s, o->slot);
+            free_unreadable(t, s, o->slot, events, removed);
             set_unlock(&t->core, set);
             t->core.c.checksum_failures++;
             if (c->result == -EBADMSG)
