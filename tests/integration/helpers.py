@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from nvmetier.config import TierConfig
+from nvmetier.engine.base import Completion, IoEngine, Op
 from nvmetier.store import BlockStore, JobOutcome
 
 ROW = 65536
@@ -111,3 +114,47 @@ def make_sealing(
     )
     sealing.start()
     return sealing
+
+
+class HeldOps(IoEngine):
+    """Wraps an engine; while ``hold`` is set, keeps the ops of one ``kind``
+    (``OP_WRITE``: a store's write in flight; ``OP_READ``: a load in flight,
+    not yet read nor opened) until ``release()``, for as long as the test
+    wants. Other ops run at once."""
+
+    def __init__(self, inner: IoEngine, kind: int) -> None:
+        self.inner = inner
+        self.kind = kind
+        self.name = f"held-{inner.name}"
+        self.hold = False
+        self._held: collections.deque[Op] = collections.deque()
+        self._lock = threading.Lock()
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        run_now = []
+        with self._lock:
+            for op in ops:
+                (self._held if self.hold and op.kind == self.kind else run_now).append(op)
+        if run_now:
+            self.inner.submit(run_now)
+
+    def release(self) -> None:
+        with self._lock:
+            ops, self.hold = list(self._held), False
+            self._held.clear()
+        if ops:
+            self.inner.submit(ops)
+
+    def held(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def wait_completions(self, timeout_s: float) -> list[Completion]:
+        return self.inner.wait_completions(timeout_s)
+
+    def close(self) -> None:
+        self.release()
+        self.inner.close()
+
+    def describe(self) -> dict[str, object]:
+        return {**self.inner.describe(), "engine": self.name}

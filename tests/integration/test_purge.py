@@ -4,18 +4,17 @@ removal events. Multi-process faults are in tests/fault/test_fault_purge.py."""
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import nvmetier._table as _table
 import pytest
 
 from nvmetier import purge
-from nvmetier.engine.base import OP_WRITE, Completion, IoEngine, Op
+from nvmetier.engine.base import OP_WRITE, IoEngine
 from tests.integration.helpers import (
     ROW,
+    HeldOps,
     fill_rows,
     key,
     load_keys,
@@ -38,49 +37,6 @@ def wall_clock() -> Iterator[None]:
 
 def store_dir(tmp_path) -> str:
     return str(tmp_path / "store")
-
-
-class HeldWrites(IoEngine):
-    """Wraps an engine; keeps write ops until ``release()`` (a write in
-    flight for as long as the test wants)."""
-
-    def __init__(self, inner: IoEngine) -> None:
-        self.inner = inner
-        self.name = f"held-{inner.name}"
-        self.hold = False
-        self._held: collections.deque[Op] = collections.deque()
-        self._lock = threading.Lock()
-
-    def submit(self, ops: Sequence[Op]) -> None:
-        run_now = []
-        with self._lock:
-            for op in ops:
-                if self.hold and op.kind == OP_WRITE:
-                    self._held.append(op)
-                else:
-                    run_now.append(op)
-        if run_now:
-            self.inner.submit(run_now)
-
-    def release(self) -> None:
-        with self._lock:
-            ops, self.hold = list(self._held), False
-            self._held.clear()
-        self.inner.submit(ops)
-
-    def held(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-    def wait_completions(self, timeout_s: float) -> list[Completion]:
-        return self.inner.wait_completions(timeout_s)
-
-    def close(self) -> None:
-        self.release()
-        self.inner.close()
-
-    def describe(self) -> dict[str, object]:
-        return {**self.inner.describe(), "engine": self.name}
 
 
 def test_purge_all_of_a_live_store_makes_every_chunk_a_miss(tmp_path, buffer) -> None:
@@ -150,10 +106,10 @@ def test_purge_events_of_two_purges_not_yet_taken_are_kept(tmp_path, buffer) -> 
 
 
 def test_write_in_flight_during_purge_all_is_never_published(tmp_path, buffer) -> None:
-    held: list[HeldWrites] = []
+    held: list[HeldOps] = []
 
     def wrap(engine: IoEngine) -> IoEngine:
-        held.append(HeldWrites(engine))
+        held.append(HeldOps(engine, OP_WRITE))
         return held[0]
 
     store = make_store(str(tmp_path), buffer, engine_wrapper=wrap)
@@ -176,10 +132,10 @@ def test_write_in_flight_during_purge_all_is_never_published(tmp_path, buffer) -
 
 
 def test_write_in_flight_during_purge_older_than_is_kept(tmp_path, buffer) -> None:
-    held: list[HeldWrites] = []
+    held: list[HeldOps] = []
 
     def wrap(engine: IoEngine) -> IoEngine:
-        held.append(HeldWrites(engine))
+        held.append(HeldOps(engine, OP_WRITE))
         return held[0]
 
     store = make_store(str(tmp_path), buffer, engine_wrapper=wrap)

@@ -9,7 +9,6 @@ nvt_keys_open). Both engines."""
 
 from __future__ import annotations
 
-import collections
 import errno
 import os
 import struct
@@ -23,9 +22,18 @@ pytest.importorskip("nvmetier._crypto")
 
 from nvmetier import crypto, fsck, purge
 from nvmetier.engine import uring_status
-from nvmetier.engine.base import OP_READ, Completion, IoEngine, Op
+from nvmetier.engine.base import OP_READ, IoEngine
 from nvmetier.engine.sealed import TRAILER_BYTES
-from tests.integration.helpers import ROW, fill_rows, key, make_store, payload, run, store_keys
+from tests.integration.helpers import (
+    ROW,
+    HeldOps,
+    fill_rows,
+    key,
+    make_store,
+    payload,
+    run,
+    store_keys,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,47 +44,6 @@ ENGINES = [
         marks=pytest.mark.skipif(not uring_status()[0], reason="io_uring unavailable"),
     ),
 ]
-
-
-class HeldReads(IoEngine):
-    """Wraps an engine; keeps read ops until ``release()``: a load in flight
-    (not yet read nor opened) for as long as the test wants."""
-
-    def __init__(self, inner: IoEngine) -> None:
-        self.inner = inner
-        self.name = f"held-{inner.name}"
-        self.hold = False
-        self._held: collections.deque[Op] = collections.deque()
-        self._lock = threading.Lock()
-
-    def submit(self, ops: Sequence[Op]) -> None:
-        run_now = []
-        with self._lock:
-            for op in ops:
-                (self._held if self.hold and op.kind == OP_READ else run_now).append(op)
-        if run_now:
-            self.inner.submit(run_now)
-
-    def release(self) -> None:
-        with self._lock:
-            ops, self.hold = list(self._held), False
-            self._held.clear()
-        if ops:
-            self.inner.submit(ops)
-
-    def held(self) -> int:
-        with self._lock:
-            return len(self._held)
-
-    def wait_completions(self, timeout_s: float) -> list[Completion]:
-        return self.inner.wait_completions(timeout_s)
-
-    def close(self) -> None:
-        self.release()
-        self.inner.close()
-
-    def describe(self) -> dict[str, object]:
-        return {**self.inner.describe(), "engine": self.name}
 
 
 def new_key(tmp_path) -> str:
@@ -147,10 +114,10 @@ def removed_events(store) -> list[bytes]:
 def test_loads_in_flight_across_purge_all_are_misses_not_auth_failures(
     tmp_path, buffer, engine
 ) -> None:
-    held: list[HeldReads] = []
+    held: list[HeldOps] = []
 
     def wrap(inner: IoEngine) -> IoEngine:
-        held.append(HeldReads(inner))
+        held.append(HeldOps(inner, OP_READ))
         return held[0]
 
     store = sealed(tmp_path, buffer, engine, engine_wrapper=wrap)
