@@ -68,6 +68,7 @@ TABLE_SOURCES = [
     "native/nvt_table.c",
     "native/nvt_table_admin.c",
     "native/nvt_table_module.c",
+    "native/nvt_hot_request.c",
     "native/nvt_jobs.c",
     "native/nvt_job_submit.c",
     "native/nvt_job_complete.c",

@@ -51,18 +51,25 @@ class _TierClock:
         self.by_method: dict[str, list[int]] = {}
         self._tier = tier
         self.self_ns = self._calibrate()
-        self._wrapped: list[str] = []
+        # Per wrapped name: what the instance itself held under it (a tier may
+        # set a callable on the instance, as ours does for ``lookup``: it is
+        # what vLLM calls, so it is what is timed), or None for a method of
+        # the class.
+        self._wrapped: dict[str, Any] = {}
         for name in self.METHODS:
             method = getattr(tier, name, None)
-            if callable(method) and name not in vars(tier):
+            if callable(method) and not getattr(method, "_tier_clock_wrapped", False):
+                self._wrapped[name] = vars(tier).get(name)
                 setattr(tier, name, self._wrap(method, name))
-                self._wrapped.append(name)
 
     def remove(self) -> None:
         """Unwrap the methods (before timing one of them directly)."""
-        for name in self._wrapped:
-            delattr(self._tier, name)
-        self._wrapped = []
+        for name, own in self._wrapped.items():
+            if own is None:
+                delattr(self._tier, name)
+            else:
+                setattr(self._tier, name, own)
+        self._wrapped = {}
 
     def _wrap(self, method: Callable, name: str = "") -> Callable:
         clock = time.thread_time_ns
@@ -80,6 +87,7 @@ class _TierClock:
                 tally[0] += dt
                 tally[1] += 1
 
+        timed._tier_clock_wrapped = True  # type: ignore[attr-defined]
         return timed
 
     def _calibrate(self, n: int = 20000) -> float:

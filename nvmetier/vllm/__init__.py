@@ -406,6 +406,14 @@ class NvmeTierManager(SecondaryTierManager):
         self._guard = self._build_guard(offloading_spec, primary_kv_view)
         self._guard_wired = False
         self._hot = self._guard.hot
+        # vLLM calls lookup once per chunk: the hot request's leased keys are
+        # answered by the guard's native HotRequest itself, set as this
+        # instance's lookup (it shadows the method below; vLLM calls
+        # tier.lookup(key, req_context)); everything else is its fallback,
+        # the method's own path (_lookup_rest).
+        self._hot.hit = _HIT
+        self._hot.fallback = self._lookup_rest
+        self.lookup = self._hot  # type: ignore[method-assign]
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
         self._refresh_chunks = self.config.recency_refresh_chunks
@@ -531,6 +539,8 @@ class NvmeTierManager(SecondaryTierManager):
         # this step) inline, one frame: a key its plan leased is a HIT (the
         # guard's lookup_call path, the same sets; PromotionGuard._heat says
         # when a request is hot); anything else asks the guard.
+        # (The instance's lookup is the native HotRequest, which runs these
+        # same steps in C; this method is what vLLM's interface names.)
         hot = self._hot
         if req_context is hot.ctx:
             leased = hot.leased
@@ -538,6 +548,10 @@ class NvmeTierManager(SecondaryTierManager):
                 leased.discard(key)
                 hot.hits.append(key)
                 return _HIT
+        return _HIT if self._answer(key, req_context) else _MISS
+
+    def _lookup_rest(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Every lookup the native hot path does not answer (``lookup``)."""
         return _HIT if self._answer(key, req_context) else _MISS
 
     def _first_lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:

@@ -47,6 +47,7 @@ from collections.abc import Callable, Collection, Iterable
 from itertools import compress, repeat
 from typing import Any
 
+from nvmetier._table import HotRequest as _Hot
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView
 from nvmetier.vllm.promotion_plan import (
     NOT_LOADED_LOG_INTERVAL_S,
@@ -70,31 +71,24 @@ HOLD_STEPS = 8
 MAX_PLANS = 3
 
 
-class _Hot:
-    """The request whose lookups ``lookup_call`` answers from its plan's set.
-
-    Set after a lookup of a planned round that cannot plan again this step
-    (see ``PromotionGuard._heat``); its HITs are kept in ``hits`` and moved
-    into the round (count, landing, not-yet-loaded) by ``_cool``, which every
-    other method of the guard calls first. ``leased``: the round's planned
-    keys the disk leased at this step's plan (a HIT without asking the disk
-    again; the round's own set, a key leaving it at its HIT), of which
-    ``n_leased`` were there when it was heated. ``planned``: the round's
-    other planned keys (the disk is asked; a key leaves it at its HIT). A
-    HIT leaves the round's ``planned`` at ``_cool``: while hot, a key
-    answered HIT is in neither set, so a second lookup of it is a MISS as
-    ``note_hit`` makes it."""
-
-    __slots__ = ("ctx", "hits", "leased", "n_leased", "planned", "req_id", "rnd")
-
-    def __init__(self) -> None:
-        self.ctx: Any = None
-        self.req_id = ""
-        self.rnd: _Round | None = None
-        self.planned: set[Any] = set()
-        self.leased: set[Any] = set()
-        self.n_leased = 0
-        self.hits: list[Any] = []
+# The request whose lookups are answered from its plan's set: set after a
+# lookup of a planned round that cannot plan again this step (see
+# ``PromotionGuard._heat``); its HITs are kept in ``hits`` and moved into the
+# round (count, landing, not-yet-loaded) by ``_cool``, which every other
+# method of the guard calls first. ``leased``: the round's planned keys the
+# disk leased at this step's plan (a HIT without asking the disk again; the
+# round's own set, a key leaving it at its HIT), of which ``n_leased`` were
+# there when it was heated. ``planned``: the round's other planned keys (the
+# disk is asked; a key leaves it at its HIT). A HIT leaves the round's
+# ``planned`` at ``_cool``: while hot, a key answered HIT is in neither set,
+# so a second lookup of it is a MISS as ``note_hit`` makes it.
+#
+# It is native (``nvmetier._table.HotRequest``, native/nvt_hot_request.c):
+# plain attributes as a slotted class has, and callable as the tier's
+# ``lookup(key, ctx)``, answering a leased key of the hot request in C (no
+# Python frame per key on vLLM's scheduler thread) and calling its
+# ``fallback`` for anything else (``NvmeTierManager`` wires both). Imported
+# above as ``_Hot``, the name of the Python class it replaced.
 
 
 class PromotionGuard(RequestPlanner):

@@ -224,6 +224,37 @@ def test_tier_clock_counts_time_inside_wrapped_methods_only() -> None:
     assert "lookup" not in vars(tier)
 
 
+def test_tier_clock_times_a_callable_the_instance_holds() -> None:
+    # A tier may answer vLLM through a callable set on the instance (ours
+    # sets its native lookup there): vLLM calls that, so the clock times it,
+    # and puts it back when removed; a second clock does not wrap twice.
+    import time
+
+    class Tier:
+        def lookup(self, key):
+            return "class"
+
+    tier = Tier()
+
+    def own(key):
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return "own"
+
+    tier.lookup = own
+    clock = bench._TierClock(tier)
+    clock.start()
+    assert tier.lookup("k") == "own"
+    assert 0.015 <= clock.inside_ns / 1e9 < 0.035
+    assert clock.by_method_us(chunks=1)["lookup"]["calls"] == 1
+    again = bench._TierClock(tier)
+    assert "lookup" not in again.by_method
+    again.remove()
+    clock.remove()
+    assert vars(tier)["lookup"] is own
+
+
 @pytest.mark.timeout(180)
 def test_vllm_level_times_lookups_that_reach_the_store(tmp_path, capsys) -> None:
     # Through vLLM's real orchestrator: every timed lookup of a stored key is

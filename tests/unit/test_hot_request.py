@@ -1,0 +1,126 @@
+"""nvmetier._table.HotRequest: the promotion guard's hot request, callable as
+the tier's lookup(key, ctx) (native/nvt_hot_request.c).
+
+The contract: a key of ``leased`` asked with the hot ``ctx`` (by identity)
+leaves ``leased``, is appended to ``hits`` and is answered ``hit``, once;
+every other call goes to ``fallback(key, ctx)`` with its arguments unchanged.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+from nvmetier._table import HotRequest
+
+
+class Ctx:
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+
+
+def test_fresh_state_is_cold() -> None:
+    hot = HotRequest()
+    assert hot.ctx is None and hot.rnd is None and hot.req_id == ""
+    assert hot.leased == set() and hot.planned == set() and hot.hits == []
+    assert hot.n_leased == 0 and hot.fallback is None and hot.hit is True
+    with pytest.raises(TypeError):
+        HotRequest(1)
+
+
+def test_leased_key_of_the_hot_request_is_a_hit_once() -> None:
+    calls = []
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: calls.append((key, ctx)) or "fallback"
+    hot.hit = "HIT"
+    ctx = Ctx("r1")
+    hot.ctx = ctx
+    hot.leased = {b"a", b"b"}
+    assert hot(b"a", ctx) == "HIT"
+    assert hot.leased == {b"b"} and hot.hits == [b"a"]
+    # Asked again: no longer leased, the fallback decides (the guard's MISS).
+    assert hot(b"a", ctx) == "fallback"
+    assert calls == [(b"a", ctx)]
+    assert hot(b"b", ctx) == "HIT"
+    assert hot.hits == [b"a", b"b"] and hot.leased == set()
+
+
+def test_other_context_or_key_goes_to_the_fallback() -> None:
+    seen = []
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: seen.append((key, ctx.req_id)) or False
+    ctx, other, twin = Ctx("r1"), Ctx("r2"), Ctx("r1")
+    hot.ctx = ctx
+    hot.leased = {b"a"}
+    assert hot(b"a", other) is False  # another request
+    assert hot(b"a", twin) is False  # equal req_id, not the same context
+    assert hot(b"z", ctx) is False  # not leased
+    assert seen == [(b"a", "r2"), (b"a", "r1"), (b"z", "r1")]
+    assert hot.leased == {b"a"} and hot.hits == []
+    # Keyword arguments are passed through to the fallback as given.
+    hot.fallback = lambda key, req_context: ("kw", key, req_context.req_id)
+    assert hot(b"a", req_context=ctx) == ("kw", b"a", "r1")
+    assert hot.leased == {b"a"}
+
+
+def test_cold_request_never_answers_none_context() -> None:
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: "fallback"
+    hot.leased = {b"a"}
+    assert hot(b"a", None) == "fallback"  # ctx None is no hot request
+    assert hot.leased == {b"a"}
+
+
+def test_without_fallback_a_clear_error() -> None:
+    hot = HotRequest()
+    with pytest.raises(TypeError, match="fallback"):
+        hot(b"a", Ctx("r"))
+
+
+def test_unhashable_key_raises_and_changes_nothing() -> None:
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: False
+    ctx = Ctx("r")
+    hot.ctx = ctx
+    hot.leased = {b"a"}
+    with pytest.raises(TypeError):
+        hot([1], ctx)
+    assert hot.leased == {b"a"} and hot.hits == []
+
+
+def test_members_of_other_types_or_deleted_take_the_fallback() -> None:
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: "fallback"
+    ctx = Ctx("r")
+    hot.ctx = ctx
+    hot.leased = frozenset({b"a"})  # not a mutable set: nothing to remove from
+    assert hot(b"a", ctx) == "fallback"
+    hot.leased = {b"a"}
+    hot.hits = ()  # not a list
+    assert hot(b"a", ctx) == "fallback" and hot.leased == {b"a"}
+    hot.hits = []
+    del hot.leased
+    assert hot.leased is None
+    assert hot(b"a", ctx) == "fallback"
+    del hot.fallback
+    with pytest.raises(TypeError):
+        hot(b"a", ctx)
+
+
+def test_reference_cycle_through_the_fallback_is_collected() -> None:
+    class Tier:
+        def __init__(self) -> None:
+            self.hot = HotRequest()
+            self.hot.fallback = self.rest
+            self.hot.ctx = self
+            self.lookup = self.hot
+
+        def rest(self, key, ctx):
+            return False
+
+    tier = Tier()
+    ref = weakref.ref(tier)
+    del tier
+    gc.collect()
+    assert ref() is None
