@@ -139,8 +139,12 @@ class PromotionGuard(RequestPlanner):
         self._layout = {g: (tpc, w) for g, tpc, w in groups if tpc > 0}
         self._step = 0
         self._rounds: dict[str, _Round] = {}
-        # HITs answered this step that no submit_load took yet: key -> req_id.
+        # HITs answered this step that no submit_load took yet: key -> req_id,
+        # and, not yet in it, the hot requests' HITs moved out by _cool, as
+        # (keys, req_id) in order (_note_pending puts them in; a load that
+        # takes them all drops them without that pass over the keys).
         self._unloaded: dict[Any, str] = {}
+        self._pending: list[tuple[list[Any], str]] = []
         self._last_log = -math.inf
         self._not_logged = 0
         self._not_logged_reqs = 0
@@ -306,6 +310,13 @@ class PromotionGuard(RequestPlanner):
             else:
                 hot.planned = rnd.planned
 
+    def _note_pending(self) -> None:
+        """Put the HITs ``_cool`` set aside into ``_unloaded``, in order."""
+        unloaded = self._unloaded
+        for hits, req_id in self._pending:
+            unloaded.update(dict.fromkeys(hits, req_id))
+        self._pending.clear()
+
     def _cool(self) -> None:
         """Move the hot request's HITs into its round, as ``note_hit`` would
         have one by one, and stop answering from its set."""
@@ -315,11 +326,28 @@ class PromotionGuard(RequestPlanner):
         hits = hot.hits
         rnd = hot.rnd
         if hits and rnd is not None:
-            rnd.planned.difference_update(hits)
+            planned = rnd.planned
+            landing = rnd.landing
+            # The hits are distinct keys of the round's planned set (each left
+            # the leased or planned set it was answered from, and the leased
+            # set is a part of the planned one). When they are all of it (the
+            # usual round: every planned key was a HIT), the planned set
+            # itself becomes the landing set, with the few keys landing
+            # already: no pass over the request's keys, each a cold object.
+            if len(hits) == len(planned) and len(landing) < len(hits):
+                planned.update(landing)
+                rnd.landing = planned
+                rnd.planned = set()
+            else:
+                planned.difference_update(hits)
+                landing.update(hits)
             rnd.hits += len(hits)
-            rnd.landing.update(hits)
-            self._unloaded.update(dict.fromkeys(hits, hot.req_id))
-        hits.clear()
+            # Not loaded yet (note_loaded): the list itself, noted in
+            # _unloaded only if needed (_note_pending).
+            self._pending.append((hits, hot.req_id))
+            hot.hits = []
+        elif hits:
+            hits.clear()
         if hot.n_leased:
             n = hot.n_leased - len(hot.leased)
             hot.n_leased = 0
@@ -414,6 +442,8 @@ class PromotionGuard(RequestPlanner):
         """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
         if self._hot.ctx is not None:
             self._cool()
+        if self._pending:
+            self._note_pending()
         req_id = ctx.req_id
         if self._unloaded.get(key) == req_id:  # a key looked up twice counts once
             return
@@ -431,9 +461,28 @@ class PromotionGuard(RequestPlanner):
     def note_loaded(self, keys: Iterable[Any]) -> None:
         """vLLM submitted a load (promotion) of ``keys``."""
         self._cool()
-        if self._unloaded:
+        pending = self._pending
+        head = keys
+        tail: Iterable[Any] = ()
+        if pending:
+            # The usual load: the request's first HIT (noted in _unloaded)
+            # then every HIT of its hot lookups, in order, as one job. Those
+            # (the job's end, compared by identity) were never noted: nothing
+            # to take out of _unloaded for them unless it still holds keys
+            # once the job's head is taken out (then they may be there too).
+            hits = pending[-1][0]
+            n = len(hits)
+            if type(keys) is list and len(keys) >= n and keys[len(keys) - n :] == hits:
+                pending.pop()
+                head, tail = keys[: len(keys) - n], hits
+            if pending:
+                self._note_pending()
+        unloaded = self._unloaded
+        if unloaded:
             # dict.pop over the keys at C speed (no Python frame per key).
-            deque(map(self._unloaded.pop, keys, repeat(None)), maxlen=0)
+            deque(map(unloaded.pop, head, repeat(None)), maxlen=0)
+            if unloaded and tail:
+                deque(map(unloaded.pop, tail, repeat(None)), maxlen=0)
 
     def note_load_job(self, job_id: int, keys: Collection[Any], ctx: Any) -> None:
         """vLLM submitted promotion job ``job_id`` of ``keys`` for ``ctx``."""
@@ -509,6 +558,8 @@ class PromotionGuard(RequestPlanner):
                 deque(map(waiting.pop, new_req_ids, repeat(None)), maxlen=0)
                 if self._protect_spent:
                     self._protect_spent.difference_update(new_req_ids)
+            if self._pending:
+                self._note_pending()
             if self._unloaded:
                 self._count_unloaded()
             return
@@ -531,6 +582,8 @@ class PromotionGuard(RequestPlanner):
         if rounds and self._view is not None:
             self._pin_landed()
             self._expire_idle()
+        if self._pending:
+            self._note_pending()
         if self._unloaded:
             self._count_unloaded()
 
