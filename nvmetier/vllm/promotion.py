@@ -326,21 +326,8 @@ class PromotionGuard(RequestPlanner):
         hits = hot.hits
         rnd = hot.rnd
         if hits and rnd is not None:
-            planned = rnd.planned
-            landing = rnd.landing
-            # The hits are distinct keys of the round's planned set (each left
-            # the leased or planned set it was answered from, and the leased
-            # set is a part of the planned one). When they are all of it (the
-            # usual round: every planned key was a HIT), the planned set
-            # itself becomes the landing set, with the few keys landing
-            # already: no pass over the request's keys, each a cold object.
-            if len(hits) == len(planned) and len(landing) < len(hits):
-                planned.update(landing)
-                rnd.landing = planned
-                rnd.planned = set()
-            else:
-                planned.difference_update(hits)
-                landing.update(hits)
+            rnd.planned.difference_update(hits)
+            rnd.landing.update(hits)
             rnd.hits += len(hits)
             # Not loaded yet (note_loaded): the list itself, noted in
             # _unloaded only if needed (_note_pending).
