@@ -18,7 +18,9 @@
  * The attributes are the Python class's it replaces (plain members, read and
  * written by the guard as slots were): ctx, req_id, rnd, planned, leased,
  * n_leased, hits; plus fallback (the callable for everything but the fast
- * path) and hit (what a HIT returns: vLLM's LookupResult.HIT).
+ * path), hit (what a HIT returns: vLLM's LookupResult.HIT) and miss (None:
+ * the fallback's result is returned as it is; else the fallback answers a
+ * truth value, returned as hit or miss).
  *
  * Threads: called with the GIL held, on vLLM's scheduler thread (under the
  * orchestrator's lock); nothing waits, nothing does I/O.
@@ -42,6 +44,7 @@ typedef struct {
     PyObject *hits;     /* list: the keys answered HIT while hot, in order */
     PyObject *fallback; /* callable(key, ctx): every other lookup */
     PyObject *hit;      /* returned for a leased key */
+    PyObject *miss;     /* None, or: the fallback answers a truth value, mapped to hit or miss */
     vectorcallfunc vectorcall;
 } HotObject;
 
@@ -76,7 +79,18 @@ static PyObject *hot_vectorcall(PyObject *callable, PyObject *const *args, size_
         PyErr_SetString(PyExc_TypeError, "HotRequest: no fallback set for a lookup it does not answer");
         return NULL;
     }
-    return PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    PyObject *r = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    if (!r || !self->miss || self->miss == Py_None || !self->hit)
+        return r;
+    /* The guard's own answer (a bool): vLLM's HIT or MISS, with no Python
+     * frame of the tier's between vLLM and the guard. */
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (truth < 0)
+        return NULL;
+    PyObject *out = truth ? self->hit : self->miss;
+    Py_INCREF(out);
+    return out;
 }
 
 static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
@@ -97,6 +111,8 @@ static PyObject *hot_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->fallback = Py_None;
     Py_INCREF(Py_True);
     self->hit = Py_True;
+    Py_INCREF(Py_None);
+    self->miss = Py_None;
     if (!(self->req_id = PyUnicode_FromString("")) || !(self->planned = PySet_New(NULL)) ||
         !(self->leased = PySet_New(NULL)) || !(self->hits = PyList_New(0))) {
         Py_DECREF(self);
@@ -114,6 +130,7 @@ static int hot_traverse(HotObject *self, visitproc visit, void *arg) {
     Py_VISIT(self->hits);
     Py_VISIT(self->fallback);
     Py_VISIT(self->hit);
+    Py_VISIT(self->miss);
     return 0;
 }
 
@@ -126,6 +143,7 @@ static int hot_clear(HotObject *self) {
     Py_CLEAR(self->hits);
     Py_CLEAR(self->fallback);
     Py_CLEAR(self->hit);
+    Py_CLEAR(self->miss);
     return 0;
 }
 
@@ -147,13 +165,17 @@ static PyMemberDef hot_members[] = {
     {"hits", T_OBJECT, offsetof(HotObject, hits), 0, "keys answered HIT while hot, in order"},
     {"fallback", T_OBJECT, offsetof(HotObject, fallback), 0, "callable(key, ctx) for every other lookup"},
     {"hit", T_OBJECT, offsetof(HotObject, hit), 0, "what a leased key's lookup returns"},
+    {"miss", T_OBJECT, offsetof(HotObject, miss), 0,
+     "None (the fallback's result is returned as is), or what a false result of the fallback becomes "
+     "(a true one becomes hit)"},
     {NULL, 0, 0, 0, NULL},
 };
 
 PyDoc_STRVAR(hot_doc, "HotRequest()\n\n"
                       "The promotion guard's hot request (nvmetier.vllm.promotion), callable as\n"
                       "the tier's lookup(key, ctx): a key of `leased` asked with `ctx` leaves it,\n"
-                      "joins `hits`, and is answered `hit`; any other call is `fallback(key, ctx)`.");
+                      "joins `hits`, and is answered `hit`; any other call is `fallback(key, ctx)`\n"
+                      "(mapped to `hit` or `miss` by its truth when `miss` is not None).");
 
 static PyTypeObject HotType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.HotRequest",

@@ -410,9 +410,11 @@ class NvmeTierManager(SecondaryTierManager):
         # answered by the guard's native HotRequest itself, set as this
         # instance's lookup (it shadows the method below; vLLM calls
         # tier.lookup(key, req_context)); everything else is its fallback,
-        # the method's own path (_lookup_rest).
+        # the guard's answer (_answer: True for HIT), which it maps to
+        # vLLM's HIT or MISS.
         self._hot.hit = _HIT
-        self._hot.fallback = self._lookup_rest
+        self._hot.miss = _MISS
+        self._hot.fallback = self._answer
         self.lookup = self._hot  # type: ignore[method-assign]
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
@@ -431,7 +433,7 @@ class NvmeTierManager(SecondaryTierManager):
         # (A sealed store's calls map keys to their MACs first, natively.)
         self._lookup = store.lookup_call()
         # The guard's answer over this store's lookup, built at the next lookup.
-        self._answer: Callable[[OffloadKey, ReqContext], bool] = self._first_lookup
+        self._answer = self._first_lookup
         self._poll = store.poll_raw()
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).
@@ -550,9 +552,18 @@ class NvmeTierManager(SecondaryTierManager):
                 return _HIT
         return _HIT if self._answer(key, req_context) else _MISS
 
-    def _lookup_rest(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        """Every lookup the native hot path does not answer (``lookup``)."""
-        return _HIT if self._answer(key, req_context) else _MISS
+    @property
+    def _answer(self) -> Callable[[OffloadKey, ReqContext], bool]:
+        """The guard's answer (True for HIT) to every lookup the native hot
+        path does not answer: this method's own path and the instance's."""
+        return self._answer_fn
+
+    @_answer.setter
+    def _answer(self, answer: Callable[[OffloadKey, ReqContext], bool]) -> None:
+        self._answer_fn = answer
+        hot = getattr(self, "_hot", None)  # None while __init__ sets the store
+        if hot is not None:
+            hot.fallback = answer
 
     def _first_lookup(self, key: OffloadKey, req_context: ReqContext) -> bool:
         """The first lookup (and the first after the store was replaced):

@@ -124,3 +124,28 @@ def test_reference_cycle_through_the_fallback_is_collected() -> None:
     del tier
     gc.collect()
     assert ref() is None
+
+
+def test_a_miss_member_maps_the_fallbacks_truth_to_hit_or_miss() -> None:
+    answers = {b"on-disk": True, b"absent": False, b"odd": 0, b"many": [1]}
+    hot = HotRequest()
+    hot.fallback = lambda key, ctx: answers[key]
+    hot.hit, hot.miss = "HIT", "MISS"
+    ctx = Ctx("r")
+    assert [hot(k, ctx) for k in answers] == ["HIT", "MISS", "MISS", "HIT"]
+    # A fallback that raises, or whose result has no truth, raises through.
+    hot.fallback = lambda key, ctx: answers[key]
+    with pytest.raises(KeyError):
+        hot(b"unknown", ctx)
+
+    class NoTruth:
+        def __bool__(self) -> bool:
+            raise ValueError("no truth")
+
+    hot.fallback = lambda key, ctx: NoTruth()
+    with pytest.raises(ValueError, match="no truth"):
+        hot(b"x", ctx)
+    # miss None: the fallback's result as it is.
+    hot.miss = None
+    hot.fallback = lambda key, ctx: "as is"
+    assert hot(b"x", ctx) == "as is"
