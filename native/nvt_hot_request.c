@@ -59,27 +59,35 @@ static PyObject *hot_vectorcall(PyObject *callable, PyObject *const *args, size_
      * dereferenced.) */
     if (nargs == 2 && kwnames == NULL && args[1] == self->ctx && self->ctx != Py_None && self->leased &&
         PySet_CheckExact(self->leased) && self->hits && PyList_CheckExact(self->hits) && self->hit) {
-        int found = PySet_Discard(self->leased, args[0]);
-        if (found < 0)
-            return NULL;
-        if (found) {
-            if (PyList_Append(self->hits, args[0]) < 0) {
+        /* Strong references for the call: a key's own __hash__ or __eq__
+         * (Python code, for a key that is not bytes) may replace the members. */
+        PyObject *leased = Py_NewRef(self->leased), *hits = Py_NewRef(self->hits);
+        PyObject *out = NULL;
+        int found = PySet_Discard(leased, args[0]);
+        if (found > 0) {
+            if (PyList_Append(hits, args[0]) == 0) {
+                out = Py_NewRef(self->hit ? self->hit : Py_True);
+            } else {
                 /* Keep the key leased: the HIT was not answered. */
                 PyObject *exc, *val, *tb;
                 PyErr_Fetch(&exc, &val, &tb);
-                (void)PySet_Add(self->leased, args[0]);
+                (void)PySet_Add(leased, args[0]);
                 PyErr_Restore(exc, val, tb);
-                return NULL;
             }
-            Py_INCREF(self->hit);
-            return self->hit;
         }
+        Py_DECREF(leased);
+        Py_DECREF(hits);
+        if (found != 0)
+            return out; /* the HIT, or NULL with the exception */
     }
     if (!self->fallback || self->fallback == Py_None) {
         PyErr_SetString(PyExc_TypeError, "HotRequest: no fallback set for a lookup it does not answer");
         return NULL;
     }
-    PyObject *r = PyObject_Vectorcall(self->fallback, args, nargsf, kwnames);
+    /* A strong reference for the call: the fallback may replace itself. */
+    PyObject *fallback = Py_NewRef(self->fallback);
+    PyObject *r = PyObject_Vectorcall(fallback, args, nargsf, kwnames);
+    Py_DECREF(fallback);
     if (!r || !self->miss || self->miss == Py_None || !self->hit)
         return r;
     /* The guard's own answer (a bool): vLLM's HIT or MISS, with no Python

@@ -149,3 +149,46 @@ def test_a_miss_member_maps_the_fallbacks_truth_to_hit_or_miss() -> None:
     hot.miss = None
     hot.fallback = lambda key, ctx: "as is"
     assert hot(b"x", ctx) == "as is"
+
+
+def test_a_key_whose_hash_replaces_the_members_is_safe() -> None:
+    # A key's own __hash__/__eq__ is Python code that may replace the sets
+    # and the list the call is working on: the call keeps them alive.
+    hot = HotRequest()
+    ctx = Ctx("r")
+
+    class Sneaky:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __hash__(self) -> int:
+            hot.leased = set()
+            hot.hits = []
+            return hash(self.name)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Sneaky) and other.name == self.name
+
+    key = Sneaky("a")
+    hot.ctx = ctx
+    leased = {key}
+    hot.leased = leased
+    hits = hot.hits
+    del leased
+    hot.fallback = lambda key, ctx: "fallback"
+    assert hot(key, ctx) is True  # answered from the set it started with
+    assert hits == [key] and hot.hits == [] and hot.leased == set()
+
+
+def test_a_fallback_that_replaces_itself_runs_to_its_end() -> None:
+    hot = HotRequest()
+    ctx = Ctx("r")
+
+    def once(key, ctx):
+        hot.fallback = lambda key, ctx: "second"
+        return "first"
+
+    hot.fallback = once
+    del once
+    assert hot(b"k", ctx) == "first"
+    assert hot(b"k", ctx) == "second"
