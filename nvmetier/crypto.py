@@ -279,6 +279,9 @@ KEYRING_BYTES = KEYRING_ENTRIES_OFFSET + KEYRING_ENTRIES * KEYRING_ENTRY_BYTES
 EPOCH_S = 3600.0
 EPOCH_MIN_S = 1.0
 EPOCH_MAX_SEALS = 1 << 28
+# The last epoch number a keys file can hold (an entry's and a trailer's
+# epoch are 32 bits).
+EPOCH_LAST = 0xFFFFFFFF
 EPOCH_ROTATE_SEALS = 1 << 27
 
 _INFO_KEK = b"nvmetier v2 store key wrapping"
@@ -643,7 +646,21 @@ class Keyring:
                     index = victim.index
                     if victim.state == ENTRY_LIVE:
                         destroyed.append(victim.epoch)
-                epoch = max((e.epoch for e in ents), default=0) + 1
+                newest = max((e.epoch for e in ents), default=0)
+                if newest >= EPOCH_LAST:
+                    # Only a damaged or forged file gets here (one epoch an
+                    # hour would take 490,000 years): its entries carry a
+                    # checksum, not a MAC, so whoever can write it can name
+                    # any epoch, destroyed ones included. Say so, rather than
+                    # fail on the number's packing with no word of the file.
+                    raise KeyringError(
+                        f"{self.path!r} names epoch {newest}, the last a keys file can "
+                        "number, so no new epoch (data key) can be made and nothing more "
+                        "can be sealed: the file is damaged or was written by someone "
+                        "else; restore it from a copy taken with the store, or remove the "
+                        "store directory to start over"
+                    )
+                epoch = newest + 1
                 key = _random_secret(KEY_BYTES)  # the caller wipes it once loaded
                 nonce, wrapped = skeys.wrap_epoch(self.store_id, epoch, key)
                 now = time.time_ns()

@@ -263,3 +263,38 @@ def test_a_trailer_relabelled_to_a_forged_destroyed_epoch_is_never_served(
     stats = store.stats()
     assert stats["loads_key_destroyed"] == 2 and stats["auth_failures"] == 0
     store.close()
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+def test_a_forged_last_epoch_number_is_a_clear_error_and_serves_what_was_stored(
+    tmp_path, buffer, engine
+) -> None:
+    # A destroyed entry naming epoch 2**32 - 1 leaves no number for the next
+    # epoch: the rotation fails with an error that names the keys file and
+    # the fix (not a bare packing error), and the chunks already sealed are
+    # still served. A store opened on the file refuses to start with the
+    # same error.
+    from nvmetier import crypto
+    from nvmetier.engine import uring_status
+    from tests.integration.helpers import key, make_store, payload, store_keys
+    from tests.integration.test_sealed_key_destroyed import _load_one, reload_keys, sealed
+
+    if engine == "uring" and not uring_status()[0]:
+        pytest.skip("io_uring unavailable")
+    store = sealed(tmp_path, buffer, engine)
+    keys = [key(i) for i in range(3)]
+    store_keys(store, buffer, keys)
+    _forge_destroyed(store, [crypto.EPOCH_LAST])
+    with pytest.raises(crypto.KeyringError, match=r"keys.*epoch 4294967295.*remove the store"):
+        store._sealing._rotate_locked()
+    reload_keys(store)  # a reload is not a rotation: the live epoch stays
+    o = _load_one(store, buffer, keys[1], job_id=7)
+    assert o.success and bytes(buffer[:ROW_BYTES]) == payload(keys[1])
+    store.close()
+    with pytest.raises(crypto.KeyringError, match="epoch 4294967295"):
+        make_store(
+            str(tmp_path / "kv"),
+            buffer,
+            engine=engine,
+            encryption={"key_file": str(tmp_path / "key")},
+        )
