@@ -199,15 +199,16 @@ class _Payloads:
         """The store's live epochs; none when the key file does not open the
         store (every chunk then counts as sealed under another key)."""
         from nvmetier import crypto
+        from nvmetier.keyring import Keyring, KeyringError
 
         try:
-            ring = crypto.Keyring.open(store_dir)
-        except crypto.KeyringError:
+            ring = Keyring.open(store_dir)
+        except KeyringError:
             return
         try:
             skeys = ring.store_keys(self.keys)
             live, top = ring.load(skeys)
-        except crypto.KeyringError:
+        except KeyringError:
             return
         finally:
             ring.close()

@@ -314,11 +314,11 @@ def _data_fds(store_dir: str, sb: fmt.Superblock) -> list[int] | None:
 def _destroy_epochs(store_dir: str, older_than_s: float | None) -> int:
     """Destroy every epoch key (``--all``) or those whose sealing window
     ended before the cutoff: no chunk sealed under them survives this purge."""
-    from nvmetier import crypto
+    from nvmetier.keyring import Keyring
 
-    if not crypto.Keyring.exists(store_dir):
+    if not Keyring.exists(store_dir):
         return 0
-    ring = crypto.Keyring.open(store_dir)
+    ring = Keyring.open(store_dir)
     try:
         if older_than_s is None:
             return len(ring.destroy_where(lambda e: True))

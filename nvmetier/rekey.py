@@ -22,6 +22,7 @@ from typing import Any
 
 from nvmetier import crypto
 from nvmetier import format as fmt
+from nvmetier.keyring import ENTRY_LIVE, Keyring
 
 EXIT_OK = 0
 EXIT_LEFT = 4  # a store was not rekeyed (another key wraps it, or unreadable)
@@ -75,14 +76,14 @@ def rekey_store(store_dir: str, old: crypto.KeySet, new: crypto.KeySet) -> Rekey
     if not out.encrypted:
         return out
     try:
-        ring = crypto.Keyring.open(store_dir)
+        ring = Keyring.open(store_dir)
     except (OSError, crypto.FormatError) as exc:
         out.error = str(exc)
         return out
     try:
         ring.rekey(old, new)
         out.rekeyed = True
-        out.epochs = sum(e.state == crypto.ENTRY_LIVE for e in ring.epochs())
+        out.epochs = sum(e.state == ENTRY_LIVE for e in ring.epochs())
     except (OSError, crypto.FormatError) as exc:
         out.error = str(exc)
     finally:

@@ -61,7 +61,7 @@ def store_charge(sb: fmt.Superblock) -> list[int]:
     through a temporary file), and ``STORE_SLACK_BYTES``."""
     meta = fmt.reserved_bytes(sb.identity, 1) + fmt.align_up(sb.index_bytes) + sb.table_bytes
     if "encryption" in sb.identity:
-        from nvmetier.crypto import KEYRING_BYTES
+        from nvmetier.keyring import KEYRING_BYTES
 
         meta += fmt.align_up(KEYRING_BYTES)
     log = PURGE_LOG_HEAD_BYTES + PURGE_LOG_SLOTS * sb.n_slots * PURGE_LOG_ENTRY_BYTES

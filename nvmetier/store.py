@@ -48,6 +48,7 @@ from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
 from nvmetier.engine.sealed import Sealing, sealed_chunk_bytes
 from nvmetier.errors import ConfigError, NvmeTierError, StoreIOError
 from nvmetier.files import StoreFiles
+from nvmetier.keyring import KEYRING_FILE, Keyring, KeyringError
 from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
 from nvmetier.store_outcomes import (  # re-exported: the names this module always had
     COUNTERS,
@@ -124,7 +125,7 @@ class BlockStore:
         # plaintext store is never reused), and slots hold the sealed chunk.
         self._keys: crypto.StoreKeys | None = None
         self._operator: crypto.KeySet | None = None
-        self._keyring: crypto.Keyring | None = None
+        self._keyring: Keyring | None = None
         self._sealing: Sealing | None = None
         chunk_bytes = row_bytes
         if config.encryption is not None:
@@ -299,13 +300,13 @@ class BlockStore:
             ConfigError: the key file does not open this store's keys.
         """
         store_dir = self.files.dirs[0]
-        if not self.config.persist and self.files.alone and crypto.Keyring.exists(store_dir):
+        if not self.config.persist and self.files.alone and Keyring.exists(store_dir):
             # The store was wiped at open: its keys go too (a fresh keyring).
-            os.unlink(os.path.join(store_dir, crypto.KEYRING_FILE))
-        self._keyring = crypto.Keyring.open(store_dir, create=True, operator=operator)
+            os.unlink(os.path.join(store_dir, KEYRING_FILE))
+        self._keyring = Keyring.open(store_dir, create=True, operator=operator)
         try:
             return self._keyring.store_keys(operator)
-        except crypto.KeyringError as exc:
+        except KeyringError as exc:
             raise ConfigError(
                 f"encryption key_file {self.config.encryption['key_file']!r} "  # type: ignore[index]
                 f"does not open store {store_name!r}: {exc}"

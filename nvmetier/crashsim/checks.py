@@ -141,11 +141,11 @@ def _check_purged(sdir: str, sb: fmt.Superblock, purged: set[bytes], key_set: An
     (its records are msynced before the purge returns)."""
     names = set(purged)
     if key_set is not None:
-        from nvmetier import crypto
+        from nvmetier.keyring import Keyring, KeyringError
 
         try:
-            ring = crypto.Keyring.open(sdir)
-        except (OSError, crypto.KeyringError):
+            ring = Keyring.open(sdir)
+        except (OSError, KeyringError):
             return []
         try:
             names = set(ring.store_keys(key_set).key_macs(sorted(purged)))
@@ -172,12 +172,12 @@ def _check_epochs(sdir: str, sb: fmt.Superblock) -> list[str]:
     """Every sealed chunk on the media names an epoch the keys file holds
     (live with the chunk's key fingerprint, or destroyed): a new epoch is
     durable before its first seal (docs/format.md, "keys")."""
-    from nvmetier import crypto
     from nvmetier.engine import sealed
+    from nvmetier.keyring import Keyring, KeyringError
 
     try:
-        ring = crypto.Keyring.open(sdir)
-    except (OSError, crypto.KeyringError) as exc:
+        ring = Keyring.open(sdir)
+    except (OSError, KeyringError) as exc:
         data = os.path.join(sdir, "data")
         if os.path.exists(data) and _any_trailer(data, sb):
             return [f"sealed chunks on the media but the keys file does not open: {exc}"]

@@ -65,6 +65,7 @@ from typing import Any
 from nvmetier import crypto
 from nvmetier.engine.base import OP_READ, OP_WRITE, Completion, IoEngine, Op, dontdump
 from nvmetier.errors import EngineClosedError
+from nvmetier.keyring import Epoch, Keyring
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Sealing:
     def __init__(
         self,
         keys: crypto.StoreKeys,
-        keyring: crypto.Keyring,
+        keyring: Keyring,
         layout_digest: int,
         *,
         row_bytes: int,
@@ -173,7 +174,7 @@ class Sealing:
         self._bump = bump_keys or (lambda: 0)
         self._seen = -1
         self._lock = threading.Lock()  # epochs and reloads: one at a time
-        self._current: crypto.Epoch | None = None
+        self._current: Epoch | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
