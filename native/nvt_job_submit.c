@@ -614,6 +614,14 @@ PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load) {
                                                         : PyBytes_FromStringAndSize(PyBytes_AS_STRING(out), used);
         PyObject *r = batch ? PyObject_CallOneArg(self->eng_submit, batch) : NULL;
         Py_XDECREF(batch);
+        if (r == Py_False) {
+            /* The native engine's own submit_raw answers False, queuing
+             * nothing, once its close began: a refusal, as the Python
+             * engines' EngineClosedError. */
+            Py_DECREF(r);
+            r = NULL;
+            PyErr_SetString(PyExc_RuntimeError, "the I/O engine is closed");
+        }
         if (r) {
             Py_DECREF(r);
             self->outstanding += (uint32_t)n_ops;

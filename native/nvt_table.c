@@ -521,7 +521,8 @@ static PyObject *Table_apply_as_worker(TableObject *self, PyObject *arg) {
 static PyObject *py_zero_s, *py_empty_tuple;
 
 PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, events, apply_hook=None)\n\n"
-                       "The engine the submit/poll path uses (None, None: unbind), how many ops may\n"
+                       "The engine the submit/poll path uses (None, None: unbind; a submit_raw that\n"
+                       "returns False refused the ops, as one that raises), how many ops may\n"
                        "be outstanding before stores are dropped, checksum verification of loads,\n"
                        "and whether KV events are kept for take_events(). apply_hook: the io_uring\n"
                        "engine's apply_hook() capsule: its I/O threads then apply the slot side of\n"

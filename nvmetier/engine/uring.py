@@ -233,6 +233,13 @@ class UringEngine(IoEngine):
             raise EngineClosedError("the I/O engine is closed")
 
     @property
+    def native_submit_raw(self) -> object:
+        """``submit_raw`` without the Python frame (the store submits every
+        job through it): returns False, queuing nothing, once ``close``
+        began, which the table takes as the engine's refusal."""
+        return self._native.submit_raw
+
+    @property
     def native_wait_raw(self) -> object:
         """``wait_raw`` without the Python frame (the store polls at every engine step)."""
         return self._native.wait_raw

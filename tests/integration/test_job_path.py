@@ -343,3 +343,40 @@ def test_admission_skips_keys_not_looked_up_enough_and_they_still_succeed(
         assert store.stats()["stores_not_admitted"] == 2
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("kind", ["store", "load"])
+def test_the_io_uring_engines_native_submit_refusal_fails_the_job(
+    tmp_path, buffer, kind, caplog
+) -> None:
+    # The table submits through the io_uring engine's native submit_raw (no
+    # Python frame), which answers False once the engine's close began: the
+    # job fails with the reason, no slot stays WRITING or leased, and a
+    # stored key stays READY on disk.
+    from nvmetier.engine import uring
+
+    ok, why = uring.probe()
+    if not ok:
+        pytest.skip(f"io_uring unavailable: {why}")
+    store = make_store(str(tmp_path), buffer, engine="uring")
+    try:
+        keys = [key(i) for i in range(4)]
+        if kind == "load":
+            store_keys(store, buffer, keys)
+        fill_rows(buffer, keys, range(4))
+        store.engine.close()  # what a shutdown's close does first
+        with caplog.at_level(logging.WARNING, logger="nvmetier.store"):
+            if kind == "store":
+                store.submit_store(7, keys, list(range(4)))
+            else:
+                store.submit_load(7, keys, list(range(4)))
+            (outcome,) = store.poll()
+        assert (outcome.job_id, outcome.success, outcome.successful_keys) == (7, False, [])
+        messages = " ".join(r.getMessage() for r in caplog.records)
+        assert "could not be submitted" in messages and "engine is closed" in messages
+        stats = store.stats()
+        assert (stats["ops_outstanding"], stats["jobs_in_flight"]) == (0, 0)
+        assert stats["slots_used"] == (4 if kind == "load" else 0)
+        assert all(store.contains(k) for k in keys) is (kind == "load")
+    finally:
+        store.close()
