@@ -81,6 +81,7 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
      * the recency: their lines come with the set's (the load then finds
      * them in cache). */
     int scan = mode == NVT_READY_LEASE;
+    unsigned mask = mode == NVT_READY_STATES ? (1u << NVT_READY | 1u << NVT_WRITING) : 1u << NVT_READY;
     /* Two stages ahead: the set's lines 2 * PREFETCH_AHEAD keys ahead, then,
      * once its tags are in, the matching ways' lines PREFETCH_AHEAD ahead. */
     for (Py_ssize_t i = PREFETCH_AHEAD; i < m && i < 2 * READY_AHEAD; i++)
@@ -95,8 +96,10 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         uint64_t fp = fps[i], set = fp % self->core.n_sets;
         int w = -1;
+        uint8_t state = NVT_STATE_UNKNOWN;
         if (nvt_set_lock(&self->core, set) == 0) {
-            w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
+            w = nvt_find_way(&self->core, set, fp, k, n, mask);
+            state = w >= 0 ? *slot_at(&self->core, set, (uint32_t)w).state : 0;
             if (w >= 0 && mode == NVT_READY_TOUCH)
                 *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
             else if (w >= 0 && mode == NVT_READY_LEASE)
@@ -104,8 +107,8 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
             set_unlock(&self->core, set);
         }
         if (out)
-            out[i] = w >= 0;
-        ready += w >= 0;
+            out[i] = mode == NVT_READY_STATES ? state : w >= 0;
+        ready += state == NVT_READY;
     }
     free_fps(fps, fps_local);
     return ready;

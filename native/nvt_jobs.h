@@ -249,8 +249,11 @@ static inline void event_lost(TableObject *t) {
 /* ------------------------------------------------------ nvt_job_submit.c */
 int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
 /* nvt_ready_keys' modes: READY only (contains_many), each READY key made the
- * most recent (touch), or leased as a lookup hit is (lease_many). */
-enum { NVT_READY_CONTAINS = 0, NVT_READY_TOUCH = 1, NVT_READY_LEASE = 2 };
+ * most recent (touch), leased as a lookup hit is (lease_many), or each key's
+ * state, READY or WRITING (states_many: out[i] is NVT_READY, NVT_WRITING, 0
+ * when neither, or NVT_STATE_UNKNOWN when its set could not be locked). */
+enum { NVT_READY_CONTAINS = 0, NVT_READY_TOUCH = 1, NVT_READY_LEASE = 2, NVT_READY_STATES = 3 };
+#define NVT_STATE_UNKNOWN 0xFF
 Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int mode);
 /* nvt_table.c: lease way w of set (locked) as a lookup hit, for release_leases. */
 void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now);

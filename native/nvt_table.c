@@ -364,6 +364,16 @@ static PyObject *Table_lease_many(TableObject *self, PyObject *keys) {
     return ready_bytes(self, keys, NVT_READY_LEASE);
 }
 
+PyDoc_STRVAR(states_many_doc,
+             "states_many(keys) -> bytes\n\n"
+             "Each key's state in one call, one byte per key: 2 READY, 1 being written (by\n"
+             "any sharer), 0 neither, 255 unknown (its set could not be locked in its\n"
+             "bound). No lease, no count, recency left alone.");
+
+static PyObject *Table_states_many(TableObject *self, PyObject *keys) {
+    return ready_bytes(self, keys, NVT_READY_STATES);
+}
+
 PyDoc_STRVAR(store_ops_doc,
              "store_ops(job_id, keys, rows, max_ops, events) -> (ops, failed, evicted, pending)\n\n"
              "Claim a slot for every key to write (rows: int32/int64 buffer) and return the\n"
@@ -621,16 +631,30 @@ PyDoc_STRVAR(push_removed_doc, "push_removed(keys)\n\n"
                                "follows the stored event of the job that wrote a key even while\n"
                                "that job's event is still open (take_events).");
 
-static PyObject *Table_push_removed(TableObject *self, PyObject *keys) {
+/* push_removed and push_stored: one event of `keys`, queued behind the rest. */
+static PyObject *push_keys(TableObject *self, PyObject *keys, int removed) {
     GUARD(self);
     PyObject *list = PySequence_List(keys);
     if (!list)
         return NULL;
-    int rc = PyList_GET_SIZE(list) ? nvt_push_event(self, 1, list) : 0;
+    int rc = PyList_GET_SIZE(list) ? nvt_push_event(self, removed, list) : 0;
     Py_DECREF(list);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *Table_push_removed(TableObject *self, PyObject *keys) {
+    return push_keys(self, keys, 1);
+}
+
+PyDoc_STRVAR(push_stored_doc, "push_stored(keys)\n\n"
+                              "A stored event for keys held, queued behind the events already here:\n"
+                              "the keys a purge's removal (push_removed) named that were written\n"
+                              "again since, so that a replay ends with them held.");
+
+static PyObject *Table_push_stored(TableObject *self, PyObject *keys) {
+    return push_keys(self, keys, 0);
 }
 
 PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
@@ -694,6 +718,7 @@ static PyMethodDef Table_methods[] = {
     {"contains", (PyCFunction)Table_contains, METH_O, contains_doc},
     {"contains_many", (PyCFunction)Table_contains_many, METH_O, contains_many_doc},
     {"lease_many", (PyCFunction)Table_lease_many, METH_O, lease_many_doc},
+    {"states_many", (PyCFunction)Table_states_many, METH_O, states_many_doc},
     {"touch", (PyCFunction)Table_touch, METH_O, touch_doc},
     {"slot_of", (PyCFunction)Table_slot_of, METH_O, slot_of_doc},
     {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},
@@ -713,6 +738,7 @@ static PyMethodDef Table_methods[] = {
     {"collect", (PyCFunction)Table_collect, METH_O, collect_doc},
     {"take_events", (PyCFunction)Table_take_events, METH_NOARGS, take_events_doc},
     {"push_removed", (PyCFunction)Table_push_removed, METH_O, push_removed_doc},
+    {"push_stored", (PyCFunction)Table_push_stored, METH_O, push_stored_doc},
     {"inflight", (PyCFunction)nvt_Table_inflight, METH_NOARGS, nvt_inflight_doc},
     {"set_retention", (PyCFunction)nvt_Table_set_retention, METH_O, nvt_set_retention_doc},
     {"purge", (PyCFunction)nvt_Table_purge, METH_VARARGS, nvt_purge_doc},

@@ -292,6 +292,10 @@ class BlockStore:
         # job's successful_keys, KV events) is turned back into its keys.
         self._job_keys: dict[int, dict[bytes, bytes]] = {}
         self._known: dict[bytes, bytes] = {}
+        # Keys (table names) of a purge this process took the events of that
+        # were being written again when it took them: their removal waits
+        # until the write ends (take_events).
+        self._purge_pending: list[bytes] = []
 
     def _open_keys(self, operator: crypto.KeySet, store_name: str) -> crypto.StoreKeys:
         """The store's keyring (created with the store) and its secrets.
@@ -589,11 +593,20 @@ class BlockStore:
         compare-and-swap in the table header) and emits the purge log's keys;
         the others emit nothing for it. The log is read here, on the
         scheduler thread, once per purge (96 bytes per removed chunk, just
-        written: in the page cache)."""
+        written: in the page cache).
+
+        The purge announces itself after it removed the keys (it logs them
+        last), so a key may have been written again in between, and its new
+        stored event queued before the removal is: a removal queued behind it
+        would leave a replay without a key the store holds. So a purged key
+        held again when the purge is taken is announced stored again right
+        after its removal, and one being written again waits for the write
+        to end (its removal then, and its stored event again if it landed)."""
         table = self._table
         if table is None:
             return []
         if self.config.enable_kv_events:
+            keys: list[bytes] = []
             gen, taken = table.purge_generation()
             if gen != taken:
                 prev = table.claim_purge_events()
@@ -601,16 +614,36 @@ class BlockStore:
                     keys = purge_log.removed_since(self.files.dirs[0], prev)
                     if self._keys is not None and keys:
                         keys = [k for k in keys if k in self._known]  # MACs it can name
-                    if keys:
-                        self._stats["purge_removals_emitted"] += len(keys)
-                        # Queued in the table, behind its events: a purged
-                        # key's stored event may still be open there (its job
-                        # not finished), and the removal must follow it.
-                        table.push_removed(keys)
+            if self._purge_pending:
+                keys = self._purge_pending + keys
+            if keys:
+                self._push_purged(table, keys)
         events: list[tuple[bool, list[bytes]]] = table.take_events()
         if self._keys is not None and events:
             events = self._unseal_events(events)
         return events
+
+    def _push_purged(self, table: Any, keys: list[bytes]) -> None:
+        """Queue a purge's removals of ``keys`` behind the table's events (a
+        purged key's stored event may still be open there, its job not
+        finished, and the removal must follow it), each key held again since
+        announced stored after it, and keep those being written again for
+        the next call."""
+        states = table.states_many(keys)
+        # 1: being written (by any sharer); 255: its set was busy, unknown.
+        self._purge_pending = [k for k, s in zip(keys, states, strict=True) if s in (1, 255)]
+        done = (
+            keys
+            if not self._purge_pending
+            else [k for k, s in zip(keys, states, strict=True) if s not in (1, 255)]
+        )
+        if not done:
+            return
+        self._stats["purge_removals_emitted"] += len(done)
+        table.push_removed(done)
+        again = [k for k, s in zip(keys, states, strict=True) if s == 2]
+        if again:
+            table.push_stored(again)
 
     def _unseal_events(
         self, events: list[tuple[bool, list[bytes]]]

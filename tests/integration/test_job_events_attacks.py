@@ -70,18 +70,13 @@ def test_a_key_removed_and_stored_again_before_a_take_is_announced_again(
         store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open bug: a purge's removals are read from the purge log at the next "
-    "take_events and queued at the end, after the stored event of a job submitted "
-    "after the purge that wrote the key again",
-)
 @pytest.mark.parametrize("sealed", [False, True], ids=["plaintext", "sealed"])
 def test_a_key_purged_then_stored_again_before_a_take_is_held_in_the_replay(
     tmp_path, buffer, engine, sealed
 ) -> None:
     # The purge happened before the second store's submit, but its removal is
-    # read from the purge log at the next take_events, after that job's event.
+    # read from the purge log at the next take_events, after that job's event:
+    # the key is announced stored again after its removal.
     overrides = _sealed(tmp_path) if sealed else {}
     root = tmp_path / "kv"
     store = _store(str(root), buffer, engine, enable_kv_events=True, **overrides)
@@ -97,6 +92,89 @@ def test_a_key_purged_then_stored_again_before_a_take_is_held_in_the_replay(
         run(store)
         events = store.take_events()
         assert _replay(events) == _held(store, [k]) == {k}
+    finally:
+        store.close()
+
+
+def _held_writes_store(root: Any, buffer: Any, engine: str, sealed: dict[str, Any]):
+    """A store whose writes can be held in flight (``HeldOps``), events on."""
+    from nvmetier.engine.base import OP_WRITE
+
+    from .helpers import HeldOps, make_store
+
+    held: list[HeldOps] = []
+
+    def wrap(inner: Any) -> Any:
+        held.append(HeldOps(inner, OP_WRITE))
+        return held[0]
+
+    store = make_store(
+        str(root), buffer, engine=engine, engine_wrapper=wrap, enable_kv_events=True, **sealed
+    )
+    return store, held[0]
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plaintext", "sealed"])
+def test_a_purged_key_being_written_again_when_the_purge_is_taken_ends_held(
+    tmp_path, buffer, engine, sealed
+) -> None:
+    # The purge's removal is taken while the key's new write is in flight:
+    # the removal waits for the write to end, then goes out with the key
+    # announced stored again; a replay at each take never ends with a key
+    # the store does not hold once its writes are done.
+    overrides = _sealed(tmp_path) if sealed else {}
+    root = tmp_path / "kv"
+    store, ops = _held_writes_store(root, buffer, engine, overrides)
+    try:
+        k, other = key(5), key(6)
+        fill_rows(buffer, [k, other], [0, 1])
+        store.submit_store(1, [k, other], [0, 1])
+        run(store)
+        (r,) = purge(str(root), older_than_s=None)
+        assert r.removed == 2
+        ops.hold = True
+        store.submit_store(2, [k], [0])
+        assert ops.held() == 1
+        first = store.take_events()
+        # `other`'s removal is queued now, behind job 2's open event (nothing
+        # is handed out past an open one); k's waits for its write to end.
+        assert not any(removed for removed, _keys in first)
+        assert store.stats()["purge_removals_emitted"] == 1
+        ops.release()
+        run(store)
+        events = first + store.take_events()
+        assert _replay(events) == _held(store, [k, other]) == {k}
+        assert store.stats()["purge_removals_emitted"] == 2
+        assert store.take_events() == []  # nothing held back, nothing twice
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plaintext", "sealed"])
+def test_a_purged_key_whose_new_write_fails_ends_removed(tmp_path, buffer, engine, sealed) -> None:
+    # As above, but a second purge fails the new write while it is in
+    # flight: the first purge's removal goes out alone, and the replay ends
+    # without the key, as the store.
+    overrides = _sealed(tmp_path) if sealed else {}
+    root = tmp_path / "kv"
+    store, ops = _held_writes_store(root, buffer, engine, overrides)
+    try:
+        k = key(8)
+        fill_rows(buffer, [k], [0])
+        store.submit_store(1, [k], [0])
+        run(store)
+        purge(str(root), older_than_s=None)
+        ops.hold = True
+        store.submit_store(2, [k], [0])
+        first = store.take_events()
+        (r,) = purge(str(root), older_than_s=None)  # marks the write in flight
+        assert r.writing_marked == 1
+        ops.release()
+        (outcome,) = run(store)
+        assert not outcome.success
+        events = first + store.take_events()
+        assert _replay(events) == _held(store, [k]) == set()
+        assert sum(k in ks for removed, ks in events if removed) == 1
     finally:
         store.close()
 

@@ -640,6 +640,16 @@ class TableModel(RuleBasedStateMachine):
             got.append(slot is not None)
         assert h.table.lease_many(keys) == bytes(got)
 
+    @rule(hi=st.integers(0, 2), keys=st.lists(st.sampled_from(KEYS), max_size=3))
+    def states_many(self, hi: int, keys: list[bytes]) -> None:
+        """Each key READY (2), being written by any handle (1) or neither (0),
+        changing nothing (a purge's removals taken: store.take_events)."""
+        got = []
+        for key in keys:
+            slot = self.find(key, (READY, WRITING))
+            got.append(0 if slot is None else self.slots[slot].state)
+        assert self.handles[hi % len(self.handles)].table.states_many(keys) == bytes(got)
+
     @rule()
     def advance_clock(self) -> None:
         """Time jumps past the end of every lease granted so far (the table's
