@@ -192,3 +192,36 @@ def test_a_fallback_that_replaces_itself_runs_to_its_end() -> None:
     del once
     assert hot(b"k", ctx) == "first"
     assert hot(b"k", ctx) == "second"
+
+
+@pytest.mark.parametrize("when", ["__bool__", "__del__"])
+def test_a_fallback_result_that_deletes_hit_and_miss_is_safe(when: str) -> None:
+    # The miss mapping runs the result's __bool__ and then releases it (its
+    # __del__): Python code that may delete hit and miss before the answer is
+    # taken (a NULL member read back crashed the process).
+    hot = HotRequest()
+    hot.hit, hot.miss = "HIT", "MISS"
+
+    class Result:
+        def __init__(self, truth: bool) -> None:
+            self.truth = truth
+
+        def __bool__(self) -> bool:
+            if when == "__bool__":
+                del hot.hit, hot.miss
+            return self.truth
+
+        def __del__(self) -> None:
+            if when == "__del__":
+                del hot.hit, hot.miss
+                gc.collect()
+
+    for truth, answer in ((True, "HIT"), (False, "MISS")):
+        hot.hit, hot.miss = "HIT", "MISS"
+        hot.fallback = lambda key, ctx, truth=truth: Result(truth)
+        # The members as the fallback returned: the answer it maps to.
+        assert hot(b"k", Ctx("r")) == answer
+        assert hot.hit is None and hot.miss is None
+    # Both gone: the fallback's result as it is.
+    hot.fallback = lambda key, ctx: "as is"
+    assert hot(b"k", Ctx("r")) == "as is"
