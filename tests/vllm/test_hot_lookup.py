@@ -17,6 +17,8 @@ Python path it replaced, under vLLM's real orchestrator.
   keyword answers as a positional one (it reached the guard's function,
   whose second parameter was named ``ctx``: a TypeError on the scheduler
   thread).
+- A subclass of ``NvmeTierManager`` that overrides ``lookup`` keeps it (the
+  instance's HotRequest shadowed it: the override never ran).
 
 About 3 s (``NVMETIER_SLOW=1``: 10x the schedules).
 """
@@ -30,6 +32,7 @@ from typing import Any
 import pytest
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
+from nvmetier.vllm import NvmeTierManager
 from nvmetier.vllm.cpu_view import PENDING
 from nvmetier.vllm.harness import key_of, record_positions
 from nvmetier.vllm.promotion import PromotionGuard
@@ -284,3 +287,29 @@ def test_hits_set_aside_count_as_hits_noted_at_once() -> None:
         not_loaded += eager[-2][2]
         fast += eager[-1][1]
     assert not_loaded > 0 and fast > 0
+
+
+def test_a_subclass_that_overrides_lookup_keeps_its_own(tmp_path, make_engine) -> None:
+    # The instance's HotRequest shadows the class's lookup: a subclass's
+    # override (metrics, a filter) would never run.
+    eng = make_engine(
+        [{**nvme_tier(str(tmp_path / "kv")), "type": "CountingTier", "module_path": __name__}]
+    )
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(4)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    assert tier.asked == keys
+
+
+class CountingTier(NvmeTierManager):
+    """A subclass with its own lookup (test_a_subclass_that_overrides_lookup_keeps_its_own)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[bytes] = []
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        self.asked.append(key)
+        return super().lookup(key, req_context)
