@@ -91,13 +91,15 @@ static PyObject *hot_vectorcall(PyObject *callable, PyObject *const *args, size_
     if (!r || !self->miss || self->miss == Py_None || !self->hit)
         return r;
     /* The guard's own answer (a bool): vLLM's HIT or MISS, with no Python
-     * frame of the tier's between vLLM and the guard. */
+     * frame of the tier's between vLLM and the guard. Strong references to
+     * both first: the result's truth (its __bool__) and its release (its
+     * __del__) may run Python code that replaces or deletes them. */
+    PyObject *hit = Py_NewRef(self->hit), *miss = Py_NewRef(self->miss);
     int truth = PyObject_IsTrue(r);
     Py_DECREF(r);
-    if (truth < 0)
-        return NULL;
-    PyObject *out = truth ? self->hit : self->miss;
-    Py_INCREF(out);
+    PyObject *out = truth < 0 ? NULL : Py_NewRef(truth ? hit : miss);
+    Py_DECREF(hit);
+    Py_DECREF(miss);
     return out;
 }
 

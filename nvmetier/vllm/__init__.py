@@ -415,7 +415,10 @@ class NvmeTierManager(SecondaryTierManager):
         self._hot.hit = _HIT
         self._hot.miss = _MISS
         self._hot.fallback = self._answer
-        self.lookup = self._hot  # type: ignore[method-assign]
+        # (A subclass that overrides lookup keeps its own: the instance's
+        # HotRequest would shadow it.)
+        if type(self).lookup is NvmeTierManager.lookup:
+            self.lookup = self._hot  # type: ignore[method-assign]
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
         self._refresh_chunks = self.config.recency_refresh_chunks

@@ -209,9 +209,11 @@ class PromotionGuard(RequestPlanner):
         disk_lookup: Callable[[Any], Any],
         withheld: Callable[[Any], None] | None = None,
     ) -> Callable[[Any, Any], bool]:
-        """The tier's whole answer to vLLM's ``lookup(key, ctx)`` as one
-        function: ``admits``, then ``disk_lookup(key)`` (the disk's answer,
-        truthy for a hit), then ``note_hit``; True for HIT. ``withheld(key)``,
+        """The tier's whole answer to vLLM's ``lookup(key, req_context)`` as
+        one function (its parameters named as vLLM's: the tier's native
+        lookup passes a call by keyword to it as it is): ``admits``, then
+        ``disk_lookup(key)`` (the disk's answer, truthy for a hit), then
+        ``note_hit``; True for HIT. ``withheld(key)``,
         if given, is told of every key ``admits`` refused (the disk was not
         asked: a store's write admission counts it as asked for).
 
@@ -225,22 +227,22 @@ class PromotionGuard(RequestPlanner):
         """
         hot = self._hot
 
-        def slow(key: Any, ctx: Any) -> bool:
-            if not self.admits(key, ctx):
+        def slow(key: Any, req_context: Any) -> bool:
+            if not self.admits(key, req_context):
                 if withheld is not None:
                     withheld(key)
-                self._heat(ctx)
+                self._heat(req_context)
                 return False
-            hit = self._take_lease(key, ctx) or bool(disk_lookup(key))
+            hit = self._take_lease(key, req_context) or bool(disk_lookup(key))
             if hit:
-                self.note_hit(key, ctx)
-            self._heat(ctx)
+                self.note_hit(key, req_context)
+            self._heat(req_context)
             return hit
 
         if withheld is not None:
 
-            def counted(key: Any, ctx: Any) -> bool:
-                if ctx is hot.ctx:
+            def counted(key: Any, req_context: Any) -> bool:
+                if req_context is hot.ctx:
                     leased = hot.leased
                     if key in leased:
                         leased.discard(key)
@@ -256,12 +258,12 @@ class PromotionGuard(RequestPlanner):
                     self.lookups_withheld += 1
                     withheld(key)
                     return False
-                return slow(key, ctx)
+                return slow(key, req_context)
 
             return counted
 
-        def lookup(key: Any, ctx: Any) -> bool:
-            if ctx is hot.ctx:
+        def lookup(key: Any, req_context: Any) -> bool:
+            if req_context is hot.ctx:
                 leased = hot.leased
                 if key in leased:
                     leased.discard(key)
@@ -276,7 +278,7 @@ class PromotionGuard(RequestPlanner):
                     return False
                 self.lookups_withheld += 1
                 return False
-            return slow(key, ctx)
+            return slow(key, req_context)
 
         return lookup
 

@@ -192,3 +192,111 @@ def test_a_fallback_that_replaces_itself_runs_to_its_end() -> None:
     del once
     assert hot(b"k", ctx) == "first"
     assert hot(b"k", ctx) == "second"
+
+
+@pytest.mark.parametrize("when", ["__bool__", "__del__"])
+def test_a_fallback_result_that_deletes_hit_and_miss_is_safe(when: str) -> None:
+    # The miss mapping runs the result's __bool__ and then releases it (its
+    # __del__): Python code that may delete hit and miss before the answer is
+    # taken (a NULL member read back crashed the process).
+    hot = HotRequest()
+    hot.hit, hot.miss = "HIT", "MISS"
+
+    class Result:
+        def __init__(self, truth: bool) -> None:
+            self.truth = truth
+
+        def __bool__(self) -> bool:
+            if when == "__bool__":
+                del hot.hit, hot.miss
+            return self.truth
+
+        def __del__(self) -> None:
+            if when == "__del__":
+                del hot.hit, hot.miss
+                gc.collect()
+
+    for truth, answer in ((True, "HIT"), (False, "MISS")):
+        hot.hit, hot.miss = "HIT", "MISS"
+        hot.fallback = lambda key, ctx, truth=truth: Result(truth)
+        # The members as the fallback returned: the answer it maps to.
+        assert hot(b"k", Ctx("r")) == answer
+        assert hot.hit is None and hot.miss is None
+    # Both gone: the fallback's result as it is.
+    hot.fallback = lambda key, ctx: "as is"
+    assert hot(b"k", Ctx("r")) == "as is"
+
+
+def test_no_reference_is_leaked_on_any_path() -> None:
+    # Every path, many times: the references of the key, the context, the
+    # answers and the fallback come back to what they were, and no memory
+    # block is left behind (sys.getallocatedblocks: release builds too).
+    import sys
+
+    ctx, other = Ctx("r"), Ctx("o")
+    hit, miss, key = object(), object(), b"k" * 16
+
+    class Truth:
+        def __init__(self, truth: bool) -> None:
+            self.truth = truth
+
+        def __bool__(self) -> bool:
+            if self.truth is None:
+                raise ValueError("no truth")
+            return self.truth
+
+    class BadEq:
+        def __hash__(self) -> int:
+            return hash(key)
+
+        def __eq__(self, other: object) -> bool:
+            raise ArithmeticError("no eq")
+
+    yes, no, none = Truth(True), Truth(False), Truth(None)  # type: ignore[arg-type]
+    bad = BadEq()
+
+    def raising(k, c):
+        raise KeyError(k)
+
+    def raises(exc: type[BaseException], *call) -> None:
+        try:
+            call[0](*call[1:])
+        except exc:
+            return
+        raise AssertionError(f"{exc.__name__} not raised")
+
+    def hit_path(hot):
+        hot.leased.add(key)
+        assert hot(key, ctx) is hit
+        hot.hits.clear()
+
+    paths = {
+        "hit": (lambda k, c: no, hit_path),
+        "not leased": (lambda k, c: no, lambda hot: hot(key, ctx)),
+        "other request": (lambda k, c: yes, lambda hot: hot(key, other)),
+        "keywords": (lambda key, req_context: no, lambda hot: hot(key, req_context=ctx)),
+        "result raises": (
+            lambda k, c: none,
+            lambda hot: raises(ValueError, hot, key, other),
+        ),
+        "fallback raises": (raising, lambda hot: raises(KeyError, hot, key, other)),
+        "unhashable": (lambda k, c: no, lambda hot: raises(TypeError, hot, [], ctx)),
+        "eq raises": (lambda k, c: no, lambda hot: raises(ArithmeticError, hot, bad, ctx)),
+        "as is": (lambda k, c: yes, lambda hot: setattr(hot, "miss", None) or hot(key, other)),
+    }
+    for name, (fallback, call) in paths.items():
+        hot = HotRequest()
+        hot.ctx, hot.hit, hot.miss, hot.fallback = ctx, hit, miss, fallback
+        if name == "eq raises":
+            hot.leased = {key}
+        watched = (key, ctx, other, hit, miss, yes, no, fallback, hot, hot.leased, hot.hits)
+        for _ in range(200):  # warm up (caches, free lists)
+            call(hot)
+        gc.collect()
+        refs = [sys.getrefcount(o) for o in watched]
+        blocks = sys.getallocatedblocks()
+        for _ in range(20000):
+            call(hot)
+        gc.collect()
+        assert [sys.getrefcount(o) for o in watched] == refs, name
+        assert sys.getallocatedblocks() - blocks < 50, name

@@ -89,6 +89,8 @@ class MemoryTier(SecondaryTierManager):
 
     medium: ClassVar[Medium] = Medium.STORAGE
     tolerates_off_thread_polling: ClassVar[bool] = False
+    # The guard's class (a test may run a variant of it).
+    guard_class: ClassVar[type[PromotionGuard]] = PromotionGuard
 
     def __init__(
         self,
@@ -110,7 +112,7 @@ class MemoryTier(SecondaryTierManager):
         self._step = 0
         self._jobs: list[tuple[int, TransferJob, bool]] = []  # (due step, job, is load)
         cpu_chunks = primary_kv_view.shape[0]
-        self.guard = PromotionGuard(
+        self.guard = self.guard_class(
             cpu_chunks,
             promotion_fraction,
             enabled=promotion_guard,
