@@ -378,9 +378,11 @@ def _load_window(
     """Promote ``keys`` as vLLM's scheduler would with ``window`` requests of
     ``per_req`` chunks in flight: each step asks every active request's
     unanswered chunks (RETRY and HIT_PENDING are asked again the next step),
-    ends the step, retires the requests whose chunks all answered (the
-    landed ones counted through the primary, as vLLM would load them) and
-    admits the next. Returns (loaded, misses, retries, per-request latency,
+    counts the chunks of a request whose chunks all answered at once, through
+    the primary, as vLLM schedules and loads it then (before a later request's
+    promotions can evict them), ends the step with those requests as the
+    step's scheduled ones (the waiting ones keep the guard's pins), retires
+    them and admits the next. Returns (loaded, misses, retries, per-request latency,
     a sample of loaded keys to verify)."""
     from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 
@@ -401,7 +403,8 @@ def _load_window(
             with m.lock:
                 m.on_new_request(ctx)
             active.append((ctx, part, [], time.perf_counter()))
-        stepped = []
+        waiting = []
+        scheduled = []
         with m.lock:
             for ctx, pending, promoted, t0 in active:
                 still = []
@@ -414,19 +417,24 @@ def _load_window(
                     else:
                         promoted.append(key)
                 retries += len(still)
-                stepped.append((ctx, still, promoted, t0))
-            m.on_schedule_end(ScheduleEndContext(tuple(e[0].req_id for e in active), ()))
-        active = []
-        for ctx, still, promoted, t0 in stepped:
-            if still:
-                active.append((ctx, still, promoted, t0))
-                continue
+                if still:
+                    waiting.append((ctx, still, promoted, t0))
+                    continue
+                # Every chunk answered: vLLM schedules the request now and
+                # loads its chunks (its prepare_load pins them), before the
+                # next request's promotions may evict what is not pinned.
+                # Counted here (untimed in spirit: a few primary lookups).
+                probe = ReqContext(req_id=f"probe-{ctx.req_id}")
+                loaded += sum(m.primary_tier.lookup(k, probe) is LookupResult.HIT for k in promoted)
+                scheduled.append((ctx, promoted, t0))
+            # Only the requests scheduled this step are new to vLLM's
+            # scheduler; the waiting ones keep the guard's pins.
+            m.on_schedule_end(ScheduleEndContext(tuple(e[0].req_id for e in scheduled), ()))
+        active = waiting
+        for ctx, promoted, t0 in scheduled:
             job_lat.append(time.perf_counter() - t0)
-            probe = ReqContext(req_id=f"probe-{ctx.req_id}")
             with m.lock:
-                landed = sum(m.primary_tier.lookup(k, probe) is LookupResult.HIT for k in promoted)
                 m.on_request_finished(ctx)
-            loaded += landed
             last = promoted[:: max(1, len(promoted) // 32)][:32]
         if active:
             time.sleep(retry_s)
