@@ -231,7 +231,11 @@ class BlockStore:
             if engine_wrapper is not None:
                 self.engine = engine_wrapper(self.engine)
             self._table.bind(
-                getattr(self.engine, "native_submit_raw", self.engine.submit_raw),
+                # The io_uring engine's own submit, no Python frame; not under
+                # a wrapper, which may watch or change what is submitted.
+                getattr(self.engine, "native_submit_raw", self.engine.submit_raw)
+                if engine_wrapper is None
+                else self.engine.submit_raw,
                 getattr(self.engine, "native_wait_raw", self.engine.wait_raw),
                 max(0, config.max_queued_bytes // row_bytes),
                 # A sealed load is always authenticated; its "checksum" (the
