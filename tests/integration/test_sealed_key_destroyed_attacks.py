@@ -17,6 +17,7 @@ native = pytest.importorskip("nvmetier._crypto")
 
 from nvmetier.engine.sealed import TRAILER_BYTES  # noqa: E402
 from tests.integration.helpers import ROW as ROW_BYTES  # noqa: E402
+from tests.integration.test_sealed_key_destroyed import ENGINES  # noqa: E402
 
 ROW = 4096
 MAX = 8192  # nvt_seal.h NVT_MAX_EPOCHS
@@ -197,16 +198,13 @@ def _forge_destroyed(store, epochs) -> None:
     store._sealing._bump()  # announced, as a writer of `keys` does: sharers reload
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_forged_destroyed_entry_for_the_live_epoch_changes_nothing(
     tmp_path, buffer, engine
 ) -> None:
-    from nvmetier.engine import uring_status
     from tests.integration.helpers import key, payload, store_keys
     from tests.integration.test_sealed_key_destroyed import _load_one, reload_keys, sealed
 
-    if engine == "uring" and not uring_status()[0]:
-        pytest.skip("io_uring unavailable")
     store = sealed(tmp_path, buffer, engine)
     keys = [key(i) for i in range(4)]
     store_keys(store, buffer, keys)
@@ -224,7 +222,7 @@ def test_a_forged_destroyed_entry_for_the_live_epoch_changes_nothing(
     store.close()
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_trailer_relabelled_to_a_forged_destroyed_epoch_is_never_served(
     tmp_path, buffer, engine
 ) -> None:
@@ -233,7 +231,6 @@ def test_a_trailer_relabelled_to_a_forged_destroyed_epoch_is_never_served(
     # tampered load moves to loads_key_destroyed but is still a miss, freed.
     import struct
 
-    from nvmetier.engine import uring_status
     from tests.integration.helpers import key, payload, store_keys
     from tests.integration.test_sealed_key_destroyed import (
         _load_one,
@@ -243,8 +240,6 @@ def test_a_trailer_relabelled_to_a_forged_destroyed_epoch_is_never_served(
         sealed,
     )
 
-    if engine == "uring" and not uring_status()[0]:
-        pytest.skip("io_uring unavailable")
     store = sealed(tmp_path, buffer, engine)
     keys = [key(i) for i in range(4)]
     store_keys(store, buffer, keys)
@@ -265,7 +260,7 @@ def test_a_trailer_relabelled_to_a_forged_destroyed_epoch_is_never_served(
     store.close()
 
 
-@pytest.mark.parametrize("engine", ["threads", "uring"])
+@pytest.mark.parametrize("engine", ENGINES)
 def test_a_forged_last_epoch_number_is_a_clear_error_and_serves_what_was_stored(
     tmp_path, buffer, engine
 ) -> None:
@@ -275,12 +270,9 @@ def test_a_forged_last_epoch_number_is_a_clear_error_and_serves_what_was_stored(
     # still served. A store opened on the file refuses to start with the
     # same error.
     from nvmetier import crypto
-    from nvmetier.engine import uring_status
     from tests.integration.helpers import key, make_store, payload, store_keys
     from tests.integration.test_sealed_key_destroyed import _load_one, reload_keys, sealed
 
-    if engine == "uring" and not uring_status()[0]:
-        pytest.skip("io_uring unavailable")
     store = sealed(tmp_path, buffer, engine)
     keys = [key(i) for i in range(3)]
     store_keys(store, buffer, keys)
