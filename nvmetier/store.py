@@ -61,6 +61,10 @@ from nvmetier.store_outcomes import (  # re-exported: the names this module alwa
 
 logger = logging.getLogger(__name__)
 
+# Table.states_many's answers (native/nvt_layout.h's slot states; 255: the
+# key's set could not be locked in its bound).
+_WRITING, _READY, _STATE_UNKNOWN = 1, 2, 255
+
 _MAX_LOOKUP_COUNTS = 1 << 20
 # The layout identity's "encryption" of a sealed store (format.md).
 ENCRYPTION_ID = "aes-256-gcm/v1"
@@ -633,19 +637,21 @@ class BlockStore:
         finished, and the removal must follow it), each key held again since
         announced stored after it, and keep those being written again for
         the next call."""
-        states = table.states_many(keys)
-        # 1: being written (by any sharer); 255: its set was busy, unknown.
-        self._purge_pending = [k for k, s in zip(keys, states, strict=True) if s in (1, 255)]
-        done = (
-            keys
-            if not self._purge_pending
-            else [k for k, s in zip(keys, states, strict=True) if s not in (1, 255)]
-        )
+        pending: list[bytes] = []
+        done: list[bytes] = []
+        again: list[bytes] = []
+        for k, state in zip(keys, table.states_many(keys), strict=True):
+            if state in (_WRITING, _STATE_UNKNOWN):  # its set was busy: asked again too
+                pending.append(k)
+            else:
+                done.append(k)
+                if state == _READY:
+                    again.append(k)
+        self._purge_pending = pending
         if not done:
             return
         self._stats["purge_removals_emitted"] += len(done)
         table.push_removed(done)
-        again = [k for k, s in zip(keys, states, strict=True) if s == 2]
         if again:
             table.push_stored(again)
 

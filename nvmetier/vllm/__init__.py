@@ -539,21 +539,12 @@ class NvmeTierManager(SecondaryTierManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         # HIT only for the chunks the request's plan will load through the CPU
         # tier (nvmetier.vllm.promotion says why: otherwise a read storm); the
-        # guard's lookup_call asks the disk for those alone.
-        # The request's later lookups of a step (once its plan cannot change
-        # this step) inline, one frame: a key its plan leased is a HIT (the
-        # guard's lookup_call path, the same sets; PromotionGuard._heat says
-        # when a request is hot); anything else asks the guard.
-        # (The instance's lookup is the native HotRequest, which runs these
-        # same steps in C; this method is what vLLM's interface names.)
-        hot = self._hot
-        if req_context is hot.ctx:
-            leased = hot.leased
-            if key in leased:
-                leased.discard(key)
-                hot.hits.append(key)
-                return _HIT
-        return _HIT if self._answer(key, req_context) else _MISS
+        # guard's lookup_call asks the disk for those alone. The answer is
+        # the guard's native HotRequest's (a hot request's leased key in C,
+        # anything else through the guard's function), which __init__ also
+        # sets as the instance's lookup: this method is what vLLM's interface
+        # names, and what a subclass's override calls.
+        return self._hot(key, req_context)  # type: ignore[no-any-return]
 
     @property
     def _answer(self) -> Callable[[OffloadKey, ReqContext], bool]:
