@@ -746,7 +746,7 @@ static PyMethodDef Table_methods[] = {
     {"bump_purge", (PyCFunction)nvt_Table_bump_purge, METH_NOARGS, nvt_bump_purge_doc},
     {"keys_generation", (PyCFunction)nvt_Table_keys_generation, METH_NOARGS, nvt_keys_generation_doc},
     {"bump_keys", (PyCFunction)nvt_Table_bump_keys, METH_NOARGS, nvt_bump_keys_doc},
-    {"claim_purge_events", (PyCFunction)nvt_Table_claim_purge_events, METH_NOARGS, nvt_claim_purge_events_doc},
+    {"claim_purge_events", (PyCFunction)nvt_Table_claim_purge_events, METH_VARARGS, nvt_claim_purge_events_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -203,13 +203,38 @@ PyObject *nvt_Table_bump_purge(TableObject *self, PyObject *Py_UNUSED(ignored)) 
 }
 
 NVT_DOCSTR(nvt_claim_purge_events_doc,
-           "claim_purge_events() -> int or None\n\n"
+           "claim_purge_events(expected=None, upto=None) -> int or None\n\n"
            "Take the purges whose removal events no sharer took yet: purge_events_gen moves\n"
            "to purge_gen (compare-and-swap: one sharer wins each). Returns the previous\n"
-           "purge_events_gen (the purges after it are this caller's to emit), or None.");
+           "purge_events_gen (the purges after it are this caller's to emit), or None.\n"
+           "With expected and upto: move it from expected to upto only (the last purge\n"
+           "covered by the log the caller read), returning expected, or None when another\n"
+           "sharer moved it first.");
 
-PyObject *nvt_Table_claim_purge_events(TableObject *self, PyObject *Py_UNUSED(ignored)) {
+PyObject *nvt_Table_claim_purge_events(TableObject *self, PyObject *args) {
     GUARD(self);
+    PyObject *expected_obj = Py_None, *upto_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "|OO", &expected_obj, &upto_obj))
+        return NULL;
+    if ((expected_obj == Py_None) != (upto_obj == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "claim_purge_events: give both expected and upto, or neither");
+        return NULL;
+    }
+    if (expected_obj != Py_None) {
+        unsigned long expected = PyLong_AsUnsignedLong(expected_obj), upto = PyLong_AsUnsignedLong(upto_obj);
+        if (PyErr_Occurred())
+            return NULL;
+        if (expected > UINT32_MAX || upto > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "claim_purge_events: generations are u32 (got %lu, %lu)", expected,
+                         upto);
+            return NULL;
+        }
+        uint32_t seen = (uint32_t)expected;
+        if (__atomic_compare_exchange_n(&self->core.hdr->purge_events_gen, &seen, (uint32_t)upto, 0,
+                                        __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return PyLong_FromUnsignedLong(expected);
+        Py_RETURN_NONE;
+    }
     uint32_t gen = __atomic_load_n(&self->core.hdr->purge_gen, __ATOMIC_ACQUIRE);
     uint32_t seen = __atomic_load_n(&self->core.hdr->purge_events_gen, __ATOMIC_ACQUIRE);
     while (seen != gen) {

@@ -53,7 +53,7 @@ PyObject *nvt_Table_purge_generation(TableObject *self, PyObject *Py_UNUSED(igno
 PyObject *nvt_Table_bump_purge(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_keys_generation(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_bump_keys(TableObject *self, PyObject *Py_UNUSED(ignored));
-PyObject *nvt_Table_claim_purge_events(TableObject *self, PyObject *Py_UNUSED(ignored));
+PyObject *nvt_Table_claim_purge_events(TableObject *self, PyObject *args);
 PyObject *nvt_Table_inflight(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_sweep(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_load(TableObject *self, PyObject *args);

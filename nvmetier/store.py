@@ -304,6 +304,9 @@ class BlockStore:
         # were being written again when it took them: their removal waits
         # until the write ends (take_events).
         self._purge_pending: list[bytes] = []
+        # Purges taken whose removals could not be read (counted in
+        # kv_events_lost beside the table's own).
+        self._purge_events_lost = 0
 
     def _open_keys(self, operator: crypto.KeySet, store_name: str) -> crypto.StoreKeys:
         """The store's keyring (created with the store) and its secrets.
@@ -617,19 +620,45 @@ class BlockStore:
             keys: list[bytes] = []
             gen, taken = table.purge_generation()
             if gen != taken:
-                prev = table.claim_purge_events()
-                if prev is not None:
-                    keys = purge_log.removed_since(self.files.dirs[0], prev)
-                    if self._keys is not None and keys:
-                        keys = [k for k in keys if k in self._known]  # MACs it can name
+                keys = self._claim_purged(table, gen, taken)
+                if self._keys is not None and keys:
+                    keys = [k for k in keys if k in self._known]  # MACs it can name
             if self._purge_pending:
                 keys = self._purge_pending + keys
             if keys:
-                self._push_purged(table, keys)
+                # A key named twice (pending and purged again, or by two
+                # purges merged into one log) is one removal and one store.
+                self._push_purged(table, list(dict.fromkeys(keys)))
         events: list[tuple[bool, list[bytes]]] = table.take_events()
         if self._keys is not None and events:
             events = self._unseal_events(events)
         return events
+
+    def _claim_purged(self, table: Any, gen: int, taken: int) -> list[bytes]:
+        """The removals of the purges after ``taken`` that this process
+        claims. The log is read first and the claim moves the table's taken
+        generation to the last purge that log covers (compare-and-swap from
+        ``taken``): claimed first, a purge landing before the read saw its
+        predecessor taken and replaced the log with its own keys, and the
+        claimed purge's removals were never emitted. A purge landing after
+        the read merges the untaken log into its own; its generation is then
+        past the claim and the next take emits the whole (removals emitted
+        twice: a replay ends the same)."""
+        first, last, logged = purge_log.read_log(self.files.dirs[0])
+        ahead = (last - taken) & 0xFFFFFFFF
+        if first == last == 0 or ahead >= 1 << 31:
+            # No log (or not readable, or older than the claim: impossible
+            # unless it was replaced by hand): take the purges, emit nothing.
+            if table.claim_purge_events(taken, gen) is not None:
+                self._purge_events_lost += 1
+            return []
+        if ahead == 0:  # the log's purge is taken; its generation not bumped yet
+            return []
+        if table.claim_purge_events(taken, last) is None:
+            return []  # another sharer took it
+        if 0 < (first - 1 - taken) & 0xFFFFFFFF < 1 << 31:
+            self._purge_events_lost += 1  # the log starts after a purge not taken
+        return logged
 
     def _push_purged(self, table: Any, keys: list[bytes]) -> None:
         """Queue a purge's removals of ``keys`` behind the table's events (a
@@ -780,6 +809,7 @@ class BlockStore:
         used = ready = 0
         if table is not None:
             out.update(table.counters())
+            out["kv_events_lost"] += self._purge_events_lost
             used, ready, _watches, _jobs = table.usage()
         out["hits"] += self._hits_leased
         outstanding = jobs = 0

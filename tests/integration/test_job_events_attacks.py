@@ -382,3 +382,83 @@ def test_random_jobs_invalidations_and_held_sets_replay_to_the_table(tables, see
     replay = _apply(table.take_events(), replay)
     assert table.counters()["kv_events_lost"] == 0
     assert replay == {k for k in universe if table.contains(k)}
+
+
+# ------------------------------------------------- review attacks (purgerev)
+@pytest.mark.parametrize("when", ["before_read", "after_read"])
+def test_a_purge_racing_the_take_of_the_previous_one_loses_no_removal(
+    tmp_path, buffer, engine, monkeypatch, when
+) -> None:
+    # A second purge lands while a take_events is taking the first one,
+    # just before or just after it reads the log. Claimed before the read
+    # (as it was), the second purge saw its predecessor taken and replaced
+    # the log with its own keys only: the first purge's removals were never
+    # emitted and a router kept a key the store no longer held.
+    from nvmetier import purge_log
+
+    root = tmp_path / "kv"
+    store = _store(str(root), buffer, engine, enable_kv_events=True)
+    try:
+        a, b = key(11), key(12)
+        fill_rows(buffer, [a], [0])
+        store.submit_store(1, [a], [0])
+        run(store)
+        events = store.take_events()
+        (r,) = purge(str(root), older_than_s=None)  # purge 1 removes a
+        assert r.removed == 1
+        fill_rows(buffer, [b], [1])
+        store.submit_store(2, [b], [1])
+        run(store)
+        real = purge_log.read_log
+        calls: list[Any] = []
+
+        def racing(store_dir: str) -> tuple[int, int, list[bytes]]:
+            if calls:
+                return real(store_dir)
+            if when == "before_read":
+                calls.append(purge(str(root), older_than_s=None))
+                return real(store_dir)
+            got = real(store_dir)
+            calls.append(purge(str(root), older_than_s=None))
+            return got
+
+        monkeypatch.setattr(purge_log, "read_log", racing)
+        events += store.take_events()
+        monkeypatch.setattr(purge_log, "read_log", real)
+        events += store.take_events()
+        assert calls and calls[0][0].removed == 1  # purge 2 removed b
+        assert _held(store, [a, b]) == set()
+        assert _replay(events) == set(), events
+        assert store.stats()["kv_events_lost"] == 0
+        assert store.take_events() == []
+    finally:
+        store.close()
+
+
+def test_two_purges_of_a_key_stored_again_each_time_announce_it_once_per_event(
+    tmp_path, buffer, engine
+) -> None:
+    # stored, purged, stored again, purged again, stored again, one take: the
+    # second purge merged the first's untaken log (the key twice); the key,
+    # held again, must not be named twice in one event (a router counting
+    # each hash of a BlockStored would count it twice).
+    root = tmp_path / "kv"
+    store = _store(str(root), buffer, engine, enable_kv_events=True)
+    try:
+        k = key(21)
+        fill_rows(buffer, [k], [0])
+        store.submit_store(1, [k], [0])
+        run(store)
+        events = store.take_events()
+        for job_id in (2, 3):
+            (r,) = purge(str(root), older_than_s=None)
+            assert r.removed == 1
+            store.submit_store(job_id, [k], [0])
+            run(store)
+        events += store.take_events()
+        assert _replay(events) == _held(store, [k]) == {k}
+        for _removed, keys in events:
+            assert len(keys) == len(set(keys)), events
+        assert store.take_events() == []
+    finally:
+        store.close()
