@@ -376,33 +376,43 @@ static int init_mutex(pthread_mutex_t *mu) {
     return r ? -1 : 0;
 }
 
+/* nvt_find_way's check of way `w`, whose tag may match: the way, or -1. */
+static int check_way(nvt_core *t, uint64_t set, uint32_t w, uint64_t fp, const char *key, size_t n,
+                     unsigned mask) {
+    slot_ref s = slot_at(t, set, w);
+    if (*s.fp != fp || !((1u << *s.state) & mask))
+        return -1;
+    if (*s.state == NVT_READY && !nvt_record_has_key(t, set * t->ways + w, key, n))
+        return -1; /* a fingerprint collision: another key */
+    if (t->retention_ns && *s.state == NVT_READY && nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns())) {
+        /* Past retention: never served. Freed at once unless a lease (a
+         * lookup hit of an earlier step) still covers it; the caller's
+         * claim then finds it evicted first. */
+        t->c.retention_expired++;
+        if (!leased_locked(s, nvt_now_ms())) {
+            if (t->on_expired)
+                t->on_expired(t->expired_ctx, record(t, set * t->ways + w));
+            nvt_clear_slot_locked(t, s, set * t->ways + w);
+        }
+        return -1;
+    }
+    return (int)w;
+}
+
 /* Way of `fp`/key in `set` in one of the states of `mask`, or -1: the tags
  * filter, the fingerprint and (READY) the record's key confirm. */
 int nvt_find_way(nvt_core *t, uint64_t set, uint64_t fp, const char *key, size_t n,
                     unsigned mask) {
     const uint8_t *tags = set_tags(t, set), tag = tag_of(fp);
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag)
-            continue;
-        slot_ref s = slot_at(t, set, w);
-        if (*s.fp != fp || !((1u << *s.state) & mask))
-            continue;
-        if (*s.state == NVT_READY && !nvt_record_has_key(t, set * t->ways + w, key, n))
-            continue; /* a fingerprint collision: another key */
-        if (t->retention_ns && *s.state == NVT_READY && nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns())) {
-            /* Past retention: never served. Freed at once unless a lease (a
-             * lookup hit of an earlier step) still covers it; the caller's
-             * claim then finds it evicted first. */
-            t->c.retention_expired++;
-            if (!leased_locked(s, nvt_now_ms())) {
-                if (t->on_expired)
-                    t->on_expired(t->expired_ctx, record(t, set * t->ways + w));
-                nvt_clear_slot_locked(t, s, set * t->ways + w);
-            }
-            continue;
+    for (uint32_t base = 0; base < t->ways; base += 8)
+        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
+            uint32_t w = base + tag_way(m);
+            if (w >= t->ways)
+                break;
+            int r = check_way(t, set, w, fp, key, n, mask);
+            if (r >= 0)
+                return r;
         }
-        return (int)w;
-    }
     return -1;
 }
 
@@ -414,28 +424,35 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
     const uint8_t *tags = set_tags(t, set), *states = set_states(t, set), tag = tag_of(fp);
     int empty = -1;
     *evict = 0;
-    /* This key in any state (tags filter), and the first empty way. */
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (tags[w] != tag) {
-            if (empty < 0 && states[w] == NVT_EMPTY)
-                empty = (int)w;
-            continue;
-        }
-        slot_ref s = slot_at(t, set, w);
-        uint8_t st = *s.state;
-        if (st == NVT_EMPTY || *s.fp != fp)
-            continue;
-        if (st == NVT_WRITING)
-            return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-        if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + w, k, n)) {
-            if (!nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns()))
-                return -2;
-            if (!leased_locked(s, now)) /* past retention: stored again, in place */
+    /* This key in any state (tags filter, eight ways at a time), then the
+     * first empty way (an EMPTY way's tag is 0: never this key's). */
+    for (uint32_t base = 0; base < t->ways; base += 8)
+        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
+            uint32_t w = base + tag_way(m);
+            if (w >= t->ways)
+                break;
+            slot_ref s = slot_at(t, set, w);
+            uint8_t st = *s.state;
+            if (st == NVT_EMPTY || *s.fp != fp)
+                continue;
+            if (st == NVT_WRITING)
+                return -3 - (int)w; /* another store of this key is in flight (any sharer) */
+            if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + w, k, n)) {
+                if (!nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns()))
+                    return -2;
+                if (!leased_locked(s, now)) /* past retention: stored again, in place */
+                    return (int)w;
+                continue;
+            }
+            if (st == NVT_BAD) /* a failed load left it: rewrite in place */
                 return (int)w;
-            continue;
         }
-        if (st == NVT_BAD) /* a failed load left it: rewrite in place */
-            return (int)w;
+    /* The lowest flagged byte of a zero test is exact (a false flag only
+     * ever sits above a true zero); the padding past `ways` is zero too. */
+    for (uint32_t base = 0; base < t->ways && empty < 0; base += 8) {
+        uint64_t z = tag_word_matches(tag_word(states, base), NVT_EMPTY);
+        if (z && base + tag_way(z) < t->ways)
+            empty = (int)(base + tag_way(z));
     }
     if (empty >= 0)
         return empty;

@@ -232,6 +232,30 @@ static inline void publish_counts(nvt_core *t) {
 
 static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
 
+/* Eight tags at a time (SWAR): the tag array is 8-byte aligned and padded
+ * to a multiple of 8 bytes with zeros, which no tag (its low bit set) ever
+ * equals. tag_word_matches gives the high bit of each byte of `word` that may
+ * equal `tag`: every byte that does is flagged; a byte just above a true
+ * match may be flagged too (the borrow of the zero test), which the caller's
+ * fingerprint check rejects. Ways are visited in order:
+ *   for (uint32_t base = 0; base < ways; base += 8)
+ *       for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1)
+ *           way = base + tag_way(m) (< ways), in ascending order. */
+typedef uint64_t __attribute__((may_alias)) nvt_u64_alias;
+#define NVT_BYTES_LOW 0x0101010101010101ULL
+#define NVT_BYTES_HIGH 0x8080808080808080ULL
+
+static inline uint64_t tag_word(const uint8_t *tags, uint32_t base) {
+    return __atomic_load_n((const nvt_u64_alias *)(tags + base), __ATOMIC_RELAXED);
+}
+
+static inline uint64_t tag_word_matches(uint64_t word, uint8_t tag) {
+    uint64_t x = word ^ (NVT_BYTES_LOW * tag);
+    return (x - NVT_BYTES_LOW) & ~x & NVT_BYTES_HIGH;
+}
+
+static inline uint32_t tag_way(uint64_t m) { return (uint32_t)__builtin_ctzll(m) >> 3; }
+
 static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
 
 static inline unsigned char *record(nvt_core *t, uint64_t slot) {
@@ -247,12 +271,14 @@ static inline unsigned char *record(nvt_core *t, uint64_t slot) {
 static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp) {
     const uint8_t *tags = (const uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
     const uint8_t tag = tag_of(fp);
-    for (uint32_t w = 0; w < t->ways; w++) {
-        if (__atomic_load_n(&tags[w], __ATOMIC_RELAXED) != tag)
-            continue;
-        __builtin_prefetch(slot_at(t, set, w).fp, 0);
-        __builtin_prefetch(record(t, set * t->ways + w), 0);
-    }
+    for (uint32_t base = 0; base < t->ways; base += 8)
+        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
+            uint32_t w = base + tag_way(m);
+            if (w >= t->ways)
+                break;
+            __builtin_prefetch(slot_at(t, set, w).fp, 0);
+            __builtin_prefetch(record(t, set * t->ways + w), 0);
+        }
 }
 
 static inline uint64_t record_stored_ns(nvt_core *t, uint64_t slot) {
