@@ -153,6 +153,16 @@ def release_free_memory() -> None:
 _malloc_trim: Any = None
 
 
+def _advise_huge(mm: mmap.mmap) -> None:
+    """Ask for 2 MiB pages under a mapping of the table or index (best effort)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            mm.madvise(advice)
+        except OSError:
+            pass
+
+
 def _zero(mm: mmap.mmap) -> None:
     zeros = bytes(1 << 20)
     for off in range(0, len(mm), len(zeros)):
@@ -414,6 +424,7 @@ class StoreFiles:
                 raise FormatError(f"{path!r} has the wrong size while sharers are attached")
             preallocate_mapped(fd, size, path)
         self.table_map = mmap.mmap(fd, size)
+        _advise_huge(self.table_map)
         if self.alone:
             # The records are the durable truth: the first process to attach
             # rebuilds the table from them (a native scan, ~40 ms per 256 K
@@ -619,6 +630,7 @@ class StoreFiles:
         if size < self.sb.index_bytes:
             raise FormatError(f"{path!r} is {size} bytes, expected {self.sb.index_bytes}")
         self.index = mmap.mmap(self._index_fd, fmt.align_up(self.sb.index_bytes))
+        _advise_huge(self.index)
 
     def _open_data(self) -> None:
         flags = os.O_RDWR | os.O_CLOEXEC | (O_DIRECT if self.o_direct else 0)
