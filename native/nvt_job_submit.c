@@ -450,19 +450,33 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
  * submit_load). Keys not READY (or with a bad row) go to `*missing`
  * (load_ops), or fail in the job as MISSING when `missing` is NULL
  * (submit_load). Returns 0, or -1 with an exception set (unwind with
- * load_unwind). */
+ * load_unwind).
+ *
+ * The keys are taken last to first: a job lists a request's chunks head
+ * first, and the recency each load marks (the set's clock) then leaves the
+ * head the most recent of the chunks that share a set, as the refresh of a
+ * finished request marks them (nvmetier.vllm.recency: tail first, head
+ * last), which then leaves the chunks its loads refreshed out. The ops are
+ * built from the end of `ops` down and moved to its front at the end: they
+ * stay in the keys' order, and so do the positions in `*missing`. */
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
                      int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
     Py_ssize_t n_ops = *n_ops_io;
     int64_t job = *job_io;
     int rc = 0;
     uint64_t now = nvt_now_ms(), until = now + self->core.lease_ms;
+    /* ops[top..n_ops + built) fill from the end down (the call's buffer has
+     * room for one op per key past the n_ops already there). */
+    Py_ssize_t top = n_ops + m, built = 0;
+    Py_ssize_t missing_from = missing && *missing ? PyList_GET_SIZE(*missing) : 0;
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
     if (!fps)
         goto error;
-    for (Py_ssize_t i = 0; i < m; i++) {
-        if (i + PREFETCH_AHEAD < m)
-            prefetch_set(&self->core, fps[i + PREFETCH_AHEAD] % self->core.n_sets, 0);
+    for (Py_ssize_t i = m - 1; i >= m - PREFETCH_AHEAD && i >= PREFETCH_AHEAD; i--)
+        prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+    for (Py_ssize_t i = m - 1; i >= 0; i--) {
+        if (i >= PREFETCH_AHEAD)
+            prefetch_set(&self->core, fps[i - PREFETCH_AHEAD] % self->core.n_sets, 0);
         const char *k = NULL;
         Py_ssize_t n = 0;
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
@@ -510,7 +524,8 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
         o->pos = (uint32_t)i;
         o->kind = NVT_OP_READ;
         o->key_len = 0;
-        fill_op(self, &ops[n_ops++], (uint32_t)oi, slot, row, NVT_OP_READ, fp, check);
+        fill_op(self, &ops[--top], (uint32_t)oi, slot, row, NVT_OP_READ, fp, check);
+        built++;
         self->jobs[job].remaining++;
     }
     goto done;
@@ -518,6 +533,19 @@ error:
     rc = -1;
 done:
     free_fps(fps, fps_local);
+    if (built && top != n_ops)
+        memmove(&ops[n_ops], &ops[top], (size_t)built * sizeof(nvt_op));
+    n_ops += built;
+    if (rc == 0 && missing && *missing && PyList_GET_SIZE(*missing) - missing_from > 1) {
+        /* Appended last to first: back to the keys' order. */
+        PyObject *tail = PyList_GetSlice(*missing, missing_from, PyList_GET_SIZE(*missing));
+        if (!tail || PyList_Reverse(tail) < 0 ||
+            PyList_SetSlice(*missing, missing_from, PyList_GET_SIZE(*missing), tail) < 0) {
+            if (rc == 0)
+                rc = -1;
+        }
+        Py_XDECREF(tail);
+    }
     *n_ops_io = n_ops;
     *job_io = job;
     return rc;

@@ -466,17 +466,20 @@ class TableModel(RuleBasedStateMachine):
         want_ops: list[tuple[int, int]] = []
         want_missing: list[int] = []
         mops: list[MOp] = []
-        for pos, key in enumerate(keys):
+        # A load takes its keys last to first (a request's head ends up its
+        # most recent chunk, as the finish refresh leaves it); its ops and
+        # missing positions come out in the keys' order.
+        for pos, key in reversed(list(enumerate(keys))):
             slot = self.find(key, (READY,))
             if slot is None:
                 h.counters["load_keys_missing"] += 1
-                want_missing.append(pos)
+                want_missing.insert(0, pos)
                 continue
             s = self.slots[slot]
             token = self.grant(slot)  # every grant is a lease of its own
             s.last_used = self.tick()
-            want_ops.append((pos, slot))
-            mops.append(MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload, verify))
+            want_ops.insert(0, (pos, slot))
+            mops.insert(0, MOp(OP_READ, slot, s.gen, key, job_id, pos, token, s.payload, verify))
         packed, missing = h.table.load_ops(job_id, keys, _rows(len(keys)), verify)
         ops = _ops(packed)
         got = [
@@ -966,6 +969,36 @@ def test_two_overlapping_loads_each_keep_their_own_lease(shared: Shared, clock) 
     assert done == [(2, True, ROW_BYTES, None, None)]
     ops3, _ = _store(b, [k3], job_id=6)  # both loads done: now evictable
     assert len(ops3) == 1
+
+
+def test_a_load_marks_its_keys_used_last_to_first(shared: Shared, clock) -> None:
+    """A load job lists a request's chunks head first; its recency leaves the
+    head the more recent of two in one set (as the refresh of a finished
+    request does, tail first): a store into the full set evicts the tail. The
+    ops stay in the keys' order."""
+    a = _handle(shared)
+    head, tail, new = SET0_KEYS
+    _stored(a, head, job_id=1)
+    _stored(a, tail, job_id=2)
+    assert a.touch([tail, head]) == 2  # as a refresh would leave them: head the more recent
+    assert a.touch([head, tail]) == 2  # now the tail: the load must turn it round
+    packed, missing = a.load_ops(3, [head, tail], _rows(2), True)
+    assert missing is None
+    ops = _ops(packed)
+    assert [int(op["buf_offset"]) // ROW_BYTES for op in ops] == [0, 1]
+    a.complete(_ok(ops, checksum=11), False)
+    ops3, _ = _store(a, [new], job_id=4)
+    assert len(ops3) == 1
+    assert a.contains(head) and not a.contains(tail)
+
+
+def test_a_load_lists_missing_positions_in_the_keys_order(shared: Shared) -> None:
+    a = _handle(shared)
+    held = SET0_KEYS[0]
+    _stored(a, held)
+    packed, missing = a.load_ops(2, [b"gone-1", held, b"gone-2", b"gone-3"], _rows(4), True)
+    assert missing == [0, 2, 3]
+    assert [int(op["buf_offset"]) // ROW_BYTES for op in _ops(packed)] == [1]
 
 
 def test_a_lease_protects_until_it_runs_out_on_the_clock(shared: Shared, clock) -> None:

@@ -162,3 +162,34 @@ def test_request_keys_of_a_long_request_are_its_first_max_chunks() -> None:
 
 def test_request_keys_of_an_untracked_request_are_none() -> None:
     assert request_keys(ReqContext(req_id="untracked"), 4096) == []
+
+
+def test_chunks_a_request_loaded_from_disk_are_refreshed_by_their_load_not_again(
+    tmp_path, make_engine
+) -> None:
+    """The prefix a request loads from disk was marked used by the load itself
+    (last to first, as the refresh orders them): the request's refresh at its
+    end leaves those chunks out, touches the rest, and counts them all."""
+    root = str(tmp_path / "kv")
+    eng = engine(make_engine, root)
+    run_rounds(eng, "cpu")
+    eng.shutdown()
+    restarted = engine(make_engine, root)
+    tier = restarted.tiers[0]
+    touched: list[list[bytes]] = []
+    real_touch = tier.store.touch
+
+    def spy(keys: Any) -> int:
+        touched.append(list(keys))
+        return real_touch(keys)  # type: ignore[no-any-return]
+
+    tier.store.touch = spy
+    model = ConnectorModel(restarted, reads_land_in_step=True)
+    p = serve(model, "after-restart", PREFIX + tail(ROUNDS))
+    assert model.chunks_read["after-restart"] == len(PREFIX)
+    assert p.hit_chunks == len(PREFIX)
+    assert touched, "the request's new chunks are still refreshed"
+    assert not set(PREFIX) & {k for keys in touched for k in keys}
+    label = (tier.tier_label,)
+    stats = restarted.manager.get_stats().reduce()
+    assert stats[f"{METRIC_PREFIX}chunks_touched:{label}"] == len(PREFIX)
