@@ -306,9 +306,10 @@ class PromotionGuard(RequestPlanner):
             if rnd.lease_step == self._step and rnd.leased:
                 hot.leased = rnd.leased
                 hot.n_leased = len(rnd.leased)
-                # The planned keys not leased (usually none): the only ones
-                # the disk is asked about while hot.
-                hot.planned = rnd.planned - rnd.leased
+                # The planned keys not leased (usually none: a dense plan's
+                # leased set is its planned set): the only ones the disk is
+                # asked about while hot.
+                hot.planned = set() if rnd.leased is rnd.planned else rnd.planned - rnd.leased
             else:
                 hot.planned = rnd.planned
 
@@ -328,7 +329,8 @@ class PromotionGuard(RequestPlanner):
         hits = hot.hits
         rnd = hot.rnd
         if hits and rnd is not None:
-            rnd.planned.difference_update(hits)
+            if hot.leased is not rnd.planned:  # else its HITs left the plan as they came
+                rnd.planned.difference_update(hits)
             rnd.landing.update(hits)
             rnd.hits += len(hits)
             # Not loaded yet (note_loaded): the list itself, noted in
@@ -373,6 +375,8 @@ class PromotionGuard(RequestPlanner):
         if rnd is None or rnd.lease_step != self._step or key not in rnd.leased:
             return False
         rnd.leased.discard(key)
+        if rnd.leased is rnd.planned:  # it left the plan too: note_hit will not land it
+            rnd.landing.add(key)
         if self._count_hits is not None:
             self._count_hits(1)
         return True

@@ -438,8 +438,12 @@ class RequestPlanner:
             rnd.planned = rnd.needed.copy()
         else:
             rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
-        if lease:  # the disk's read leased every planned key
-            rnd.leased = rnd.planned.copy()
+        if lease:
+            # The disk's read leased every planned key: this step's leased set
+            # is the planned set itself (no copy; a HIT from a lease leaves
+            # both at once, and ``PromotionGuard._take_lease`` and ``_cool``
+            # then add it to ``landing`` as ``note_hit`` would).
+            rnd.leased = rnd.planned
             rnd.lease_step = self._step
         generation = view.generation()
         if rnd.pinned and rnd.generation != generation:
