@@ -23,9 +23,11 @@ import struct
 import tempfile
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from nvmetier import _table  # type: ignore[attr-defined]  # a C extension
+from nvmetier.engine.base import OP_DTYPE
 
 N_SLOTS, WAYS, ROW_BYTES, N_ROWS = 64, 4, 4096, 64
 BAD_CHECKSUM = 0xBAD
@@ -258,5 +260,71 @@ def test_a_primitive_job_whose_report_fails_comes_at_a_later_complete() -> None:
         assert [f[0] for f in finished] == [7]
         assert table.usage()[3] == 0
         assert all(table.contains(k) for k in STORE_A[:2])
+    finally:
+        _close(table, fd)
+
+
+def _load_mix(held: list[bytes]) -> tuple[list[bytes], list[int], list[int], list[int]]:
+    """100 keys (the fingerprints allocated): absent, held with a row out of
+    range, one held key many times, other held keys. Returns the keys, rows,
+    the missing positions and the positions with an op, in the keys' order."""
+    keys, rows = [], []
+    for i in range(100):
+        kind = i % 5
+        key = b"absent-%d" % i if kind == 0 else held[0] if kind == 2 else held[i % len(held)]
+        keys.append(key)
+        rows.append(N_ROWS + 3 if kind == 1 else i % N_ROWS)
+    missing = [i for i in range(100) if i % 5 in (0, 1)]
+    return keys, rows, missing, [i for i in range(100) if i % 5 not in (0, 1)]
+
+
+def test_load_ops_unwinds_at_any_allocation_point_and_keeps_the_keys_order() -> None:
+    """load_ops takes its keys last to first and builds its ops from the end
+    of its buffer down: whatever allocation fails, the call raises and leaves
+    nothing in flight, or returns the ops and missing positions in key order."""
+    table, _engine, fd = _handle()
+    try:
+        packed, *_rest = table.store_ops(1, STORE_A[:40], list(range(40)), 64, False)
+        n_ops = len(packed) // _table.OP_BYTES
+        op_ids = [struct.unpack_from("<Q", packed, i * _table.OP_BYTES)[0] for i in range(n_ops)]
+        table.complete(b"".join(struct.pack("<QqQ", o, ROW_BYTES, 7) for o in op_ids), False)
+        held = [k for k in STORE_A[:40] if table.contains(k)]
+        keys, rows, missing, loaded = _load_mix(held)
+
+        def load(after: int = -1, count: int = 0) -> None:
+            _table._fail_allocs(after, count)
+            try:
+                packed, got_missing = table.load_ops(2, keys, rows, False)
+            finally:
+                _table._fail_allocs(-1, 0)
+            ops = np.frombuffer(packed, dtype=OP_DTYPE)
+            assert got_missing == missing
+            assert [int(op["buf_offset"]) // ROW_BYTES for op in ops] == [rows[i] for i in loaded]
+            comps = b"".join(struct.pack("<QqQ", int(op["op_id"]), ROW_BYTES, 7) for op in ops)
+            finished, _s, _r = table.complete(comps, False)
+            assert [f[0] for f in finished] == [2]
+
+        _table._fail_allocs(-1, 0)
+        packed, _missing = table.load_ops(2, keys, rows, False)
+        points = _table._fail_allocs(-1, 0)
+        table.complete(
+            b"".join(
+                struct.pack("<QqQ", int(op["op_id"]), ROW_BYTES, 7)
+                for op in np.frombuffer(packed, dtype=OP_DTYPE)
+            ),
+            False,
+        )
+        assert points > 3
+        refused = 0
+        for count in (1, 10**9):
+            for after in range(points):
+                try:
+                    load(after, count)
+                except MemoryError:
+                    refused += 1
+                assert table.usage()[2:] == (0, 0), f"allocation point {after}"
+                assert table.inflight() == (0, 0), f"allocation point {after}"
+                load()  # whole again
+        assert refused >= points
     finally:
         _close(table, fd)
