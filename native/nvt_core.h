@@ -268,7 +268,13 @@ static inline unsigned char *record(nvt_core *t, uint64_t slot) {
  * next, a record being a dependent miss in another mapping. The tags are
  * read without the set lock: a hint only (a stale tag prefetches a line for
  * nothing, or misses one), never used to decide anything. */
-static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp) {
+/* What else of a matching way prefetch_ways loads: the fields the call will
+ * write under the set's lock (each in a line of its own array). A lease
+ * (lease_grant) reads and writes pins, stamp and epoch; a load also marks
+ * the recency (last) and reads gen; a touch marks the recency only. */
+enum { NVT_PF_LEASE = 1, NVT_PF_LAST = 2, NVT_PF_GEN = 4 };
+
+static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp, unsigned fields) {
     const uint8_t *tags = (const uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
     const uint8_t tag = tag_of(fp);
     for (uint32_t base = 0; base < t->ways; base += 8)
@@ -276,8 +282,18 @@ static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp) {
             uint32_t w = base + tag_way(m);
             if (w >= t->ways)
                 break;
-            __builtin_prefetch(slot_at(t, set, w).fp, 0);
+            slot_ref s = slot_at(t, set, w);
+            __builtin_prefetch(s.fp, 0);
             __builtin_prefetch(record(t, set * t->ways + w), 0);
+            if (fields & NVT_PF_LEASE) {
+                __builtin_prefetch(s.pins, 1);
+                __builtin_prefetch(s.stamp, 1);
+                __builtin_prefetch(s.epoch, 1);
+            }
+            if (fields & NVT_PF_LAST)
+                __builtin_prefetch(s.last, 1);
+            if (fields & NVT_PF_GEN)
+                __builtin_prefetch(s.gen, 0);
         }
 }
 

@@ -82,6 +82,7 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
      * them in cache). */
     int scan = mode == NVT_READY_LEASE;
     unsigned mask = mode == NVT_READY_STATES ? (1u << NVT_READY | 1u << NVT_WRITING) : 1u << NVT_READY;
+    unsigned ways_fields = mode == NVT_READY_LEASE ? NVT_PF_LEASE | NVT_PF_GEN : mode == NVT_READY_TOUCH ? NVT_PF_LAST : 0;
     /* Two stages ahead: the set's lines 2 * PREFETCH_AHEAD keys ahead, then,
      * once its tags are in, the matching ways' lines PREFETCH_AHEAD ahead. */
     for (Py_ssize_t i = PREFETCH_AHEAD; i < m && i < 2 * READY_AHEAD; i++)
@@ -90,7 +91,7 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
         if (i + 2 * READY_AHEAD < m)
             prefetch_set(&self->core, fps[i + 2 * READY_AHEAD] % self->core.n_sets, scan);
         if (i + READY_AHEAD < m)
-            prefetch_ways(&self->core, fps[i + READY_AHEAD] % self->core.n_sets, fps[i + READY_AHEAD]);
+            prefetch_ways(&self->core, fps[i + READY_AHEAD] % self->core.n_sets, fps[i + READY_AHEAD], ways_fields);
         const char *k = NULL;
         Py_ssize_t n = 0;
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
@@ -456,9 +457,9 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
  * first, and the recency each load marks (the set's clock) then leaves the
  * head the most recent of the chunks that share a set, as the refresh of a
  * finished request marks them (nvmetier.vllm.recency: tail first, head
- * last), which then leaves the chunks its loads refreshed out. The ops are
- * built from the end of `ops` down and moved to its front at the end: they
- * stay in the keys' order, and so do the positions in `*missing`. */
+ * last; with the refresh off, the load's marks are the only ones). The ops
+ * are built from the end of `ops` down and moved to its front at the end:
+ * they stay in the keys' order, and so do the positions in `*missing`. */
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
                      int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
     Py_ssize_t n_ops = *n_ops_io;

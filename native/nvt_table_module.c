@@ -2,9 +2,8 @@
  * nvt_table_module: the functions of the module nvmetier._table that take no
  * Table (the type is nvt_table.c, which also runs the module's init): the
  * table file's size, format, header and live sharers, the tests' hooks
- * (clock offsets, the dying wait, allocation failures), chunk_run (the
- * promotion plan's layout of a request) and without_runs (the recency refresh
- * of a finished request), both on vLLM's scheduler thread. Called with the GIL
+ * (clock offsets, the dying wait, allocation failures), and chunk_run (the
+ * promotion plan's layout of a request, on vLLM's scheduler thread). Called with the GIL
  * held, by whichever thread opens, checks or inspects a store; none waits.
  */
 #include "nvt_table_type.h"
@@ -201,64 +200,8 @@ no_run:
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(without_runs_doc,
-             "without_runs(keys, runs) -> list\n\n"
-             "The items of the list `keys`, in order, less every item that is (by identity,\n"
-             "never compared) an item of one of `runs` (a list of lists). The recency refresh\n"
-             "of a finished request leaves out the chunks its own loads refreshed, on vLLM's\n"
-             "scheduler thread: pointers are compared, no key object is read.");
-
-/* Open addressing over the runs' item pointers (a power of two at least
- * twice their count), then one pass over `keys`. */
-static PyObject *py_without_runs(PyObject *m, PyObject *args) {
-    PyObject *keys, *runs;
-    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &keys, &PyList_Type, &runs))
-        return NULL;
-    Py_ssize_t total = 0, n_runs = PyList_GET_SIZE(runs);
-    for (Py_ssize_t r = 0; r < n_runs; r++) {
-        PyObject *run = PyList_GET_ITEM(runs, r);
-        if (!PyList_Check(run)) {
-            PyErr_Format(PyExc_TypeError, "each run must be a list, not %.100s", Py_TYPE(run)->tp_name);
-            return NULL;
-        }
-        total += PyList_GET_SIZE(run);
-    }
-    size_t cap = 16;
-    while (cap < 2 * (size_t)total)
-        cap *= 2;
-    uintptr_t local[512], *table = cap <= 512 ? local : PyMem_Calloc(cap, sizeof(uintptr_t));
-    if (!table)
-        return PyErr_NoMemory();
-    if (table == local)
-        memset(local, 0, cap * sizeof(uintptr_t));
-    for (Py_ssize_t r = 0; r < n_runs; r++) {
-        PyObject *run = PyList_GET_ITEM(runs, r);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(run); i++) {
-            uintptr_t p = (uintptr_t)PyList_GET_ITEM(run, i);
-            size_t h = (size_t)((p >> 4) * 0x9E3779B97F4A7C15ULL) & (cap - 1);
-            while (table[h] && table[h] != p)
-                h = (h + 1) & (cap - 1);
-            table[h] = p;
-        }
-    }
-    PyObject *out = PyList_New(0);
-    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
-        PyObject *key = PyList_GET_ITEM(keys, i);
-        uintptr_t p = (uintptr_t)key;
-        size_t h = (size_t)((p >> 4) * 0x9E3779B97F4A7C15ULL) & (cap - 1);
-        while (table[h] && table[h] != p)
-            h = (h + 1) & (cap - 1);
-        if (!table[h] && PyList_Append(out, key) < 0)
-            Py_CLEAR(out);
-    }
-    if (table != local)
-        PyMem_Free(table);
-    return out;
-}
-
 static PyMethodDef module_methods[] = {
     {"chunk_run", py_chunk_run, METH_VARARGS, chunk_run_doc},
-    {"without_runs", py_without_runs, METH_VARARGS, without_runs_doc},
     {"_set_clock_offset_ns", py_set_clock_offset, METH_O, set_clock_offset_doc},
     {"_fail_allocs", py_fail_allocs, METH_VARARGS, fail_allocs_doc},
     {"_set_wall_clock_offset_ns", py_set_wall_offset, METH_O, set_wall_offset_doc},

@@ -511,11 +511,6 @@ class BlockStore:
         self._stats["chunks_touched"] += touched
         return touched
 
-    def count_touched(self, n: int) -> None:
-        """``n`` chunks were refreshed by their loads instead of ``touch``
-        (counted in ``chunks_touched`` all the same). Scheduler thread."""
-        self._stats["chunks_touched"] += n
-
     def submit_store(
         self, job_id: int, keys: Collection[bytes], rows: Sequence[int] | np.ndarray
     ) -> None:

@@ -422,9 +422,6 @@ class NvmeTierManager(SecondaryTierManager):
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
         self._refresh_chunks = self.config.recency_refresh_chunks
-        # Per request, its load jobs' keys: refreshed by the loads, left out
-        # of its refresh at the end (nvmetier.vllm.recency).
-        self._loaded = recency.LoadedRuns()
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -594,12 +591,9 @@ class NvmeTierManager(SecondaryTierManager):
         # request used, here, once per request (nvmetier.vllm.recency). A
         # request that recorded no key (None: this vLLM records none, which
         # recency warns about once) has nothing to refresh.
-        loaded = self._loaded.pop(req_context.req_id)
         max_chunks = self._refresh_chunks
         if max_chunks and getattr(req_context, POSITIONS_ATTR, None) != {}:
-            keys, refreshed = recency.refresh_keys(req_context, max_chunks, loaded)
-            if refreshed:
-                self.store.count_touched(refreshed)
+            keys = recency.request_keys(req_context, max_chunks)
             if keys:
                 if not self._seed_checked:
                     self._check_seed()
@@ -628,9 +622,7 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
-        ctx = job_metadata.req_context
-        self._guard.note_load_job(job_id, job_metadata.keys, ctx)
-        self._loaded.add(ctx.req_id, job_metadata.keys)
+        self._guard.note_load_job(job_id, job_metadata.keys, job_metadata.req_context)
         error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
         if error is not None:
             log_refused_job(job_id, error)

@@ -16,12 +16,6 @@ hits included, and the orchestrator hands that context to every tier's
 them in one native call (``BlockStore.touch``), which refreshes the chunks the
 disk holds and leaves the rest alone.
 
-The chunks the request itself loaded from disk were refreshed by those loads
-(a load marks its keys used last to first, as the touch order below leaves
-them): ``LoadedRuns`` keeps each request's load jobs' keys, and the refresh
-leaves them out (``without_runs``: by identity, in C, no key read), so a
-request served from disk costs its finish no second pass over the index.
-
 Owns: no state. Scheduler thread (under the orchestrator's lock); no I/O,
 never blocks.
 """
@@ -32,7 +26,6 @@ import itertools
 import logging
 from typing import Any
 
-from nvmetier._table import without_runs
 from nvmetier.vllm.cpu_view import POSITIONS_ATTR, key_positions
 
 logger = logging.getLogger(__name__)
@@ -83,42 +76,3 @@ def _warn_missing(req_context: Any) -> None:
         type(req_context).__name__,
         POSITIONS_ATTR,
     )
-
-
-class LoadedRuns:
-    """Per request, the keys of its load jobs (the chunks its loads refreshed),
-    until it finishes. Scheduler thread; O(1) per job, no copy of a list."""
-
-    def __init__(self) -> None:
-        self._runs: dict[str, list[list[Any]]] = {}
-
-    def add(self, req_id: str, keys: Any) -> None:
-        """A load job of ``keys`` for request ``req_id`` was submitted."""
-        run = keys if type(keys) is list else list(keys)
-        runs = self._runs.get(req_id)
-        if runs is None:
-            self._runs[req_id] = [run]
-        else:
-            runs.append(run)
-
-    def pop(self, req_id: str) -> list[list[Any]] | None:
-        """The request's runs, forgotten (it finished)."""
-        return self._runs.pop(req_id, None) if self._runs else None
-
-    def clear(self) -> None:
-        self._runs.clear()
-
-    def __len__(self) -> int:
-        return len(self._runs)
-
-
-def refresh_keys(
-    req_context: Any, max_chunks: int, loaded: list[list[Any]] | None
-) -> tuple[list[Any], int]:
-    """``request_keys`` less the chunks the request's own loads refreshed
-    (``loaded``: its ``LoadedRuns``), and how many were left out for that."""
-    keys = request_keys(req_context, max_chunks)
-    if not loaded or not keys:
-        return keys, 0
-    rest = without_runs(keys, loaded)
-    return rest, len(keys) - len(rest)

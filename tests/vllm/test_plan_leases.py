@@ -364,8 +364,9 @@ def test_the_tier_answers_a_hot_requests_leased_keys_itself_each_once(make_engin
     """After the plan (the request's first lookup), the tier's own ``lookup``
     answers the request's leased keys HIT without the guard's function; a
     key already answered HIT is a MISS if asked again in the step (as the
-    guard answers it); the HITs are counted, and at the step's end they leave
-    the round's planned keys (a later plan does not count them again)."""
+    guard answers it); the HITs are counted, and they leave the round's
+    planned keys for its landing ones (a later plan does not count them
+    again): at once, the dense plan's leased set being its planned set."""
     eng = make_engine(cpu_chunks=32)
     tier = eng.tiers[0]
     keys = [key_of(i) for i in range(8)]
@@ -391,7 +392,8 @@ def test_the_tier_answers_a_hot_requests_leased_keys_itself_each_once(make_engin
         assert tier.lookup(keys[3], ctx) is LookupResult.MISS  # once only
         assert answered == [keys[3]]
         rnd = tier._guard._rounds["walk"]
-        assert set(keys[1:6]) <= rnd.planned  # until the step ends
+        assert not set(keys[1:6]) & rnd.planned
+        assert set(keys[1:6]) <= rnd.landing
         tier.on_schedule_end(ScheduleEndContext((), ()))
         assert rnd.planned == set(keys[6:])
         assert rnd.hits == 6

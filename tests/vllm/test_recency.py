@@ -164,32 +164,35 @@ def test_request_keys_of_an_untracked_request_are_none() -> None:
     assert request_keys(ReqContext(req_id="untracked"), 4096) == []
 
 
-def test_chunks_a_request_loaded_from_disk_are_refreshed_by_their_load_not_again(
-    tmp_path, make_engine
-) -> None:
-    """The prefix a request loads from disk was marked used by the load itself
-    (last to first, as the refresh orders them): the request's refresh at its
-    end leaves those chunks out, touches the rest, and counts them all."""
+def _restarted_with_prefix_on_disk(tmp_path, make_engine) -> SimulatedEngine:
+    """An engine restarted (the CPU tier empty) on a disk holding PREFIX."""
     root = str(tmp_path / "kv")
     eng = engine(make_engine, root)
-    run_rounds(eng, "cpu")
+    serve(ConnectorModel(eng, reads_land_in_step=True), "r0", PREFIX + tail(0))
     eng.shutdown()
     restarted = engine(make_engine, root)
-    tier = restarted.tiers[0]
-    touched: list[list[bytes]] = []
-    real_touch = tier.store.touch
+    assert all(on_disk(restarted, PREFIX))
+    return restarted
 
-    def spy(keys: Any) -> int:
-        touched.append(list(keys))
-        return real_touch(keys)  # type: ignore[no-any-return]
 
-    tier.store.touch = spy
+def test_a_loaded_head_stays_more_recent_than_the_requests_other_chunks(
+    tmp_path, make_engine
+) -> None:
+    """Of a request's chunks in one disk set, the head must end up the most
+    recent (``request_keys``), also when the head came from disk and the rest
+    from the CPU tier: a head the load marked, then left out of the refresh
+    that marks the rest later, is evicted before its own tail."""
+    restarted = _restarted_with_prefix_on_disk(tmp_path, make_engine)
     model = ConnectorModel(restarted, reads_land_in_step=True)
-    p = serve(model, "after-restart", PREFIX + tail(ROUNDS))
-    assert model.chunks_read["after-restart"] == len(PREFIX)
-    assert p.hit_chunks == len(PREFIX)
-    assert touched, "the request's new chunks are still refreshed"
-    assert not set(PREFIX) & {k for keys in touched for k in keys}
-    label = (tier.tier_label,)
-    stats = restarted.manager.get_stats().reduce()
-    assert stats[f"{METRIC_PREFIX}chunks_touched:{label}"] == len(PREFIX)
+    rest = tail(50)
+    serve(model, "rest", rest)  # computed: in the CPU tier and on disk
+    p = serve(model, "req", PREFIX + rest)
+    assert model.chunks_read["req"] == len(PREFIX)  # the head from disk, the rest from the CPU
+    assert p.hit_chunks == len(PREFIX) + len(rest)
+    mine = PREFIX + rest
+    for i in range(60, 80):  # new chunks until one of the request's is evicted
+        serve(model, f"fill{i}", tail(i))
+        if not all(on_disk(restarted, mine)):
+            break
+    assert not all(on_disk(restarted, mine))
+    assert all(on_disk(restarted, PREFIX)), "the head went before the request's own tail"
