@@ -470,13 +470,37 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
         pthread_cond_broadcast(&e->cv);
     }
     pthread_mutex_unlock(&e->lock);
+    /* One eventfd write on this (vLLM's) thread: the first idle worker that
+     * got ops is woken here and wakes the others (nvt_engine_relay_wakes).
+     * Their due flags are set before its wake-up, so it finds them. */
+    int first = -1;
     for (unsigned i = 0; i < e->n_workers; i++) {
-        if (wake[i])
-            wake_io_thread(&e->workers[i]);
+        if (!wake[i])
+            continue;
+        if (first < 0) {
+            first = (int)i;
+            continue;
+        }
+        __atomic_store_n(&e->wake_due[i], 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&e->wake_any, 1, __ATOMIC_RELEASE);
     }
+    if (first >= 0)
+        wake_io_thread(&e->workers[first]);
     if (route != stack_route)
         free(route);
     return 0;
+}
+
+/* An I/O thread's relay of the wake-ups a submit left it (the top of each
+ * round of nvt_engine_io.c's loop; any thread may do it, each due wake-up is
+ * done once). A worker woken for nothing (it took its ops already) just
+ * re-arms its eventfd read. */
+void nvt_engine_relay_wakes(nvt_engine *e) {
+    if (!__atomic_load_n(&e->wake_any, __ATOMIC_ACQUIRE) || !__atomic_exchange_n(&e->wake_any, 0, __ATOMIC_ACQ_REL))
+        return;
+    for (unsigned i = 0; i < e->n_workers; i++)
+        if (__atomic_load_n(&e->wake_due[i], __ATOMIC_RELAXED) && __atomic_exchange_n(&e->wake_due[i], 0, __ATOMIC_ACQ_REL))
+            wake_io_thread(&e->workers[i]);
 }
 
 void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batch) {

@@ -156,6 +156,13 @@ struct nvt_engine {
      * the lock-free poll of nvt_engine_wait reads this, never done.len,
      * which the lock's holders write plainly. */
     size_t done_hint;
+    /* Wake-ups a submit left to the first I/O thread it woke (atomics, no
+     * lock): wake_due[i] for each other sleeping worker it gave ops to, then
+     * wake_any; every I/O thread relays them at the top of its round
+     * (nvt_engine_relay_wakes), so that a job spread over N idle workers
+     * costs vLLM's thread one eventfd write, not N. */
+    int wake_due[NVT_MAX_WORKERS];
+    int wake_any;
     int closing; /* submit refuses */
     unsigned n_exited; /* I/O threads that published their last completion */
     int setup_done;    /* setup of the worker being started finished */
@@ -223,6 +230,9 @@ static inline void batch_push(nvt_completion_batch *b, void *op_id, int64_t resu
 }
 
 /* ---- across units (each documented where it is defined) ---------------- */
+
+/* nvt_engine.c */
+void nvt_engine_relay_wakes(nvt_engine *e);
 
 /* nvt_engine_ring.c */
 extern pthread_mutex_t nvt_engines_lock;

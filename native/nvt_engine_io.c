@@ -312,6 +312,7 @@ static void io_run(nvt_worker *w) {
         unsigned n_taken = 0, n_seal = 0;
         int stop, failed, more = 0;
 
+        nvt_engine_relay_wakes(e);
         io_publish(w);
         pthread_mutex_lock(&w->lock);
         failed = w->failed;

@@ -109,6 +109,26 @@ def test_ops_are_spread_over_workers_by_drive(
     assert all(w["bytes"] == w["ops"] * ROW for w in engine.worker_stats())
 
 
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_a_job_over_idle_workers_wakes_them_all_through_the_first(
+    engines, region, files, workers
+) -> None:
+    """A submit wakes one idle worker (one eventfd write on the caller's
+    thread); that worker wakes the others that got ops. Each round lets every
+    worker go idle first: no op may wait for a wake-up that never comes."""
+    engine = _engine(engines, region, files, workers=workers)
+    for r in range(60):
+        time.sleep(0.003)  # every worker idle, blocked in its ring
+        ops = [
+            Op(r * 100 + i, OP_READ, i % 4, (i // 4) * ROW, i * ROW, ROW, 0)
+            for i in range(2 * workers)
+        ]
+        engine.submit(ops)
+        done = _collect(engine, len(ops), timeout_s=5.0)
+        assert all(c.result == ROW for c in done.values())
+    assert all(w["ops"] > 0 for w in engine.worker_stats())
+
+
 @pytest.mark.parametrize("workers", [1, 2, 4])
 def test_several_workers_move_the_bytes_with_correct_checksums(
     engines, region, files, workers
