@@ -329,9 +329,13 @@ class PromotionGuard(RequestPlanner):
         hits = hot.hits
         rnd = hot.rnd
         if hits and rnd is not None:
-            if hot.leased is not rnd.planned:  # else its HITs left the plan as they came
+            if hot.leased is not rnd.planned:
                 rnd.planned.difference_update(hits)
-            rnd.landing.update(hits)
+                rnd.landing.update(hits)
+            # else its HITs left the plan as they came, and were landing
+            # already: a dense plan lands every key it plans, and nothing
+            # takes a planned key (ABSENT in the CPU tier) out of landing
+            # within the plan's step.
             rnd.hits += len(hits)
             # Not loaded yet (note_loaded): the list itself, noted in
             # _unloaded only if needed (_note_pending).
@@ -503,7 +507,7 @@ class PromotionGuard(RequestPlanner):
             # Some of its chunks did not land: every round asks again.
             for rnd in self._rounds.values():
                 rnd.in_flight_n = -1
-        landed = set(keys if ok_keys is None and success else ok_keys or ())
+        landed = keys if ok_keys is None and success else ok_keys or ()
         if not landed:
             return
         generation = view.generation()
@@ -511,15 +515,23 @@ class PromotionGuard(RequestPlanner):
         for rnd in self._rounds.values():
             if not rnd.landing or rnd.generation != generation:
                 continue
-            mine = list(rnd.landing & landed)
+            # One pass over the job's keys (no set of them built), and the
+            # round's landing emptied at once when they were all of it.
+            mine = rnd.landing.intersection(landed)
             if not mine:
                 continue
             if not made_ready:
-                view.make_ready(list(landed), rnd.ctx)
+                view.make_ready(landed if type(landed) is list else list(landed), rnd.ctx)
                 made_ready = True
-            view.pin(mine, rnd.ctx)
-            rnd.pinned.update(mine)
-            rnd.landing.difference_update(mine)
+            view.pin(list(mine), rnd.ctx)
+            if rnd.pinned:
+                rnd.pinned.update(mine)
+            else:
+                rnd.pinned = mine
+            if len(mine) == len(rnd.landing):
+                rnd.landing = set()
+            else:
+                rnd.landing.difference_update(mine)
             rnd.in_flight_n = -1
 
     def track(self, ctx: Any) -> None:
