@@ -470,17 +470,21 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
         pthread_cond_broadcast(&e->cv);
     }
     pthread_mutex_unlock(&e->lock);
-    /* One eventfd write on this (vLLM's) thread: the first idle worker that
-     * got ops is woken here and wakes the others (nvt_engine_relay_wakes).
-     * Their due flags are set before its wake-up, so it finds them. */
+    /* One eventfd write on this (vLLM's) thread: one idle worker that got
+     * ops is woken here and wakes the others (nvt_engine_relay_wakes).
+     * Their due flags are set before its wake-up, so it finds them. An idle
+     * worker may still be hashing or opening the reads it reaped last (it
+     * relays between two of them): one already waiting in its ring is
+     * preferred, so the others' wake-ups wait for no hash. */
     int first = -1;
     for (unsigned i = 0; i < e->n_workers; i++) {
-        if (!wake[i])
-            continue;
-        if (first < 0) {
+        if (wake[i] && (first < 0 || (!__atomic_load_n(&e->workers[first].in_wait, __ATOMIC_RELAXED) &&
+                                      __atomic_load_n(&e->workers[i].in_wait, __ATOMIC_RELAXED))))
             first = (int)i;
+    }
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        if (!wake[i] || (int)i == first)
             continue;
-        }
         __atomic_store_n(&e->wake_due[i], 1, __ATOMIC_RELAXED);
         __atomic_store_n(&e->wake_any, 1, __ATOMIC_RELEASE);
     }

@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -126,6 +127,91 @@ def test_a_job_over_idle_workers_wakes_them_all_through_the_first(
         engine.submit(ops)
         done = _collect(engine, len(ops), timeout_s=5.0)
         assert all(c.result == ROW for c in done.values())
+    assert all(w["ops"] > 0 for w in engine.worker_stats())
+
+
+def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) -> None:
+    """Worker 0 has reaped a backlog of big checksummed reads and hashes them
+    (idle: nothing in flight, so `sleeping`); a job then gives an op to it
+    and one to idle worker 1. Worker 1's op must not wait for worker 0 to
+    hash its whole backlog (~10 ms here): the submit wakes the worker that
+    waits in its ring, or worker 0 relays the wake-up between two hashes.
+    With the wake-up left to worker 0's next round, worker 1's op always
+    completed after the backlog's."""
+    big, n = 4 << 20, 16
+    fds = []
+    for i in range(2):
+        fd = os.open(tmp_path / f"d{i}", os.O_RDWR | os.O_CREAT, 0o600)
+        os.pwrite(fd, bytes([0x5A + i]) * (n * big if i == 0 else ROW), 0)
+        fds.append(fd)
+    mm = mmap.mmap(-1, n * big + 2 * ROW)
+    engine = uring.UringEngine(mm, fds, workers=2, queue_depth=n, max_inflight_bytes=4 * n * big)
+    try:
+        caught = won = 0
+        for trial in range(6):
+            time.sleep(0.005)  # both workers idle
+            base = engine.worker_stats()[0]["hashed_bytes"]
+            engine.submit([Op(i, OP_READ, 0, i * big, i * big, big, i) for i in range(n)])
+            deadline = time.monotonic() + 5.0
+            while (hashed := engine.worker_stats()[0]["hashed_bytes"]) == base:
+                assert time.monotonic() < deadline, "worker 0 never hashed its reads"
+            if trial == 0 or hashed >= base + n * big:
+                _collect(engine, n, timeout_s=5.0)  # page cache warm-up, or too late
+                continue
+            caught += 1
+            engine.submit(
+                [Op(n, OP_READ, 0, 0, n * big, ROW, 0), Op(n + 1, OP_READ, 1, 0, n * big + ROW, ROW, 0)]
+            )
+            order: list[int] = []
+            deadline = time.monotonic() + 5.0
+            while len(order) < n + 2:
+                assert time.monotonic() < deadline, f"only {len(order)} of {n + 2} completions arrived"
+                order += [c.op_id for c in engine.wait_completions(0.5) if c.result > 0]
+            won += order.index(n + 1) < max(order.index(i) for i in range(n))
+        assert caught >= 3, f"the job landed during worker 0's hashing in only {caught} of 5 tries"
+        assert won * 2 >= caught, (
+            f"worker 1's op completed after worker 0's hashing backlog in {caught - won} of "
+            f"{caught} tries: its wake-up waited for another worker's hashing"
+        )
+    finally:
+        engine.close()
+        mm.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_submits_from_several_threads_over_idle_workers_all_complete(engines, region, files) -> None:
+    """Three threads submit small jobs over eight workers, pausing so that the
+    workers go idle between them (each submit wakes one and leaves the
+    others' wake-ups to it), while a fourth thread collects: every op
+    completes, once, within a bounded time."""
+    engine = _engine(engines, region, files, workers=8)
+    threads, per_thread, jobs = 3, 8, 40
+    errors: list[BaseException] = []
+
+    def submitter(t: int) -> None:
+        try:
+            for j in range(jobs):
+                time.sleep(0.0005 * (1 + (j + t) % 4))
+                first = (t * jobs + j) * per_thread
+                engine.submit(
+                    [
+                        Op(first + i, OP_READ, i % 4, (i // 4) * ROW, (t * per_thread + i) * ROW, ROW, 0)
+                        for i in range(per_thread)
+                    ]
+                )
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=submitter, args=(t,)) for t in range(threads)]
+    for th in workers:
+        th.start()
+    done = _collect(engine, threads * jobs * per_thread, timeout_s=20.0)
+    for th in workers:
+        th.join(timeout=5.0)
+        assert not th.is_alive(), "a submitting thread is stuck"
+    assert not errors, errors
+    assert all(c.result == ROW for c in done.values())
     assert all(w["ops"] > 0 for w in engine.worker_stats())
 
 
