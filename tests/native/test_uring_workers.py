@@ -159,13 +159,14 @@ def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) 
                 _collect(engine, n, timeout_s=5.0)  # page cache warm-up, or too late
                 continue
             caught += 1
+            tail = n * big
             engine.submit(
-                [Op(n, OP_READ, 0, 0, n * big, ROW, 0), Op(n + 1, OP_READ, 1, 0, n * big + ROW, ROW, 0)]
+                [Op(n, OP_READ, 0, 0, tail, ROW, 0), Op(n + 1, OP_READ, 1, 0, tail + ROW, ROW, 0)]
             )
             order: list[int] = []
             deadline = time.monotonic() + 5.0
             while len(order) < n + 2:
-                assert time.monotonic() < deadline, f"only {len(order)} of {n + 2} completions arrived"
+                assert time.monotonic() < deadline, f"{len(order)} of {n + 2} completions came"
                 order += [c.op_id for c in engine.wait_completions(0.5) if c.result > 0]
             won += order.index(n + 1) < max(order.index(i) for i in range(n))
         assert caught >= 3, f"the job landed during worker 0's hashing in only {caught} of 5 tries"
@@ -180,13 +181,15 @@ def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) 
             os.close(fd)
 
 
-def test_submits_from_several_threads_over_idle_workers_all_complete(engines, region, files) -> None:
+def test_submits_from_several_threads_over_idle_workers_all_complete(
+    engines, region, files
+) -> None:
     """Three threads submit small jobs over eight workers, pausing so that the
     workers go idle between them (each submit wakes one and leaves the
     others' wake-ups to it), while a fourth thread collects: every op
     completes, once, within a bounded time."""
     engine = _engine(engines, region, files, workers=8)
-    threads, per_thread, jobs = 3, 8, 40
+    threads, per_thread, jobs = 3, 8, 40  # 3 * 8 rows of the region
     errors: list[BaseException] = []
 
     def submitter(t: int) -> None:
@@ -196,11 +199,11 @@ def test_submits_from_several_threads_over_idle_workers_all_complete(engines, re
                 first = (t * jobs + j) * per_thread
                 engine.submit(
                     [
-                        Op(first + i, OP_READ, i % 4, (i // 4) * ROW, (t * per_thread + i) * ROW, ROW, 0)
+                        Op(first + i, OP_READ, i % 4, i // 4 * ROW, (t * 8 + i) * ROW, ROW, 0)
                         for i in range(per_thread)
                     ]
                 )
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+        except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
     workers = [threading.Thread(target=submitter, args=(t,)) for t in range(threads)]
