@@ -167,6 +167,9 @@ struct nvt_engine {
      * costs vLLM's thread one eventfd write, not N. */
     int wake_due[NVT_MAX_WORKERS];
     int wake_any;
+    /* Submits between their unlock of `lock` and their last eventfd write
+     * (atomic): engine_stop waits for none before it closes a wake fd. */
+    unsigned submitting;
     int closing; /* submit refuses */
     unsigned n_exited; /* I/O threads that published their last completion */
     int setup_done;    /* setup of the worker being started finished */

@@ -287,6 +287,42 @@ def test_close_with_ops_in_flight_completes_each_op_once(engines, region, files)
         engine.submit(ops[:1])
 
 
+@pytest.mark.parametrize("delay_ms", [1, 3, 6])
+def test_a_close_racing_submits_over_idle_workers_completes_each_op_once(
+    engines, region, files, delay_ms
+) -> None:
+    """A thread keeps submitting small jobs over eight mostly idle workers
+    (each submit wakes one, which relays the others' wake-ups) while the
+    main thread closes the engine: every accepted op completes once, close
+    returns, and the submitter sees the engine closed."""
+    engine = _engine(engines, region, files, workers=8)
+    accepted: list[int] = []
+    outcome: list[BaseException] = []
+
+    def submitter() -> None:
+        try:
+            for j in range(100_000):
+                ops = [
+                    Op(j * 8 + i, OP_READ, i % 4, i // 4 * ROW, i * ROW, ROW, 0) for i in range(8)
+                ]
+                engine.submit(ops)
+                accepted.extend(op.op_id for op in ops)
+                time.sleep(0.0002)
+        except BaseException as exc:  # the engine closed (expected) or a failure
+            outcome.append(exc)
+
+    th = threading.Thread(target=submitter)
+    th.start()
+    time.sleep(delay_ms / 1000)
+    engine.close()
+    th.join(timeout=10.0)
+    assert not th.is_alive(), "the submitting thread never saw the engine closed"
+    assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
+    done = _collect(engine, len(accepted), timeout_s=10.0)
+    assert sorted(done) == sorted(accepted)
+    assert {c.result for c in done.values()} <= {ROW, -errno.ECANCELED}
+
+
 def test_every_worker_clones_one_registration_where_the_kernel_can(engines, region, files) -> None:
     engine = _engine(engines, region, files[:2], workers=3)
     modes = engine.describe()["worker_buffers"]
