@@ -145,7 +145,8 @@ def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) 
         os.pwrite(fd, bytes([0x5A + i]) * (n * big if i == 0 else ROW), 0)
         fds.append(fd)
     mm = mmap.mmap(-1, n * big + 2 * ROW)
-    engine = uring.UringEngine(mm, fds, workers=2, queue_depth=n, max_inflight_bytes=4 * n * big)
+    buf = memoryview(mm)
+    engine = uring.UringEngine(buf, fds, workers=2, queue_depth=n, max_inflight_bytes=4 * n * big)
     try:
         caught = won = 0
         for trial in range(6):
@@ -176,6 +177,7 @@ def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) 
         )
     finally:
         engine.close()
+        buf.release()
         mm.close()
         for fd in fds:
             os.close(fd)
