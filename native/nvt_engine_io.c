@@ -16,6 +16,9 @@
  * woken for new ops it keeps a read on an eventfd armed in the ring; a
  * submitter writes the eventfd only when the thread said it may sleep with
  * nothing pending (`sleeping`), so a busy engine costs no wake-up syscalls.
+ * A submit writes one such eventfd at most: the other idle workers it gave
+ * ops to are left to the I/O threads (nvt_engine_relay_wakes, at the top of
+ * each round, between two reads hashed or opened, and before the wait).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -470,10 +473,10 @@ static void io_run(nvt_worker *w) {
             usleep(1000);
         } else {
             /* Ops left in the queue for the next round: submit, reap what
-             * has completed, and come back without waiting. */
-            /* `in_wait`: a submit prefers such an idle worker as the one it
-             * wakes (it relays at once; one still hashing would first
-             * finish the read in hand). A hint only, read without the lock. */
+             * has completed, and come back without waiting. `in_wait`: a
+             * submit prefers an idle worker in its wait as the one it wakes
+             * (it relays at once; one still hashing would first finish the
+             * read in hand). A hint only, read without the lock. */
             __atomic_store_n(&w->in_wait, 1, __ATOMIC_RELAXED);
             ret = inj ? -inj : io_uring_submit_and_wait(&w->ring, more ? 0 : 1);
             __atomic_store_n(&w->in_wait, 0, __ATOMIC_RELAXED);
