@@ -19,6 +19,7 @@
 #include <errno.h>
 #include <liburing.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -225,6 +226,11 @@ static void engine_stop(nvt_engine *e) {
     }
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->lock);
+    /* A submit that queued its ops before `closing` may still be waking
+     * workers (outside the lock): let it finish before any wake fd closes,
+     * or its write could reach a number reused for another file. */
+    while (__atomic_load_n(&e->submitting, __ATOMIC_ACQUIRE))
+        sched_yield();
     for (unsigned i = 0; i < e->n_workers; i++) {
         nvt_worker *w = &e->workers[i];
         if (!w->started)
@@ -232,11 +238,18 @@ static void engine_stop(nvt_engine *e) {
         /* Unconditionally: the thread may be waiting on the ring. */
         wake_io_thread(w);
     }
+    /* Every thread joined before any wake fd closes: a thread still running
+     * may relay a wake-up a submit left (nvt_engine_relay_wakes) to any
+     * worker's fd, the joined ones' included. */
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        nvt_worker *w = &e->workers[i];
+        if (w->started)
+            pthread_join(w->thread, NULL);
+    }
     for (unsigned i = 0; i < e->n_workers; i++) {
         nvt_worker *w = &e->workers[i];
         if (!w->started)
             continue;
-        pthread_join(w->thread, NULL);
         w->started = 0;
         /* Under nvt_engines_lock: a fork between the close and the -1 would have
          * the child close this number again, by then maybe another file. */
@@ -469,23 +482,31 @@ int nvt_engine_submit(nvt_engine *e, const nvt_op *ops, size_t n) {
         done_changed_locked(e);
         pthread_cond_broadcast(&e->cv);
     }
+    /* Counted under the lock, before a close can set `closing`: close waits
+     * for the wake-ups below before it closes the wake fds. */
+    __atomic_fetch_add(&e->submitting, 1, __ATOMIC_RELAXED);
     pthread_mutex_unlock(&e->lock);
-    /* One eventfd write on this (vLLM's) thread: the first idle worker that
-     * got ops is woken here and wakes the others (nvt_engine_relay_wakes).
-     * Their due flags are set before its wake-up, so it finds them. */
+    /* One eventfd write on this (vLLM's) thread: one idle worker that got
+     * ops is woken here and wakes the others (nvt_engine_relay_wakes).
+     * Their due flags are set before its wake-up, so it finds them. An idle
+     * worker may still be hashing or opening the reads it reaped last (it
+     * relays between two of them): one already waiting in its ring is
+     * preferred, so the others' wake-ups wait for no hash. */
     int first = -1;
     for (unsigned i = 0; i < e->n_workers; i++) {
-        if (!wake[i])
-            continue;
-        if (first < 0) {
+        if (wake[i] && (first < 0 || (!__atomic_load_n(&e->workers[first].in_wait, __ATOMIC_RELAXED) &&
+                                      __atomic_load_n(&e->workers[i].in_wait, __ATOMIC_RELAXED))))
             first = (int)i;
+    }
+    for (unsigned i = 0; i < e->n_workers; i++) {
+        if (!wake[i] || (int)i == first)
             continue;
-        }
         __atomic_store_n(&e->wake_due[i], 1, __ATOMIC_RELAXED);
         __atomic_store_n(&e->wake_any, 1, __ATOMIC_RELEASE);
     }
     if (first >= 0)
         wake_io_thread(&e->workers[first]);
+    __atomic_fetch_sub(&e->submitting, 1, __ATOMIC_RELEASE);
     if (route != stack_route)
         free(route);
     return 0;

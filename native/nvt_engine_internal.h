@@ -113,6 +113,10 @@ typedef struct nvt_worker {
     /* Tests only (nvt_engine_inject_enter_error): every io_uring_enter of the
      * thread fails with this errno instead of being made (0: none). Atomic. */
     int inject_enter_err;
+    /* Atomic hint: the thread is in (or entering) its wait in the ring, so
+     * an eventfd write reaches it at once (nvt_engine_submit's choice of the
+     * idle worker it wakes itself; see nvt_engine_relay_wakes). */
+    int in_wait;
     /* The ring's fd, for a forked child to close (-1: none). Written under
      * nvt_engines_lock, so a fork sees it either set or not yet created. */
     int ring_fd_fork;
@@ -163,6 +167,9 @@ struct nvt_engine {
      * costs vLLM's thread one eventfd write, not N. */
     int wake_due[NVT_MAX_WORKERS];
     int wake_any;
+    /* Submits between their unlock of `lock` and their last eventfd write
+     * (atomic): engine_stop waits for none before it closes a wake fd. */
+    unsigned submitting;
     int closing; /* submit refuses */
     unsigned n_exited; /* I/O threads that published their last completion */
     int setup_done;    /* setup of the worker being started finished */

@@ -16,6 +16,9 @@
  * woken for new ops it keeps a read on an eventfd armed in the ring; a
  * submitter writes the eventfd only when the thread said it may sleep with
  * nothing pending (`sleeping`), so a busy engine costs no wake-up syscalls.
+ * A submit writes one such eventfd at most: the other idle workers it gave
+ * ops to are left to the I/O threads (nvt_engine_relay_wakes, at the top of
+ * each round, between two reads hashed or opened, and before the wait).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -409,6 +412,11 @@ static void io_run(nvt_worker *w) {
             batch_reserve_hard(&w->out, w->n_reads);
             for (unsigned i = 0; i < w->n_reads; i++) {
                 nvt_read_done *r = &w->reads[i];
+                /* This thread may be the idle worker a submit woke to wake
+                 * the others (it said `sleeping` with reads left to hash or
+                 * open): relay before each one, so their ops wait for one
+                 * hash or open at most, not for the whole backlog. */
+                nvt_engine_relay_wakes(e);
                 if (r->sealed) {
                     uint64_t sum;
                     int64_t res = nvt_seal_open(e, r, &sum);
@@ -456,6 +464,8 @@ static void io_run(nvt_worker *w) {
         if (stop && w->n_free == qd)
             break; /* closing, and nothing left in the ring */
 
+        /* Nothing blocks with a relay it could do now (one atomic load). */
+        nvt_engine_relay_wakes(e);
         int inj = __atomic_load_n(&w->inject_enter_err, __ATOMIC_RELAXED);
         int ret;
         if (failed) {
@@ -463,8 +473,13 @@ static void io_run(nvt_worker *w) {
             usleep(1000);
         } else {
             /* Ops left in the queue for the next round: submit, reap what
-             * has completed, and come back without waiting. */
+             * has completed, and come back without waiting. `in_wait`: a
+             * submit prefers an idle worker in its wait as the one it wakes
+             * (it relays at once; one still hashing would first finish the
+             * read in hand). A hint only, read without the lock. */
+            __atomic_store_n(&w->in_wait, 1, __ATOMIC_RELAXED);
             ret = inj ? -inj : io_uring_submit_and_wait(&w->ring, more ? 0 : 1);
+            __atomic_store_n(&w->in_wait, 0, __ATOMIC_RELAXED);
         }
         if (failed) {
             /* already failed: its errors change nothing */

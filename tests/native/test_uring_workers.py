@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -129,6 +130,96 @@ def test_a_job_over_idle_workers_wakes_them_all_through_the_first(
     assert all(w["ops"] > 0 for w in engine.worker_stats())
 
 
+def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) -> None:
+    """Worker 0 has reaped a backlog of big checksummed reads and hashes them
+    (idle: nothing in flight, so `sleeping`); a job then gives an op to it
+    and one to idle worker 1. Worker 1's op must not wait for worker 0 to
+    hash its whole backlog (~10 ms here): the submit wakes the worker that
+    waits in its ring, or worker 0 relays the wake-up between two hashes.
+    With the wake-up left to worker 0's next round, worker 1's op always
+    completed after the backlog's."""
+    big, n = 4 << 20, 16
+    fds = []
+    for i in range(2):
+        fd = os.open(tmp_path / f"d{i}", os.O_RDWR | os.O_CREAT, 0o600)
+        os.pwrite(fd, bytes([0x5A + i]) * (n * big if i == 0 else ROW), 0)
+        fds.append(fd)
+    mm = mmap.mmap(-1, n * big + 2 * ROW)
+    buf = memoryview(mm)
+    engine = uring.UringEngine(buf, fds, workers=2, queue_depth=n, max_inflight_bytes=4 * n * big)
+    try:
+        caught = won = 0
+        for trial in range(6):
+            time.sleep(0.005)  # both workers idle
+            base = engine.worker_stats()[0]["hashed_bytes"]
+            engine.submit([Op(i, OP_READ, 0, i * big, i * big, big, i) for i in range(n)])
+            deadline = time.monotonic() + 5.0
+            while (hashed := engine.worker_stats()[0]["hashed_bytes"]) == base:
+                assert time.monotonic() < deadline, "worker 0 never hashed its reads"
+            if trial == 0 or hashed >= base + n * big:
+                _collect(engine, n, timeout_s=5.0)  # page cache warm-up, or too late
+                continue
+            caught += 1
+            tail = n * big
+            engine.submit(
+                [Op(n, OP_READ, 0, 0, tail, ROW, 0), Op(n + 1, OP_READ, 1, 0, tail + ROW, ROW, 0)]
+            )
+            order: list[int] = []
+            deadline = time.monotonic() + 5.0
+            while len(order) < n + 2:
+                assert time.monotonic() < deadline, f"{len(order)} of {n + 2} completions came"
+                order += [c.op_id for c in engine.wait_completions(0.5) if c.result > 0]
+            won += order.index(n + 1) < max(order.index(i) for i in range(n))
+        assert caught >= 3, f"the job landed during worker 0's hashing in only {caught} of 5 tries"
+        assert won * 2 >= caught, (
+            f"worker 1's op completed after worker 0's hashing backlog in {caught - won} of "
+            f"{caught} tries: its wake-up waited for another worker's hashing"
+        )
+    finally:
+        engine.close()
+        buf.release()
+        mm.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def test_submits_from_several_threads_over_idle_workers_all_complete(
+    engines, region, files
+) -> None:
+    """Three threads submit small jobs over eight workers, pausing so that the
+    workers go idle between them (each submit wakes one and leaves the
+    others' wake-ups to it), while a fourth thread collects: every op
+    completes, once, within a bounded time."""
+    engine = _engine(engines, region, files, workers=8)
+    threads, per_thread, jobs = 3, 8, 40  # 3 * 8 rows of the region
+    errors: list[BaseException] = []
+
+    def submitter(t: int) -> None:
+        try:
+            for j in range(jobs):
+                time.sleep(0.0005 * (1 + (j + t) % 4))
+                first = (t * jobs + j) * per_thread
+                engine.submit(
+                    [
+                        Op(first + i, OP_READ, i % 4, i // 4 * ROW, (t * 8 + i) * ROW, ROW, 0)
+                        for i in range(per_thread)
+                    ]
+                )
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    workers = [threading.Thread(target=submitter, args=(t,)) for t in range(threads)]
+    for th in workers:
+        th.start()
+    done = _collect(engine, threads * jobs * per_thread, timeout_s=20.0)
+    for th in workers:
+        th.join(timeout=5.0)
+        assert not th.is_alive(), "a submitting thread is stuck"
+    assert not errors, errors
+    assert all(c.result == ROW for c in done.values())
+    assert all(w["ops"] > 0 for w in engine.worker_stats())
+
+
 @pytest.mark.parametrize("workers", [1, 2, 4])
 def test_several_workers_move_the_bytes_with_correct_checksums(
     engines, region, files, workers
@@ -196,6 +287,42 @@ def test_close_with_ops_in_flight_completes_each_op_once(engines, region, files)
     assert engine.wait_completions(0.1) == []
     with pytest.raises(Exception, match="closed"):
         engine.submit(ops[:1])
+
+
+@pytest.mark.parametrize("delay_ms", [1, 3, 6])
+def test_a_close_racing_submits_over_idle_workers_completes_each_op_once(
+    engines, region, files, delay_ms
+) -> None:
+    """A thread keeps submitting small jobs over eight mostly idle workers
+    (each submit wakes one, which relays the others' wake-ups) while the
+    main thread closes the engine: every accepted op completes once, close
+    returns, and the submitter sees the engine closed."""
+    engine = _engine(engines, region, files, workers=8)
+    accepted: list[int] = []
+    outcome: list[BaseException] = []
+
+    def submitter() -> None:
+        try:
+            for j in range(100_000):
+                ops = [
+                    Op(j * 8 + i, OP_READ, i % 4, i // 4 * ROW, i * ROW, ROW, 0) for i in range(8)
+                ]
+                engine.submit(ops)
+                accepted.extend(op.op_id for op in ops)
+                time.sleep(0.0002)
+        except BaseException as exc:  # the engine closed (expected) or a failure
+            outcome.append(exc)
+
+    th = threading.Thread(target=submitter)
+    th.start()
+    time.sleep(delay_ms / 1000)
+    engine.close()
+    th.join(timeout=10.0)
+    assert not th.is_alive(), "the submitting thread never saw the engine closed"
+    assert len(outcome) == 1 and "closed" in str(outcome[0]), outcome
+    done = _collect(engine, len(accepted), timeout_s=10.0)
+    assert sorted(done) == sorted(accepted)
+    assert {c.result for c in done.values()} <= {ROW, -errno.ECANCELED}
 
 
 def test_every_worker_clones_one_registration_where_the_kernel_can(engines, region, files) -> None:
