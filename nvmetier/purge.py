@@ -555,10 +555,10 @@ def format_result(r: PurgeResult) -> str:
     if r.events_logged:
         lines.append(f"  {r.events_logged} removals logged for KV events")
     if r.epochs_destroyed or r.slots_wiped or r.stale_wiped:
+        stale = f" (and {r.stale_wiped} free slots' of earlier chunks)" if r.stale_wiped else ""
         lines.append(
             f"  erased: {r.epochs_destroyed} data keys destroyed, {r.slots_wiped} slots' "
-            "nonces and tags overwritten"
-            + (f" (and {r.stale_wiped} free slots' left by earlier chunks)" if r.stale_wiped else "")
+            f"nonces and tags overwritten{stale}"
         )
     return "\n".join(lines)
 

@@ -49,3 +49,84 @@ def test_purge_older_than_erases_chunks_invalidated_before_it(tmp_path, buffer, 
     s = sealed(root, buffer, kf)
     assert load_keys(s, buffer, new, job_id=4)[1] == new
     s.close()
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+def test_the_last_epoch_number_seals_and_opens_then_no_number_is_reused(
+    tmp_path, buffer, engine
+) -> None:
+    """A forged destroyed entry at 2**32 - 2 (test_sealed_key_destroyed_attacks
+    covers 2**32 - 1): the next rotation makes epoch 2**32 - 1, which seals
+    and opens like any other (no wrap to 0 in the native table's unsigned
+    comparisons); the one after fails with the clear error instead of
+    wrapping to an epoch number that already named another key."""
+    from nvmetier import crypto
+    from tests.integration.test_sealed_key_destroyed import reload_keys
+    from tests.integration.test_sealed_key_destroyed import sealed as sealed_events
+    from tests.integration.test_sealed_key_destroyed_attacks import _forge_destroyed
+
+    store = sealed_events(tmp_path, buffer, engine)
+    before, after = [key(i) for i in range(3)], [key(50 + i) for i in range(3)]
+    store_keys(store, buffer, before)
+    _forge_destroyed(store, [crypto.EPOCH_LAST - 1])
+    reload_keys(store)
+    store._sealing._rotate_locked()
+    assert store._sealing.epoch == crypto.EPOCH_LAST
+    store_keys(store, buffer, after, job_id=2)
+    assert load_keys(store, buffer, before + after, job_id=3)[1] == before + after
+    with pytest.raises(crypto.KeyringError, match="epoch 4294967295"):
+        store._sealing._rotate_locked()
+    assert store._sealing.epoch == crypto.EPOCH_LAST
+    assert load_keys(store, buffer, after, job_id=4)[1] == after
+    stats = store.stats()
+    assert stats.get("auth_failures", 0) == 0 and stats.get("loads_key_destroyed", 0) == 0
+    store.close()
+
+
+def test_a_pre_purge_copy_of_data_and_index_put_back_is_served_while_its_epoch_lives(
+    tmp_path, buffer
+) -> None:
+    """The limit of a purge against someone who can write the store's files
+    (docs/operations.md, "What a purge and the retention erase"): the slot
+    images and index records of chunks that ``purge --older-than`` removed,
+    put back from a copy taken before it, are served again while their
+    epoch key lives (nothing the purge can write without the key file can
+    tell a put-back record from the original: the tag binds key, store,
+    epoch and slot, not when). Once the epoch is destroyed (``--all``, the
+    retention, or a later ``--older-than`` past its window) they are misses
+    counted in ``loads_key_destroyed``. The attacker gains no plaintext: only
+    a holder of the key file opens them, and they are the bytes stored."""
+    import shutil
+
+    kf = new_key(tmp_path)
+    root = tmp_path / "kv"
+    store_dir = root / "store"
+    old, new = [key(i) for i in range(4)], [key(100 + i) for i in range(4)]
+    s = sealed(root, buffer, kf)
+    store_keys(s, buffer, old)
+    time.sleep(1.2)
+    store_keys(s, buffer, new, job_id=2)
+    s.close()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for name in ("data", "index"):
+        shutil.copy2(store_dir / name, copy / name)
+    (r,) = purge.purge(str(root), older_than_s=1.0)
+    assert r.removed == 4 and r.slots_wiped == 4 and r.epochs_destroyed == 0
+
+    def put_back() -> None:
+        for name in ("data", "index"):
+            shutil.copy2(copy / name, store_dir / name)
+
+    put_back()
+    s = sealed(root, buffer, kf)
+    assert load_keys(s, buffer, old, job_id=3)[1] == old  # served again
+    s.close()
+    (r,) = purge.purge(str(root), older_than_s=None)
+    assert r.epochs_destroyed >= 1
+    put_back()
+    s = sealed(root, buffer, kf)
+    assert load_keys(s, buffer, old + new, job_id=4)[1] == []
+    stats = s.stats()
+    assert stats["loads_key_destroyed"] == 8 and stats.get("auth_failures", 0) == 0
+    s.close()
