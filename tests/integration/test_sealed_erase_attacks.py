@@ -6,6 +6,7 @@ files after the purge and the key file (``recover`` of test_sealed_keys.py).
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -130,3 +131,49 @@ def test_a_pre_purge_copy_of_data_and_index_put_back_is_served_while_its_epoch_l
     stats = s.stats()
     assert stats["loads_key_destroyed"] == 8 and stats.get("auth_failures", 0) == 0
     s.close()
+
+
+def _crash_between_header_writes(store_dir, pre_rekey_keys: bytes) -> None:
+    """The ``keys`` file as a crash (power loss, kill -9) between the two
+    header writes of a rekey leaves it: Keyring.rekey writes the copy not
+    in use first (copy 1 of a fresh file), fsyncs, then copy 0; copy 0 is
+    still the one wrapped by the old key file (older sequence)."""
+    path = os.path.join(str(store_dir), "keys")
+    with open(path, "r+b") as f:
+        f.seek(0)
+        f.write(pre_rekey_keys[:4096])
+
+
+@pytest.mark.parametrize("then", ["rekey_again", "open_with_new"])
+def test_a_rekey_cut_between_its_header_writes_leaves_no_copy_the_old_key_opens(
+    tmp_path, buffer, then
+) -> None:
+    """The newer header copy (the new key's) wins at open, so the store
+    looks rotated; but the other copy still wraps the store key under the
+    old key file: current files + old key file -> every chunk, past and
+    future. The interrupted rotation must be finished, by the rekey run
+    again (it said "does not open this store" and exit 4 before) or by the
+    next open with the new key file."""
+    from nvmetier import rekey
+
+    kf, nf = new_key(tmp_path, "old"), new_key(tmp_path, "new")
+    root = tmp_path / "kv"
+    store_dir = root / "store"
+    keys = [key(i) for i in range(4)]
+    s = sealed(root, buffer, kf)
+    store_keys(s, buffer, keys)
+    s.close()
+    pre = (store_dir / "keys").read_bytes()
+    (res,) = rekey.rekey(str(root), kf, nf)
+    assert res.rekeyed
+    _crash_between_header_writes(store_dir, pre)
+    assert recover(store_dir, kf, chunks_of(keys)) == chunks_of(keys)  # the hole
+    if then == "rekey_again":
+        (res,) = rekey.rekey(str(root), kf, nf)
+        assert res.rekeyed and res.error is None, res.error
+    else:
+        s = sealed(root, buffer, nf)
+        assert load_keys(s, buffer, keys, job_id=2)[1] == keys
+        s.close()
+    assert recover(store_dir, kf, chunks_of(keys)) == []
+    assert recover(store_dir, nf, chunks_of(keys)) == chunks_of(keys)
