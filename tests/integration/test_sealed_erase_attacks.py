@@ -177,3 +177,54 @@ def test_a_rekey_cut_between_its_header_writes_leaves_no_copy_the_old_key_opens(
         s.close()
     assert recover(store_dir, kf, chunks_of(keys)) == []
     assert recover(store_dir, nf, chunks_of(keys)) == chunks_of(keys)
+
+
+@pytest.mark.parametrize("engine", ["threads", "uring"])
+def test_a_rolled_back_keys_file_never_makes_a_live_process_seal_under_anothers_key(
+    tmp_path, buffer, engine
+) -> None:
+    """``keys`` put back from an older copy under a live process (epoch N,
+    its own key), then another opener makes epoch N again (a new random
+    key, its number free in the old copy). The live process reloads at the
+    announcement: it must not take the file's epoch N (the other's key) as
+    its own and seal under it too (two processes on one key, each counting
+    only its own seals against the per-key bound); it moves to a fresh
+    epoch, and what it stores then loads back."""
+    import shutil
+
+    from nvmetier import crypto
+    from nvmetier.engine.sealed import parse_trailer
+    from nvmetier.keyring import Keyring
+    from tests.integration.test_sealed_key_destroyed import reload_keys
+
+    kf = new_key(tmp_path)
+    root = tmp_path / "kv"
+    store_dir = root / "store"
+    s = sealed(root, buffer, kf, engine=engine)
+    s.close()
+    backup = tmp_path / "keys.old"
+    shutil.copy(store_dir / "keys", backup)
+    a = sealed(root, buffer, kf, engine=engine)
+    mine = a._sealing.epoch
+    with open(store_dir / "keys", "r+b") as f:  # in place: the open fd sees it
+        f.write(backup.read_bytes())
+    ring = Keyring.open(str(store_dir))
+    try:
+        other, _ = ring.new_epoch(ring.store_keys(crypto.KeySet.from_file(kf)), 3600.0)
+    finally:
+        ring.close()
+    assert other.epoch == mine
+    a._sealing._bump()  # announced, as any maker of an epoch does
+    reload_keys(a)
+    ks = [key(200 + i) for i in range(3)]
+    store_keys(a, buffer, ks, job_id=2)
+    assert load_keys(a, buffer, ks, job_id=3)[1] == ks
+    a.close()
+    used = set()
+    with open(store_dir / "data", "rb") as f:
+        data = f.read()
+    for at in range(ROW, len(data), 4096):
+        t = parse_trailer(data[at : at + 64])
+        if t is not None:
+            used.add(t[3])
+    assert other.fingerprint not in used
