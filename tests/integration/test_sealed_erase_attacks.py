@@ -119,6 +119,11 @@ def test_a_pre_purge_copy_of_data_and_index_put_back_is_served_while_its_epoch_l
         for name in ("data", "index"):
             shutil.copy2(copy / name, store_dir / name)
 
+    # A copy of `data` alone (or stale flash blocks of it) and today's
+    # `keys` decrypt them with the key file too, while the epoch lives.
+    assert recover(store_dir, kf, chunks_of(old)) == []
+    shutil.copy2(copy / "data", store_dir / "data")
+    assert recover(store_dir, kf, chunks_of(old)) == chunks_of(old)
     put_back()
     s = sealed(root, buffer, kf)
     assert load_keys(s, buffer, old, job_id=3)[1] == old  # served again
@@ -126,6 +131,7 @@ def test_a_pre_purge_copy_of_data_and_index_put_back_is_served_while_its_epoch_l
     (r,) = purge.purge(str(root), older_than_s=None)
     assert r.epochs_destroyed >= 1
     put_back()
+    assert recover(store_dir, kf, chunks_of(old + new)) == []
     s = sealed(root, buffer, kf)
     assert load_keys(s, buffer, old + new, job_id=4)[1] == []
     stats = s.stats()
