@@ -330,6 +330,31 @@ class Keyring:
             out.append(Epoch(i, state, epoch, created, until, fp, pid, nonce, wrapped))
         return out
 
+    def _scrub_torn_locked(self) -> int:
+        """Zero every entry no reader uses (its checksum or state invalid:
+        a write torn by a crash, a damaged byte): its epoch's chunks are
+        misses already, but its wrapped key may be intact, and the key file
+        would unwrap it from the file's bytes. Under the exclusive flock (no
+        writer is half way through an entry). Returns the entries zeroed."""
+        import numpy as np
+
+        data = os.pread(self._fd, KEYRING_ENTRIES * KEYRING_ENTRY_BYTES, KEYRING_ENTRIES_OFFSET)
+        rows = np.frombuffer(data, dtype=np.uint8)
+        rows = rows[: len(rows) // KEYRING_ENTRY_BYTES * KEYRING_ENTRY_BYTES]
+        n = 0
+        for i in np.flatnonzero(rows.reshape(-1, KEYRING_ENTRY_BYTES).any(axis=1)).tolist():
+            raw = data[i * KEYRING_ENTRY_BYTES : (i + 1) * KEYRING_ENTRY_BYTES]
+            ok = raw[:4] == _ENTRY_MAGIC and _xxh(raw[:-8], i) == int.from_bytes(raw[-8:], "little")
+            if ok and raw[4] in (ENTRY_LIVE, ENTRY_DESTROYED):
+                continue
+            _pwrite_all(
+                self._fd,
+                bytes(KEYRING_ENTRY_BYTES),
+                KEYRING_ENTRIES_OFFSET + i * KEYRING_ENTRY_BYTES,
+            )
+            n += 1
+        return n
+
     def _write_entry_locked(self, e: Epoch) -> None:
         body = _ENTRY.pack(
             _ENTRY_MAGIC,
@@ -425,6 +450,7 @@ class Keyring:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 changed = []
+                scrubbed = self._scrub_torn_locked() if cut_to_ns is None else 0
                 for e in self._entries_locked():
                     if e.state != ENTRY_LIVE or not pred(e):
                         continue
@@ -434,7 +460,7 @@ class Keyring:
                         e.state = ENTRY_DESTROYED
                     self._write_entry_locked(e)
                     changed.append(e.epoch)
-                if changed:
+                if changed or scrubbed:
                     _fsync(self._fd)
                 return changed
             finally:

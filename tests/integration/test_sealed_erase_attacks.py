@@ -234,3 +234,26 @@ def test_a_rolled_back_keys_file_never_makes_a_live_process_seal_under_anothers_
         if t is not None:
             used.add(t[3])
     assert other.fingerprint not in used
+
+
+def test_purge_all_leaves_no_wrapped_key_in_a_torn_entry(tmp_path, buffer) -> None:
+    """An entry whose checksum fails (a write torn by a crash, a flipped
+    bit) is skipped by every reader, so its chunks are already misses; but
+    its wrapped key may be intact, and the key file unwraps it (``recover``
+    tries every entry's bytes). ``purge --all`` must not leave it behind."""
+    kf = new_key(tmp_path)
+    root = tmp_path / "kv"
+    store_dir = root / "store"
+    keys = [key(i) for i in range(4)]
+    s = sealed(root, buffer, kf)
+    store_keys(s, buffer, keys)
+    s.close()
+    with open(store_dir / "keys", "r+b") as f:  # entry 0's checksum, one bit
+        f.seek(8192 + 120)
+        b = f.read(1)
+        f.seek(8192 + 120)
+        f.write(bytes([b[0] ^ 1]))
+    assert recover(store_dir, kf, chunks_of(keys)) == chunks_of(keys)
+    (r,) = purge.purge(str(root), older_than_s=None)
+    assert r.error is None
+    assert recover(store_dir, kf, chunks_of(keys)) == []
