@@ -499,9 +499,12 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
  * reported. `removed` gets each cleared record first (may be NULL). With
  * `all`, a WRITING slot is marked PURGED: its write completes but is never
  * published (it may hold KV computed before the purge); without, a write in
- * flight is newer than any cutoff and is left. */
+ * flight is newer than any cutoff and is left. `empty` (may be NULL) gets
+ * every EMPTY slot's number without `all`: a chunk invalidated, evicted or
+ * expired before the purge left its sealed image there. */
 void nvt_purge_set_locked(nvt_core *t, uint64_t set, uint64_t older_than_ns, int all, nvt_purge_counts *n,
-                          void (*removed)(void *ctx, const unsigned char *rec), void *ctx) {
+                          void (*removed)(void *ctx, const unsigned char *rec),
+                          void (*empty)(void *ctx, uint64_t slot), void *ctx) {
     const uint64_t now = nvt_wall_ns();
     for (uint32_t w = 0; w < t->ways; w++) {
         slot_ref s = slot_at(t, set, w);
@@ -516,6 +519,8 @@ void nvt_purge_set_locked(nvt_core *t, uint64_t set, uint64_t older_than_ns, int
             }
             continue;
         }
+        if (st == NVT_EMPTY && empty && !all)
+            empty(ctx, slot); /* a chunk that left before (invalidated, evicted, expired) */
         if (st != NVT_READY && st != NVT_BAD)
             continue;
         uint64_t at = record_stored_ns(t, slot);

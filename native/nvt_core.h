@@ -336,7 +336,8 @@ typedef struct {
     uint64_t cleared, writing_marked, writing_skipped;
 } nvt_purge_counts;
 void nvt_purge_set_locked(nvt_core *t, uint64_t set, uint64_t older_than_ns, int all, nvt_purge_counts *n,
-                          void (*removed)(void *ctx, const unsigned char *rec), void *ctx);
+                          void (*removed)(void *ctx, const unsigned char *rec),
+                          void (*empty)(void *ctx, uint64_t slot), void *ctx);
 /* Tests only: the dying wait (DYING_WAIT_MS by default); returns the previous one. */
 uint32_t nvt_set_dying_wait_ms(uint32_t ms);
 int nvt_record_has_key(nvt_core *t, uint64_t slot, const char *key, size_t n);

@@ -39,7 +39,8 @@ typedef struct {
     unsigned n_paths;
     uint64_t slot_bytes, wipe_offset, wipe_bytes;
     const uint8_t *zeros;
-    uint64_t wiped, wipe_errors;
+    uint8_t *seen; /* wipe_bytes: an empty slot's bytes read back */
+    uint64_t wiped, wipe_errors, stale_wiped;
 } purge_ctx;
 
 /* Purge's removed-record callback, under the set's lock: the key joins the
@@ -63,6 +64,29 @@ static void purge_removed(void *ctx, const unsigned char *rec) {
     }
 }
 
+/* Purge's empty-slot callback, under the set's lock (so no sharer claims
+ * the slot meanwhile): a chunk that left the table before the purge
+ * (invalidated, evicted, expired, its record dropped at open) left its
+ * sealed image, nonce and tag included, and its epoch key may live on for
+ * newer chunks: its nonce and tag are overwritten too (only when not zero
+ * already: a slot never written costs a read, not a write). */
+static void purge_empty(void *ctx, uint64_t slot) {
+    purge_ctx *p = ctx;
+    int fd = p->fds[slot % p->n_paths];
+    off_t at = (off_t)((slot / p->n_paths) * p->slot_bytes + p->wipe_offset);
+    ssize_t got = pread(fd, p->seen, (size_t)p->wipe_bytes, at);
+    if (got < 0) {
+        p->wipe_errors++;
+        return;
+    }
+    if (got == 0 || memcmp(p->seen, p->zeros, (size_t)got) == 0)
+        return;
+    if (pwrite(fd, p->zeros, (size_t)p->wipe_bytes, at) == (ssize_t)p->wipe_bytes)
+        p->stale_wiped++;
+    else
+        p->wipe_errors++;
+}
+
 NVT_DOCSTR(nvt_purge_doc,
            "purge(older_than_ns, all, sets=None) -> (keys, cleared, writing_marked, writing_skipped, busy)\n\n"
            "Clear every READY or BAD slot stored older_than_ns ago or longer (wall clock),\n"
@@ -72,7 +96,9 @@ NVT_DOCSTR(nvt_purge_doc,
            "wait; busy lists the sets that could not be locked (a stopped holder). keys:\n"
            "the removed keys (None if out of memory). wipe=(fds, slot_bytes, offset, nbytes): zeros\n"
            "are written over [offset, offset + nbytes) of every removed slot under its set's lock\n"
-           "(fds: one per data file); wiped and wipe_errors are then appended to the result.");
+           "(fds: one per data file), and, unless all, over every EMPTY slot whose range is not zero\n"
+           "(a chunk that left before the purge); wiped, wipe_errors and stale_wiped (those empty\n"
+           "slots) are then appended to the result.");
 
 PyObject *nvt_Table_purge(TableObject *self, PyObject *args) {
     GUARD(self);
@@ -98,7 +124,8 @@ PyObject *nvt_Table_purge(TableObject *self, PyObject *args) {
         }
         p.fds = PyMem_Calloc((size_t)nf, sizeof(int));
         p.zeros = PyMem_Calloc(1, (size_t)wn);
-        if (!p.fds || !p.zeros) {
+        p.seen = PyMem_Malloc((size_t)wn);
+        if (!p.fds || !p.zeros || !p.seen) {
             Py_DECREF(fseq);
             PyErr_NoMemory();
             goto fail;
@@ -147,14 +174,15 @@ PyObject *nvt_Table_purge(TableObject *self, PyObject *args) {
                 goto fail_sets;
             continue;
         }
-        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, &p);
+        nvt_purge_set_locked(&self->core, set, older, all, &n, purge_removed, p.fds ? purge_empty : NULL, &p);
         set_unlock(&self->core, set);
     }
     publish_counts(&self->core);
     if (p.fds)
-        out = Py_BuildValue("(OKKKOKK)", p.keys ? p.keys : Py_None, (unsigned long long)n.cleared,
+        out = Py_BuildValue("(OKKKOKKK)", p.keys ? p.keys : Py_None, (unsigned long long)n.cleared,
                             (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy,
-                            (unsigned long long)p.wiped, (unsigned long long)p.wipe_errors);
+                            (unsigned long long)p.wiped, (unsigned long long)p.wipe_errors,
+                            (unsigned long long)p.stale_wiped);
     else
         out = Py_BuildValue("(OKKKO)", p.keys ? p.keys : Py_None, (unsigned long long)n.cleared,
                             (unsigned long long)n.writing_marked, (unsigned long long)n.writing_skipped, busy);
@@ -167,6 +195,7 @@ fail:
     Py_XDECREF(p.keys);
     PyMem_Free(p.fds);
     PyMem_Free((void *)p.zeros);
+    PyMem_Free(p.seen);
     return out;
 }
 

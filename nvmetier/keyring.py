@@ -189,8 +189,10 @@ class Keyring:
         return self._header[40:48]
 
     # --------------------------------------------------------- store key
-    def store_keys(self, operator: KeySet) -> StoreKeys:
-        """Unwrap the store key with the operator's key.
+    def store_keys(self, operator: KeySet, *, heal: bool = False) -> StoreKeys:
+        """Unwrap the store key with the operator's key; with ``heal`` (a
+        store's open, not fsck's checks) then rewrite a header copy that
+        lags the other (``_heal_headers``).
 
         Raises:
             KeyringError: the key file is not the one that wraps this store's
@@ -222,9 +224,28 @@ class Keyring:
                 "--new-key-file NEW`, or remove the store directory to start over"
             )
         try:
-            return StoreKeys(store_key, operator.fingerprint)
+            out = StoreKeys(store_key, operator.fingerprint)
         finally:
             _wipe(store_key)
+        if heal:
+            self._heal_headers()
+        return out
+
+    def _heal_headers(self) -> None:
+        """Make both header copies the newest valid one when they differ:
+        a rekey cut between its two header writes (a crash) leaves the other
+        copy wrapping the store key under the *old* key file, which would
+        then open everything in the store from its current files. Called
+        once the key file proved to open the newest copy (an open), and by
+        a rekey run again. A read of both pages when they agree."""
+        with self._lock:
+            if self._fd < 0 or not _copies_differ(self._fd):
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                _heal_locked(self._fd, self.path)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def rekey(self, old: KeySet, new: KeySet) -> None:
         """Rewrap the store key from ``old`` to ``new``: both header copies
@@ -241,6 +262,13 @@ class Keyring:
                         header[48:60], header[60:108], _AAD_STORE_KEY + self.store_id
                     )
                 except InvalidTag:
+                    if _copies_differ(self._fd) and _opens(new, header, self.store_id):
+                        # A rotation to `new` cut between its header writes:
+                        # finish it, so that no copy the old key file opens
+                        # stays behind. (One already whole is refused below.)
+                        _heal_locked(self._fd, self.path)
+                        self._seq, self._header = seq, header
+                        return
                     raise KeyringError(
                         f"{self.path!r}: --key-file (fingerprint {old.fingerprint_hex}) does not "
                         f"open this store (wrapped by {header[40:48].hex()})"
@@ -301,6 +329,31 @@ class Keyring:
                 continue
             out.append(Epoch(i, state, epoch, created, until, fp, pid, nonce, wrapped))
         return out
+
+    def _scrub_torn_locked(self) -> int:
+        """Zero every entry no reader uses (its checksum or state invalid:
+        a write torn by a crash, a damaged byte): its epoch's chunks are
+        misses already, but its wrapped key may be intact, and the key file
+        would unwrap it from the file's bytes. Under the exclusive flock (no
+        writer is half way through an entry). Returns the entries zeroed."""
+        import numpy as np
+
+        data = os.pread(self._fd, KEYRING_ENTRIES * KEYRING_ENTRY_BYTES, KEYRING_ENTRIES_OFFSET)
+        rows = np.frombuffer(data, dtype=np.uint8)
+        rows = rows[: len(rows) // KEYRING_ENTRY_BYTES * KEYRING_ENTRY_BYTES]
+        n = 0
+        for i in np.flatnonzero(rows.reshape(-1, KEYRING_ENTRY_BYTES).any(axis=1)).tolist():
+            raw = data[i * KEYRING_ENTRY_BYTES : (i + 1) * KEYRING_ENTRY_BYTES]
+            ok = raw[:4] == _ENTRY_MAGIC and _xxh(raw[:-8], i) == int.from_bytes(raw[-8:], "little")
+            if ok and raw[4] in (ENTRY_LIVE, ENTRY_DESTROYED):
+                continue
+            _pwrite_all(
+                self._fd,
+                bytes(KEYRING_ENTRY_BYTES),
+                KEYRING_ENTRIES_OFFSET + i * KEYRING_ENTRY_BYTES,
+            )
+            n += 1
+        return n
 
     def _write_entry_locked(self, e: Epoch) -> None:
         body = _ENTRY.pack(
@@ -397,6 +450,7 @@ class Keyring:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 changed = []
+                scrubbed = self._scrub_torn_locked() if cut_to_ns is None else 0
                 for e in self._entries_locked():
                     if e.state != ENTRY_LIVE or not pred(e):
                         continue
@@ -406,7 +460,7 @@ class Keyring:
                         e.state = ENTRY_DESTROYED
                     self._write_entry_locked(e)
                     changed.append(e.epoch)
-                if changed:
+                if changed or scrubbed:
                     _fsync(self._fd)
                 return changed
             finally:
@@ -463,6 +517,45 @@ def _fsync(fd: int) -> None:
 
 # Test-only (issue 31): the planted bug the crash explorer must find.
 _EPOCH_UNSYNCED = hook.planted("epoch-unsynced")
+
+
+def _opens(operator: KeySet, header: bytes, store_id: bytes) -> bool:
+    """Whether ``operator``'s key unwraps the store key in ``header``."""
+    from cryptography.exceptions import InvalidTag
+
+    try:
+        key = _aesgcm(operator.kek_bytes()).decrypt(
+            header[48:60], header[60:108], _AAD_STORE_KEY + store_id
+        )
+    except InvalidTag:
+        return False
+    del key
+    return True
+
+
+def _copies_differ(fd: int) -> bool:
+    return os.pread(fd, KEYRING_HEADER_BYTES, 0) != os.pread(
+        fd, KEYRING_HEADER_BYTES, KEYRING_HEADER_BYTES
+    )
+
+
+def _heal_locked(fd: int, path: str) -> None:
+    """Under the file's exclusive flock: every header copy that is not the
+    newest valid one (older, torn, or damaged) is overwritten with it, each
+    write fsynced."""
+    pages = [os.pread(fd, KEYRING_HEADER_BYTES, c * KEYRING_HEADER_BYTES) for c in (0, 1)]
+    got = [_parse_header(p) for p in pages]
+    valid = [c for c in (0, 1) if got[c] is not None]
+    if not valid:
+        raise KeyringError(
+            f"{path!r} is not a valid keys file (magic, version or checksum of both header "
+            "copies): nothing in the store can be read; remove the store directory to start over"
+        )
+    best = max(valid, key=lambda c: got[c][0])  # type: ignore[index]
+    for c in (0, 1):
+        if pages[c] != pages[best]:
+            _pwrite_all(fd, pages[best], c * KEYRING_HEADER_BYTES)
+            _fsync(fd)
 
 
 def _header_page(body: bytes) -> bytes:

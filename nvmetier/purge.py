@@ -118,6 +118,9 @@ class PurgeResult:
             sealed under them is unrecoverable, even with the key file).
         slots_wiped: encrypted stores: removed slots whose nonce and tag were
             overwritten (``--older-than``: chunks in epochs that live on).
+        stale_wiped: encrypted stores, ``--older-than``: free slots whose
+            nonce and tag were overwritten (chunks invalidated, evicted or
+            expired before the purge, whose epoch key may live on).
         error: why the store was not purged (None when it was).
     """
 
@@ -132,6 +135,7 @@ class PurgeResult:
     events_logged: int = 0
     epochs_destroyed: int = 0
     slots_wiped: int = 0
+    stale_wiped: int = 0
     error: str | None = None
 
     @property
@@ -349,6 +353,7 @@ def _purge_offline(
         if _is_sealed(sb):
             if older_than_s is not None:
                 out.slots_wiped = _wipe_offline(store_dir, sb, slots.tolist())
+                out.stale_wiped = _wipe_stale_offline(store_dir, sb, scan.slots.tolist())
             out.epochs_destroyed = _destroy_epochs(store_dir, older_than_s)
         del scan, slots
     finally:
@@ -372,6 +377,38 @@ def _wipe_offline(store_dir: str, sb: fmt.Superblock, slots: list[int]) -> int:
     finally:
         os.close(fds[0])
     return len(slots)
+
+
+def _wipe_stale_offline(store_dir: str, sb: fmt.Superblock, held: list[int]) -> int:
+    """Overwrite the nonce and tag of every slot no record names (``held``:
+    the slots that had one before the purge, wiped already or kept): a
+    chunk invalidated, evicted or expired before the purge left its sealed
+    image there, and its epoch key may live on for newer chunks. Only
+    ranges that are not zero are written."""
+    fds = _data_fds(store_dir, sb)
+    if fds is None:
+        return 0
+    start, n = wipe_range(sb)
+    zeros = bytes(n)
+    taken = set(held)
+    wiped = 0
+    try:
+        for s in range(sb.n_slots):
+            if s in taken:
+                continue
+            at = s * sb.slot_bytes + start
+            if os.pread(fds[0], n, at).count(0) == n:
+                continue
+            if os.pwrite(fds[0], zeros, at) != n:
+                raise OSError(errno.EIO, "short write wiping a free slot")
+            wiped += 1
+        if wiped:
+            os.fsync(fds[0])
+            if hook.recorder is not None:
+                hook.recorder.fsync_fd(fds[0])
+    finally:
+        os.close(fds[0])
+    return wiped
 
 
 def _purge_online(
@@ -415,10 +452,11 @@ def _purge_online(
             if wipe is None:
                 got, cleared, marked, kept, busy = table.purge(older_ns, every, sets)
             else:
-                got, cleared, marked, kept, busy, wiped, wipe_errors = table.purge(
+                got, cleared, marked, kept, busy, wiped, wipe_errors, stale = table.purge(
                     older_ns, every, sets, wipe
                 )
                 out.slots_wiped += wiped
+                out.stale_wiped += stale
                 if wipe_errors:
                     out.error = f"{wipe_errors} purged slots could not be overwritten (I/O error)"
             out.removed += cleared
@@ -516,10 +554,11 @@ def format_result(r: PurgeResult) -> str:
         )
     if r.events_logged:
         lines.append(f"  {r.events_logged} removals logged for KV events")
-    if r.epochs_destroyed or r.slots_wiped:
+    if r.epochs_destroyed or r.slots_wiped or r.stale_wiped:
+        stale = f" (and {r.stale_wiped} free slots' of earlier chunks)" if r.stale_wiped else ""
         lines.append(
             f"  erased: {r.epochs_destroyed} data keys destroyed, {r.slots_wiped} slots' "
-            "nonces and tags overwritten"
+            f"nonces and tags overwritten{stale}"
         )
     return "\n".join(lines)
 

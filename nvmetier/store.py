@@ -320,7 +320,7 @@ class BlockStore:
             os.unlink(os.path.join(store_dir, KEYRING_FILE))
         self._keyring = Keyring.open(store_dir, create=True, operator=operator)
         try:
-            return self._keyring.store_keys(operator)
+            return self._keyring.store_keys(operator, heal=True)
         except KeyringError as exc:
             raise ConfigError(
                 f"encryption key_file {self.config.encryption['key_file']!r} "  # type: ignore[index]

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import logging
 import mmap
 import queue
@@ -203,7 +204,16 @@ class Sealing:
         self._seen = self._generation()
         live, top, destroyed = self.keyring.load_table(self.keys)
         cur = self._current
-        mine = cur is not None and any(e.epoch == cur.epoch for e in live)
+        # Its own epoch by number *and* key: a `keys` file put back from an
+        # older copy may name this number with another opener's new key, and
+        # sealing under it would put two processes on one key (each counting
+        # only its own seals against the per-key bound): rotate instead.
+        mine = cur is not None and any(
+            e.epoch == cur.epoch
+            and e.key is not None
+            and hmac.compare_digest(crypto.epoch_fingerprint(e.key), cur.fingerprint)
+            for e in live
+        )
         self.native.set(
             [(e.epoch, e.key, e.fingerprint) for e in live],
             cur.epoch if (cur is not None and mine) else -1,
