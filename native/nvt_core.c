@@ -403,16 +403,12 @@ static int check_way(nvt_core *t, uint64_t set, uint32_t w, uint64_t fp, const c
  * filter, the fingerprint and (READY) the record's key confirm. */
 int nvt_find_way(nvt_core *t, uint64_t set, uint64_t fp, const char *key, size_t n,
                     unsigned mask) {
-    const uint8_t *tags = set_tags(t, set), tag = tag_of(fp);
-    for (uint32_t base = 0; base < t->ways; base += 8)
-        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
-            uint32_t w = base + tag_way(m);
-            if (w >= t->ways)
-                break;
-            int r = check_way(t, set, w, fp, key, n, mask);
-            if (r >= 0)
-                return r;
-        }
+    nvt_tag_iter it = tag_iter(set_tags(t, set), t->ways, tag_of(fp));
+    for (int w; (w = tag_next(&it)) >= 0;) {
+        int r = check_way(t, set, (uint32_t)w, fp, key, n, mask);
+        if (r >= 0)
+            return r;
+    }
     return -1;
 }
 
@@ -426,27 +422,24 @@ int nvt_claim_way(nvt_core *t, uint64_t set, uint64_t fp, const char *k, size_t 
     *evict = 0;
     /* This key in any state (tags filter, eight ways at a time), then the
      * first empty way (an EMPTY way's tag is 0: never this key's). */
-    for (uint32_t base = 0; base < t->ways; base += 8)
-        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
-            uint32_t w = base + tag_way(m);
-            if (w >= t->ways)
-                break;
-            slot_ref s = slot_at(t, set, w);
-            uint8_t st = *s.state;
-            if (st == NVT_EMPTY || *s.fp != fp)
-                continue;
-            if (st == NVT_WRITING)
-                return -3 - (int)w; /* another store of this key is in flight (any sharer) */
-            if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + w, k, n)) {
-                if (!nvt_expired_locked(t, set * t->ways + w, nvt_wall_ns()))
-                    return -2;
-                if (!leased_locked(s, now)) /* past retention: stored again, in place */
-                    return (int)w;
-                continue;
-            }
-            if (st == NVT_BAD) /* a failed load left it: rewrite in place */
-                return (int)w;
+    nvt_tag_iter it = tag_iter(tags, t->ways, tag);
+    for (int w; (w = tag_next(&it)) >= 0;) {
+        slot_ref s = slot_at(t, set, (uint32_t)w);
+        uint8_t st = *s.state;
+        if (st == NVT_EMPTY || *s.fp != fp)
+            continue;
+        if (st == NVT_WRITING)
+            return -3 - w; /* another store of this key is in flight (any sharer) */
+        if (st == NVT_READY && nvt_record_has_key(t, set * t->ways + (uint64_t)w, k, n)) {
+            if (!nvt_expired_locked(t, set * t->ways + (uint64_t)w, nvt_wall_ns()))
+                return -2;
+            if (!leased_locked(s, now)) /* past retention: stored again, in place */
+                return w;
+            continue;
         }
+        if (st == NVT_BAD) /* a failed load left it: rewrite in place */
+            return w;
+    }
     /* The lowest flagged byte of a zero test is exact (a false flag only
      * ever sits above a true zero); the padding past `ways` is zero too. */
     for (uint32_t base = 0; base < t->ways && empty < 0; base += 8) {

@@ -237,10 +237,10 @@ static inline uint8_t tag_of(uint64_t fp) { return (uint8_t)(fp >> 56) | 1; }
  * equals. tag_word_matches gives the high bit of each byte of `word` that may
  * equal `tag`: every byte that does is flagged; a byte just above a true
  * match may be flagged too (the borrow of the zero test), which the caller's
- * fingerprint check rejects. Ways are visited in order:
- *   for (uint32_t base = 0; base < ways; base += 8)
- *       for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1)
- *           way = base + tag_way(m) (< ways), in ascending order. */
+ * fingerprint check rejects. tag_next walks the candidate ways of one tag
+ * in ascending order:
+ *   nvt_tag_iter it = tag_iter(tags, ways, tag);
+ *   for (int w; (w = tag_next(&it)) >= 0;) ... */
 typedef uint64_t __attribute__((may_alias)) nvt_u64_alias;
 #define NVT_BYTES_LOW 0x0101010101010101ULL
 #define NVT_BYTES_HIGH 0x8080808080808080ULL
@@ -255,6 +255,32 @@ static inline uint64_t tag_word_matches(uint64_t word, uint8_t tag) {
 }
 
 static inline uint32_t tag_way(uint64_t m) { return (uint32_t)__builtin_ctzll(m) >> 3; }
+
+typedef struct {
+    const uint8_t *tags;
+    uint32_t ways, base; /* base: the first way of the word in `m` */
+    uint8_t tag;
+    uint64_t m; /* that word's flagged bytes not yet visited */
+} nvt_tag_iter;
+
+static inline nvt_tag_iter tag_iter(const uint8_t *tags, uint32_t ways, uint8_t tag) {
+    nvt_tag_iter it = {tags, ways, 0, tag, ways ? tag_word_matches(tag_word(tags, 0), tag) : 0};
+    return it;
+}
+
+/* The next way whose tag may be `tag`, or -1 when none is left (a flag in
+ * the padding past `ways` ends the walk: it is in the last word). */
+static inline int tag_next(nvt_tag_iter *it) {
+    while (!it->m) {
+        it->base += 8;
+        if (it->base >= it->ways)
+            return -1;
+        it->m = tag_word_matches(tag_word(it->tags, it->base), it->tag);
+    }
+    uint32_t w = it->base + tag_way(it->m);
+    it->m &= it->m - 1;
+    return w < it->ways ? (int)w : -1;
+}
 
 static inline nvt_sharer *sharers(char *base) { return (nvt_sharer *)(base + NVT_SHARERS_OFFSET); }
 
@@ -276,25 +302,21 @@ enum { NVT_PF_LEASE = 1, NVT_PF_LAST = 2, NVT_PF_GEN = 4 };
 
 static inline void prefetch_ways(nvt_core *t, uint64_t set, uint64_t fp, unsigned fields) {
     const uint8_t *tags = (const uint8_t *)set_head(t->base, t->set_bytes, set) + t->layout.tag;
-    const uint8_t tag = tag_of(fp);
-    for (uint32_t base = 0; base < t->ways; base += 8)
-        for (uint64_t m = tag_word_matches(tag_word(tags, base), tag); m; m &= m - 1) {
-            uint32_t w = base + tag_way(m);
-            if (w >= t->ways)
-                break;
-            slot_ref s = slot_at(t, set, w);
-            __builtin_prefetch(s.fp, 0);
-            __builtin_prefetch(record(t, set * t->ways + w), 0);
-            if (fields & NVT_PF_LEASE) {
-                __builtin_prefetch(s.pins, 1);
-                __builtin_prefetch(s.stamp, 1);
-                __builtin_prefetch(s.epoch, 1);
-            }
-            if (fields & NVT_PF_LAST)
-                __builtin_prefetch(s.last, 1);
-            if (fields & NVT_PF_GEN)
-                __builtin_prefetch(s.gen, 0);
+    nvt_tag_iter it = tag_iter(tags, t->ways, tag_of(fp));
+    for (int w; (w = tag_next(&it)) >= 0;) {
+        slot_ref s = slot_at(t, set, (uint32_t)w);
+        __builtin_prefetch(s.fp, 0);
+        __builtin_prefetch(record(t, set * t->ways + (uint64_t)w), 0);
+        if (fields & NVT_PF_LEASE) {
+            __builtin_prefetch(s.pins, 1);
+            __builtin_prefetch(s.stamp, 1);
+            __builtin_prefetch(s.epoch, 1);
         }
+        if (fields & NVT_PF_LAST)
+            __builtin_prefetch(s.last, 1);
+        if (fields & NVT_PF_GEN)
+            __builtin_prefetch(s.gen, 0);
+    }
 }
 
 static inline uint64_t record_stored_ns(nvt_core *t, uint64_t slot) {
