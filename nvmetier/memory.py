@@ -4,7 +4,8 @@ Owns: ``huge_page_bytes`` (how much of an address range the kernel maps with
 huge pages, from ``/proc/self/smaps``), ``thp_private_ok`` (whether private
 memory may get transparent huge pages here), ``staging_wanted`` (the
 ``staging: auto`` decision) and ``describe_primary`` (the one line the
-store's startup log and ``nvmetier info`` print). Read-only look-ups of
+store's startup log and ``nvmetier info`` print), and ``advise`` (a
+best-effort ``madvise`` of a whole mapping). Read-only look-ups of
 ``/proc`` and ``/sys``; no threads; callers block for one read of smaps
 (a few ms).
 
@@ -24,8 +25,24 @@ mounted ``huge=within_size``, or ``shmem_enabled=advise`` with
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 from typing import Any
+
+
+def advise(m: mmap.mmap, advice: str) -> bool:
+    """``madvise`` the whole mapping with ``mmap.<advice>`` (a name such as
+    ``"MADV_HUGEPAGE"``), best effort: False where this Python or kernel
+    lacks it."""
+    value = getattr(mmap, advice, None)
+    if value is None:
+        return False
+    try:
+        m.madvise(value)
+    except OSError:
+        return False
+    return True
+
 
 _THP = "/sys/kernel/mm/transparent_hugepage"
 # smaps fields that count bytes mapped by huge pages (kB).

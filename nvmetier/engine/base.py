@@ -23,6 +23,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from nvmetier.memory import advise
+
 OP_READ = 0
 OP_WRITE = 1
 
@@ -163,9 +165,4 @@ def xxh3_seeded(data: memoryview | bytes, seed: int) -> int:
 def dontdump(m: mmap.mmap) -> None:
     """Keep a mapping that holds sealed slot images or keys out of core
     dumps (``MADV_DONTDUMP``; best effort where the kernel lacks it)."""
-    advice = getattr(mmap, "MADV_DONTDUMP", None)
-    if advice is not None:
-        try:
-            m.madvise(advice)
-        except OSError:
-            pass
+    advise(m, "MADV_DONTDUMP")
