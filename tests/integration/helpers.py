@@ -60,8 +60,14 @@ def run(store: BlockStore, timeout_s: float = 30.0) -> list[JobOutcome]:
     return store.poll()
 
 
-def store_keys(store: BlockStore, buffer: memoryview, keys: Sequence[bytes], job_id: int = 1):
-    rows = list(range(len(keys)))
+def store_keys(
+    store: BlockStore,
+    buffer: memoryview,
+    keys: Sequence[bytes],
+    job_id: int = 1,
+    first_row: int = 0,
+):
+    rows = list(range(first_row, first_row + len(keys)))
     fill_rows(buffer, keys, rows)
     store.submit_store(job_id, keys, rows)
     return run(store)

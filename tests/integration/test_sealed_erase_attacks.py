@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("nvmetier._crypto")
 
 from nvmetier import purge
-from tests.integration.helpers import ROW, key, load_keys, payload, store_keys
+from tests.integration.helpers import ROW, key, load_keys, store_keys
 from tests.integration.test_sealed_keys import chunks_of, new_key, recover, sealed
 
 pytestmark = pytest.mark.timeout(120)
@@ -34,12 +34,7 @@ def test_purge_older_than_erases_chunks_invalidated_before_it(tmp_path, buffer, 
     for k in gone:
         assert s.invalidate(k)
     time.sleep(1.2)
-    rows_new = list(range(8, 16))
-    for k, r in zip(new, rows_new, strict=True):
-        buffer[r * ROW : (r + 1) * ROW] = payload(k)
-    s.submit_store(3, new, rows_new)
-    assert s.wait_idle(30)
-    s.poll()
+    store_keys(s, buffer, new, job_id=3, first_row=8)
     if not online:
         s.close()
     (r,) = purge.purge(str(root), older_than_s=1.0)

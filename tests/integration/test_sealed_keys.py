@@ -229,12 +229,7 @@ def test_purge_older_than_erases_the_old_chunks_of_a_live_epoch(tmp_path, buffer
     s = sealed(root, buffer, kf)
     store_keys(s, buffer, old)
     time.sleep(1.2)
-    rows_new = list(range(8, 16))
-    for k, r in zip(new, rows_new, strict=True):
-        buffer[r * ROW : (r + 1) * ROW] = payload(k)
-    s.submit_store(3, new, rows_new)
-    assert s.wait_idle(30)
-    s.poll()
+    store_keys(s, buffer, new, job_id=3, first_row=8)
     if not online:
         s.close()
     # Old and new share this open's epoch: the old ones are overwritten.
