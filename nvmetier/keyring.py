@@ -251,18 +251,14 @@ class Keyring:
         """Rewrap the store key from ``old`` to ``new``: both header copies
         rewritten and fsynced in turn (a crash between them leaves the newer
         copy, which the newer sequence selects). No data key changes."""
-        from cryptography.exceptions import InvalidTag
 
         with self._lock:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 seq, header = _read_header(self._fd, self.path)
-                try:
-                    store_key = _aesgcm(old.kek_bytes()).decrypt(
-                        header[48:60], header[60:108], _AAD_STORE_KEY + self.store_id
-                    )
-                except InvalidTag:
-                    if _copies_differ(self._fd) and _opens(new, header, self.store_id):
+                store_key = _unwrap(old, header, self.store_id)
+                if store_key is None:
+                    if _copies_differ(self._fd) and _unwrap(new, header, self.store_id):
                         # A rotation to `new` cut between its header writes:
                         # finish it, so that no copy the old key file opens
                         # stays behind. (One already whole is refused below.)
@@ -272,7 +268,7 @@ class Keyring:
                     raise KeyringError(
                         f"{self.path!r}: --key-file (fingerprint {old.fingerprint_hex}) does not "
                         f"open this store (wrapped by {header[40:48].hex()})"
-                    ) from None
+                    )
                 nonce = os.urandom(NONCE_BYTES)
                 wrapped = _aesgcm(new.kek_bytes()).encrypt(
                     nonce, store_key, _AAD_STORE_KEY + self.store_id
@@ -519,18 +515,20 @@ def _fsync(fd: int) -> None:
 _EPOCH_UNSYNCED = hook.planted("epoch-unsynced")
 
 
-def _opens(operator: KeySet, header: bytes, store_id: bytes) -> bool:
-    """Whether ``operator``'s key unwraps the store key in ``header``."""
+def _unwrap(operator: KeySet, header: bytes, store_id: bytes) -> bytes | None:
+    """The store key ``header`` wraps under ``operator``'s key, or None when
+    that key does not open it (rekey's old key file, and the new one of a
+    rotation cut between its header writes)."""
     from cryptography.exceptions import InvalidTag
 
     try:
-        key = _aesgcm(operator.kek_bytes()).decrypt(
+        return _aesgcm(
+            operator.kek_bytes()
+        ).decrypt(  # type: ignore[no-any-return]
             header[48:60], header[60:108], _AAD_STORE_KEY + store_id
         )
     except InvalidTag:
-        return False
-    del key
-    return True
+        return None
 
 
 def _copies_differ(fd: int) -> bool:
