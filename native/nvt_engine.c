@@ -560,6 +560,10 @@ void nvt_engine_wait(nvt_engine *e, double timeout_s, nvt_completion_batch *batc
     pthread_mutex_unlock(&e->lock);
 }
 
+const size_t *nvt_engine_done_hint(const nvt_engine *e) {
+    return &e->done_hint;
+}
+
 void nvt_engine_set_apply(nvt_engine *e, nvt_apply_fn fn, void *ctx) {
     if (e->forked)
         return; /* no worker here; a parent's worker may have held the lock at the fork */

@@ -263,7 +263,15 @@ void nvt_engine_set_apply(nvt_engine *e, nvt_apply_fn fn, void *ctx);
 typedef struct {
     nvt_engine *engine;
     void (*set_apply)(nvt_engine *e, nvt_apply_fn fn, void *ctx);
+    /* The count of completions published and not yet taken (atomic, read
+     * with acquire as a hint: nvt_engine_done_hint): a poll that reads 0 need
+     * not call the engine (a completion it misses is found by the next). */
+    const size_t *done_hint;
 } nvt_apply_hook_api;
+
+/* Where the engine keeps its hint of completions waiting to be taken (see
+ * nvt_apply_hook_api.done_hint); valid until nvt_engine_free. */
+const size_t *nvt_engine_done_hint(const nvt_engine *e);
 
 /* Free a closed engine. Completions not yet taken are dropped: take them
  * first with nvt_engine_wait(e, 0, ...) if their op_ids own resources. */

@@ -615,7 +615,14 @@ int nvt_collect(TableObject *self, PyObject *timeout) {
     PyObject *comps = NULL;
     Py_buffer b = {0};
     Py_ssize_t n = 0;
-    if (self->outstanding && self->eng_wait) {
+    /* A poll (timeout 0) of the hooked io_uring engine whose hint reads no
+     * completion waiting: nothing to take, and no call into the engine (the
+     * scheduler thread polls every step, mostly while ops are in flight). A
+     * completion published after the read is taken by the next poll, as the
+     * engine's own hint check would leave it. */
+    int idle = self->done_hint && PyFloat_CheckExact(timeout) && PyFloat_AS_DOUBLE(timeout) <= 0 &&
+               !__atomic_load_n(self->done_hint, __ATOMIC_ACQUIRE);
+    if (self->outstanding && self->eng_wait && !idle) {
         /* Every completion taken may have to be deferred: room first. */
         if (nvt_defer_reserve(self, self->n_deferred + self->outstanding) < 0)
             return -1;

@@ -144,6 +144,7 @@ int nvt_apply_hook_install(TableObject *t, PyObject *capsule) {
     t->apply_holder = (uint16_t)(t->core.me + 1);
     t->apply_holder_inc = (uint16_t)t->core.my_inc;
     t->apply_cap = Py_NewRef(capsule);
+    t->done_hint = api->done_hint;
     api->set_apply(api->engine, nvt_worker_apply, t);
     return 0;
 }
@@ -158,5 +159,6 @@ void nvt_apply_hook_remove(TableObject *t) {
     nvt_apply_hook_api *api = PyCapsule_GetPointer(t->apply_cap, NVT_APPLY_HOOK_CAPSULE);
     if (api)
         api->set_apply(api->engine, NULL, NULL);
+    t->done_hint = NULL;
     Py_CLEAR(t->apply_cap);
 }

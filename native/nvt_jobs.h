@@ -197,6 +197,10 @@ typedef struct {
      * (copied at install: detach() removes the hook first). */
     PyObject *apply_cap;
     uint16_t apply_holder, apply_holder_inc;
+    /* The hooked engine's count of completions waiting (its done_hint, while
+     * the hook is installed; NULL otherwise): nvt_collect's poll skips the
+     * engine call while it reads 0. */
+    const size_t *done_hint;
     /* The module's fork count when this Table was made: a forked child that
      * inherits it shares the parent's registry entry and OFD lock, so it must
      * not use it (the CPython type refuses; the child opens its own). */
@@ -255,6 +259,12 @@ int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int 
 enum { NVT_READY_CONTAINS = 0, NVT_READY_TOUCH = 1, NVT_READY_LEASE = 2, NVT_READY_STATES = 3 };
 #define NVT_STATE_UNKNOWN 0xFF
 Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int mode);
+
+/* nvt_refresh.c: touch() of a finished request's `m` keys (`seq`, a tuple)
+ * less those its load jobs (`loaded`: their key lists) marked, except in
+ * the sets where another of its keys is marked. Returns the keys touched
+ * READY plus those left to their load's mark, or -1 with an exception set. */
+Py_ssize_t nvt_touch_refresh(TableObject *self, PyObject *seq, Py_ssize_t m, PyObject *loaded);
 /* nvt_table.c: lease way w of set (locked) as a lookup hit, for release_leases. */
 void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now);
 int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);

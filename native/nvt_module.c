@@ -614,6 +614,7 @@ static PyObject *NvtEngine_apply_hook(NvtEngineObject *self, PyObject *Py_UNUSED
         return PyErr_NoMemory();
     api->engine = self->eng;
     api->set_apply = nvt_engine_set_apply;
+    api->done_hint = nvt_engine_done_hint(self->eng);
     PyObject *cap = PyCapsule_New(api, NVT_APPLY_HOOK_CAPSULE, nvt_apply_hook_free);
     if (!cap) {
         PyMem_Free(api);

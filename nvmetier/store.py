@@ -496,18 +496,28 @@ class BlockStore:
         if self._table is not None:
             self._table.release_leases()
 
-    def touch(self, keys: Iterable[bytes]) -> int:
+    def touch(
+        self, keys: Iterable[bytes], loaded: Sequence[Collection[bytes]] | None = None
+    ) -> int:
         """Mark the READY ones of ``keys`` most recently used, in order (of
         two keys in one set, the later ends up the more recent); the others
         are left alone. One native call (a sealed store's first maps the keys
         to their MACs, not remembered: a touch emits no event). Never blocks
         on disk: the recency lives in the mapped table (a set lock wait is
         bounded, and a set not taken is skipped). Returns how many were READY
-        (counted in ``chunks_touched``)."""
+        (counted in ``chunks_touched``).
+
+        ``loaded``: a finished request's load jobs' key lists, whose keys
+        (the same objects as in ``keys``) their load marked, last to first:
+        those are left as they are (and counted), except in a set where
+        another of ``keys`` is marked now, where all are marked in order
+        (``native/nvt_refresh.c``). A sealed store marks them all (its keys
+        become MACs here, other objects than the jobs')."""
         key_list = _key_list(keys)
         if self._keys is not None:
             key_list = self._keys.key_macs(key_list)
-        touched: int = self._table.touch(key_list)
+            loaded = None
+        touched: int = self._table.touch(key_list, loaded)
         self._stats["chunks_touched"] += touched
         return touched
 

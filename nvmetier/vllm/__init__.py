@@ -21,7 +21,7 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from typing_extensions import override
@@ -52,11 +52,13 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from nvmetier import format as fmt
+from nvmetier._table import FinishedJobs
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
 from nvmetier.files import private_store_name, reclaim_private_stores, stores_of_other_formats
 from nvmetier.store import ENCRYPTION_ID, BlockStore, log_failed_job, log_refused_job
+from nvmetier.store_outcomes import RawOutcome
 from nvmetier.vllm import compat, recency
 from nvmetier.vllm.compat import TIER_LABEL, ConfigInfoMapping
 from nvmetier.vllm.cpu_view import (
@@ -422,6 +424,10 @@ class NvmeTierManager(SecondaryTierManager):
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
         self._refresh_chunks = self.config.recency_refresh_chunks
+        # Per request still running: the key lists of its load jobs, whose
+        # chunks their load marked recent already (the refresh at its finish
+        # leaves them as they are where that keeps the request's order).
+        self._loads_of: dict[str, list[Collection[OffloadKey]]] = {}
         _warn_other_formats(self.config.root_dir)
 
     @property
@@ -438,6 +444,15 @@ class NvmeTierManager(SecondaryTierManager):
         # The guard's answer over this store's lookup, built at the next lookup.
         self._answer = self._first_lookup
         self._poll = store.poll_raw()
+        # vLLM polls every tier at every step, and most steps nothing of ours
+        # finished: the native FinishedJobs answers those with no Python frame
+        # (the table's poll itself skips the engine while its completion hint
+        # reads none), and calls _report_finished for the others. Set as this
+        # instance's get_finished_jobs (it shadows the method below, which does
+        # the same), unless a subclass overrides the method.
+        self._finished = FinishedJobs(self._poll, self._report_finished, ())
+        if type(self).get_finished_jobs is NvmeTierManager.get_finished_jobs:
+            self.get_finished_jobs = self._finished  # type: ignore[method-assign]
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).
         submit_store, self._submit_load, self._release = store.table_calls()
@@ -585,19 +600,24 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self._guard.finish(req_context.req_id)
+        req_id = req_context.req_id
+        self._guard.finish(req_id)
+        loaded = self._loads_of.pop(req_id, None) if self._loads_of else None
         # vLLM never asks the disk about chunks the GPU or the CPU tier served,
         # nor calls touch: refresh the disk's recency of every chunk the
         # request used, here, once per request (nvmetier.vllm.recency). A
         # request that recorded no key (None: this vLLM records none, which
-        # recency warns about once) has nothing to refresh.
+        # recency warns about once) has nothing to refresh. The chunks its
+        # own loads took were marked by them, in the same order: the table
+        # leaves those as they are unless their set has another of its
+        # chunks to mark (native/nvt_refresh.c).
         max_chunks = self._refresh_chunks
         if max_chunks and getattr(req_context, POSITIONS_ATTR, None) != {}:
             keys = recency.request_keys(req_context, max_chunks)
             if keys:
                 if not self._seed_checked:
                     self._check_seed()
-                self.store.touch(keys)
+                self.store.touch(keys, loaded)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -622,16 +642,30 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         job_id = job_metadata.job_id
-        self._guard.note_load_job(job_id, job_metadata.keys, job_metadata.req_context)
-        error = self._submit_load(job_id, job_metadata.keys, job_metadata.chunk_ids)
+        keys = job_metadata.keys
+        ctx = job_metadata.req_context
+        self._guard.note_load_job(job_id, keys, ctx)
+        if self._refresh_chunks and ctx is not None:
+            loads = self._loads_of.get(ctx.req_id)
+            if loads is None:
+                self._loads_of[ctx.req_id] = [keys]
+            else:
+                loads.append(keys)
+        error = self._submit_load(job_id, keys, job_metadata.chunk_ids)
         if error is not None:
             log_refused_job(job_id, error)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        # What the instance's native FinishedJobs does (see the store setter).
         done = self._poll()  # one native call: completions applied, finished jobs out
         if not done:
             return ()
+        return self._report_finished(done)
+
+    def _report_finished(self, done: Sequence[RawOutcome]) -> list[JobResult]:
+        """vLLM's JobResults of the jobs a poll found finished: failures
+        logged, the promotion guard told of every finished load first."""
         out: list[JobResult] = []
         append = out.append
         for raw in done:

@@ -584,13 +584,36 @@ class PromotionGuard(RequestPlanner):
                     self._release(rnd)
                 else:
                     self._close(rnd)
-        if rounds and self._view is not None:
+        # The usual step while promotions are in flight: every round waits on
+        # keys all in jobs in flight, or holds no pin to count idle steps of.
+        # Then _pin_landed and _expire_idle would pass over each round and
+        # change nothing: one pass (_rounds_waiting) instead of their two.
+        view = self._view
+        if rounds and view is not None and not self._rounds_waiting(view):
             self._pin_landed()
             self._expire_idle()
         if self._pending:
             self._note_pending()
         if self._unloaded:
             self._count_unloaded()
+
+    def _rounds_waiting(self, view: PrimaryView) -> bool:
+        """Whether no round has anything for ``_pin_landed`` or
+        ``_expire_idle`` to do: each waits on keys all in promotions in
+        flight (of the CPU tier's current generation), or holds no pin."""
+        generation = None
+        for rnd in self._rounds.values():
+            landing = rnd.landing
+            if landing:
+                if rnd.in_flight_n != len(landing):
+                    return False
+                if generation is None:
+                    generation = view.generation()
+                if rnd.generation != generation:
+                    return False
+            elif rnd.pinned and not rnd.closed:
+                return False
+        return True
 
     def _count_unloaded(self) -> None:
         """End of a step: the HITs no load took are counted (and warned of,

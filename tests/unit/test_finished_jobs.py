@@ -1,0 +1,139 @@
+"""nvmetier._table.FinishedJobs: the tier's get_finished_jobs() in C
+(native/nvt_finished_jobs.c).
+
+The contract: a call takes no arguments and calls ``poll()`` once; an empty
+result (any sized empty sequence) returns ``empty`` itself, anything else
+returns ``report(result)``; what either raises reaches the caller; the members
+may be replaced or deleted at any time without a crash.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+from nvmetier._table import FinishedJobs
+
+
+def test_nothing_finished_returns_empty_without_calling_report() -> None:
+    reported = []
+    sentinel = ()
+    for nothing in ((), [], b"", {}):
+        fj = FinishedJobs(lambda n=nothing: n, reported.append, sentinel)
+        assert fj() is sentinel
+    assert reported == []
+    assert FinishedJobs(list, reported.append)() == ()  # empty defaults to ()
+
+
+def test_something_finished_is_reported_once_as_polled() -> None:
+    polls = [[(1, True)], (), [(2, False), (3, True)]]
+    reported = []
+
+    def report(done):
+        reported.append(done)
+        return ["result", len(done)]
+
+    fj = FinishedJobs(lambda: polls.pop(0), report, ())
+    assert fj() == ["result", 1]
+    assert fj() == ()
+    assert fj() == ["result", 2]
+    assert reported == [[(1, True)], [(2, False), (3, True)]]
+
+
+def test_errors_of_poll_and_report_reach_the_caller() -> None:
+    def poll():
+        raise OSError("poll failed")
+
+    with pytest.raises(OSError, match="poll failed"):
+        FinishedJobs(poll, print)()
+
+    def report(done):
+        raise ValueError("report failed")
+
+    with pytest.raises(ValueError, match="report failed"):
+        FinishedJobs(lambda: [1], report)()
+    # A result without a length: the error, not a guess.
+    with pytest.raises(TypeError):
+        FinishedJobs(lambda: 7, print)()
+
+
+def test_bad_arguments_are_refused_clearly() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        FinishedJobs(1, print)
+    with pytest.raises(TypeError, match="callable"):
+        FinishedJobs(list, None)
+    fj = FinishedJobs(list, print)
+    with pytest.raises(TypeError, match="no arguments"):
+        fj(1)
+    with pytest.raises(TypeError, match="no arguments"):
+        fj(timeout=1)
+
+
+def test_deleted_or_replaced_members_are_safe() -> None:
+    fj = FinishedJobs(list, print, "none")
+    del fj.poll
+    with pytest.raises(TypeError, match="must be set"):
+        fj()
+    with pytest.raises(AttributeError):
+        fj.poll  # noqa: B018
+    fj.poll = lambda: [1]
+    fj.report = lambda done: ("reported", done)
+    assert fj() == ("reported", [1])
+
+    # A poll that replaces the members while it runs: the report it set is
+    # the one called; a report that deletes itself runs to its end; the next
+    # call, with `empty` gone, is a clear error (checked before any call).
+    fj2 = FinishedJobs(list, print)
+
+    def new_report(done):
+        del fj2.report
+        return ("new", done)
+
+    def poll():
+        fj2.poll = list
+        fj2.report = new_report
+        del fj2.empty
+        return [9]
+
+    fj2.poll = poll
+    assert fj2() == ("new", [9])
+    with pytest.raises(TypeError, match="must be set"):
+        fj2()
+
+
+def test_reference_cycle_through_report_is_collected() -> None:
+    class Owner:
+        def report(self, done):
+            return done
+
+    owner = Owner()
+    owner.fj = FinishedJobs(list, owner.report)  # type: ignore[attr-defined]
+    ref = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert ref() is None
+
+
+def test_no_reference_is_leaked_on_any_path() -> None:
+    empty, done = object(), [(1, True)]
+
+    def raising():
+        raise KeyError("x")
+
+    fj_empty = FinishedJobs(list, print, empty)
+    fj_done = FinishedJobs(lambda: done, lambda d: d)
+    fj_raise = FinishedJobs(raising, print)
+    before = (sys.getrefcount(empty), sys.getrefcount(done))
+    for _ in range(3):  # warm caches before counting blocks
+        fj_empty(), fj_done()
+    blocks = sys.getallocatedblocks()
+    for _ in range(20000):
+        assert fj_empty() is empty
+        assert fj_done() is done
+        with pytest.raises(KeyError):
+            fj_raise()
+    gc.collect()
+    assert (sys.getrefcount(empty), sys.getrefcount(done)) == before
+    assert sys.getallocatedblocks() - blocks < 50

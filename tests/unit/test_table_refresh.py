@@ -1,0 +1,269 @@
+"""``Table.touch(keys, loaded)``: a finished request's refresh of the disk's
+recency, less the chunks its own loads marked (native/nvt_refresh.c).
+
+The contract, checked against a plain model of per-set LRU order:
+
+- a load (``load_ops``) marks its keys used, last to first;
+- ``touch(keys)`` marks every READY key in order (the later, the more recent);
+- ``touch(keys, loaded)`` leaves a key of a ``loaded`` job list (the same
+  object) as its load left it, unless its set also holds a key of ``keys``
+  that no load took: there it marks every key of ``keys`` in that set, in
+  order, as ``touch(keys)`` would. A key only equal to a loaded one (another
+  object) is marked. It returns the READY keys marked plus the keys left to
+  their load's mark.
+
+A set's order is read the way eviction reads it: new keys stored into the
+set one at a time evict the least recently used first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import tempfile
+
+import numpy as np
+import pytest
+import xxhash
+
+_table = pytest.importorskip("nvmetier._table")
+from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE  # noqa: E402
+
+ROW_BYTES = 4096
+WAYS = 8
+
+
+class Table:
+    """A real slot table of `sets` sets of WAYS ways, in memory."""
+
+    def __init__(self, sets: int) -> None:
+        self.sets = sets
+        slots = sets * WAYS
+        self.map = mmap.mmap(-1, _table.table_bytes(slots, WAYS))
+        self.index = mmap.mmap(-1, slots * 128)
+        _table.format(self.map, slots, WAYS)
+        fd, self.lock_path = tempfile.mkstemp(prefix="nvt-refresh-", suffix=".lock")
+        self.fd = fd
+        self.t = _table.Table(
+            self.map,
+            self.index,
+            fd,
+            n_paths=1,
+            slot_bytes=ROW_BYTES,
+            row_bytes=ROW_BYTES,
+            n_rows=slots,
+            lease_ns=10**9,
+            watch_timeout_ns=10**9,
+        )
+        self.t.attach()
+        self.job = 0
+        self.fresh = 0
+
+    def close(self) -> None:
+        self.t.detach()
+        os.close(self.fd)
+        os.unlink(self.lock_path)
+
+    def set_of(self, key: bytes) -> int:
+        return xxhash.xxh3_64_intdigest(key, 0) % self.sets
+
+    def _complete(self, packed: bytes, ok: bool) -> None:
+        ops = np.frombuffer(packed, dtype=OP_DTYPE)
+        comps = np.zeros(len(ops), dtype=COMPLETION_DTYPE)
+        for i, op in enumerate(ops):
+            comps[i] = (int(op["op_id"]), int(op["length"]) if ok else -5, 0)
+        self.t.complete(comps.tobytes(), False)
+
+    def store(self, keys: list[bytes]) -> None:
+        self.job += 1
+        packed, failed, _ev, _pending = self.t.store_ops(
+            self.job, keys, np.zeros(len(keys), dtype=np.int64), len(keys), True
+        )
+        assert failed is None
+        self._complete(packed, True)
+
+    def load(self, keys: list[bytes]) -> None:
+        """A load's table side: its ops built (each key marked), then
+        completed (their leases released)."""
+        self.job += 1
+        packed, missing = self.t.load_ops(
+            self.job, keys, np.zeros(len(keys), dtype=np.int64), False
+        )
+        assert missing is None
+        self._complete(packed, True)
+
+    def fresh_key_in(self, s: int) -> bytes:
+        while True:
+            self.fresh += 1
+            key = b"fresh-%d" % self.fresh
+            if self.set_of(key) == s:
+                return key
+
+    def lru_order(self, s: int, held: list[bytes]) -> list[bytes]:
+        """The keys of `held` in set `s`, least recently used first (read by
+        evicting them all: the table is spent afterwards)."""
+        left = [k for k in held if self.set_of(k) == s]
+        out: list[bytes] = []
+        while left:
+            self.store([self.fresh_key_in(s)])
+            present = self.t.contains_many(left)
+            gone = [k for k, p in zip(left, present, strict=True) if not p]
+            assert len(gone) <= 1, "one store evicts one key"
+            out += gone
+            left = [k for k, p in zip(left, present, strict=True) if p]
+        return out
+
+
+class Model:
+    """Per-set LRU order: a list per set, least recent first."""
+
+    def __init__(self, set_of) -> None:
+        self.set_of = set_of
+        self.order: dict[int, list[bytes]] = {}
+
+    def mark(self, key: bytes) -> None:
+        lst = self.order.setdefault(self.set_of(key), [])
+        if key in lst:
+            lst.remove(key)
+        lst.append(key)
+
+    def refresh(self, keys: list[bytes], loaded_ids: set[int]) -> int:
+        kept = {self.set_of(k) for k in keys if id(k) not in loaded_ids}
+        marked = 0
+        for k in keys:
+            if id(k) not in loaded_ids or self.set_of(k) in kept:
+                self.mark(k)
+                marked += 1
+        return marked
+
+
+def _keys(n: int, tag: str) -> list[bytes]:
+    return [b"%s-%d" % (tag.encode(), i) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_refresh_leaves_what_loads_marked_and_keeps_the_requests_order(seed: int) -> None:
+    rng = random.Random(seed)
+    sets = rng.choice([1, 2, 4, 8])
+    t = Table(sets)
+    try:
+        model = Model(t.set_of)
+        # Up to half of each set: the request's chunks and others'.
+        capacity = sets * WAYS // 2
+        request = _keys(rng.randint(1, capacity - 1), f"req{seed}")
+        others = _keys(capacity - len(request), f"oth{seed}")
+        every = request + others
+        rng.shuffle(every)
+        # Stored in a random order, counted per set so that none overflows.
+        stored = []
+        per_set: dict[int, int] = {}
+        for k in every:
+            s = t.set_of(k)
+            if per_set.get(s, 0) < WAYS - 1:
+                per_set[s] = per_set.get(s, 0) + 1
+                stored.append(k)
+        for k in stored:
+            t.store([k])
+            model.mark(k)
+        request = [k for k in request if k in stored]
+        if not request:
+            return
+        # The request's loads: runs of its chunks, each marked last to first.
+        loaded_jobs: list[list[bytes]] = []
+        i = 0
+        while i < len(request):
+            n = rng.randint(1, 4)
+            if rng.random() < 0.6:
+                job = request[i : i + n]
+                t.load(job)
+                for k in reversed(job):
+                    model.mark(k)
+                loaded_jobs.append(job)
+            i += n
+        # Others used meanwhile.
+        for k in rng.sample(
+            [k for k in stored if k not in request], k=min(3, len(stored) - len(request))
+        ):
+            t.load([k])
+            model.mark(k)
+        # The refresh: tail first, head last; some keys only equal copies.
+        refresh = list(reversed(request))
+        refresh = [bytes(bytearray(k)) if rng.random() < 0.2 else k for k in refresh]
+        loaded_ids = {id(k) for job in loaded_jobs for k in job}
+        marked = model.refresh(refresh, loaded_ids)
+        left = sum(1 for k in refresh if id(k) in loaded_ids) - sum(
+            1
+            for k in refresh
+            if id(k) in loaded_ids
+            and t.set_of(k) in {t.set_of(x) for x in refresh if id(x) not in loaded_ids}
+        )
+        assert t.t.touch(refresh, loaded_jobs) == marked + left
+        for s in range(sets):
+            assert t.lru_order(s, stored) == model.order.get(s, []), f"set {s}"
+    finally:
+        t.close()
+
+
+def test_a_request_all_loaded_is_not_marked_again() -> None:
+    # One set: the loaded request, then another key stored after its load.
+    # The refresh leaves the request's keys older than that key.
+    t = Table(1)
+    try:
+        req = _keys(4, "r")
+        t.store(req)
+        t.load(req)
+        later = b"later"
+        t.store([later])
+        assert t.t.touch(list(reversed(req)), [req]) == 4
+        order = t.lru_order(0, req + [later])
+        assert order == list(reversed(req)) + [later]  # head marked last by its load
+        # Without `loaded` (or with only equal copies), all marked after `later`.
+        t2 = Table(1)
+        try:
+            t2.store(req)
+            t2.load(req)
+            t2.store([later])
+            copies = [bytes(bytearray(k)) for k in req]
+            assert t2.t.touch(list(reversed(req)), [copies]) == 4
+            assert t2.lru_order(0, req + [later]) == [later] + list(reversed(req))
+        finally:
+            t2.close()
+    finally:
+        t.close()
+
+
+def test_a_key_no_load_took_marks_its_whole_set_in_order() -> None:
+    t = Table(1)
+    try:
+        head = _keys(3, "h")
+        computed = b"computed-tail"
+        t.store(head + [computed])
+        t.load(head)
+        t.store([b"later"])
+        refresh = [computed, *reversed(head)]
+        assert t.t.touch(refresh, [head]) == 4
+        # Every key of the request marked now, in the refresh's order.
+        assert t.lru_order(0, [*head, computed, b"later"]) == [b"later", computed, *reversed(head)]
+    finally:
+        t.close()
+
+
+def test_bad_arguments_are_refused_before_any_mark() -> None:
+    t = Table(1)
+    try:
+        req = _keys(2, "r")
+        t.store(req)
+        with pytest.raises(TypeError, match="sequence of key sequences"):
+            t.t.touch(req, 5)
+        with pytest.raises(TypeError, match="sequence of key sequences"):
+            t.t.touch(req, [5])
+        with pytest.raises(TypeError, match="must be bytes"):
+            t.t.touch([*req, "str"], [req[:1]])
+        with pytest.raises(TypeError, match="1 or 2 arguments"):
+            t.t.touch()
+        assert t.t.touch(req, None) == 2
+        assert t.t.touch(req, []) == 2
+        assert t.t.touch([], [req]) == 0
+    finally:
+        t.close()

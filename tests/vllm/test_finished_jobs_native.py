@@ -1,0 +1,78 @@
+"""The tier's get_finished_jobs() as vLLM calls it: the instance's native
+``FinishedJobs`` (``NvmeTierManager`` sets it over the store's poll), under
+vLLM's real orchestrator.
+
+- Stores and promotions through it report exactly the jobs the class's own
+  method reports on an identical engine run side by side (ids, success,
+  keys), and a step with nothing finished answers an empty result.
+- A subclass of ``NvmeTierManager`` that overrides ``get_finished_jobs``
+  keeps it (the instance's FinishedJobs would shadow it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nvmetier._table import FinishedJobs
+from vllm.v1.kv_offload.base import LookupResult
+
+from nvmetier.vllm import NvmeTierManager
+from nvmetier.vllm.harness import key_of
+from tests.vllm.conftest import nvme_tier
+
+
+def _run(make_engine, root: str, native: bool) -> list[tuple[int, bool, list[bytes] | None]]:
+    eng = make_engine([nvme_tier(root)])
+    tier = eng.tiers[0]
+    assert isinstance(vars(tier).get("get_finished_jobs"), FinishedJobs)
+    if not native:  # the class's method, as before the native callable
+        del tier.get_finished_jobs
+    seen: list[tuple[int, bool, list[bytes] | None]] = []
+    method = tier.get_finished_jobs
+
+    def recording() -> Any:
+        out = list(method())
+        seen.extend((r.job_id, r.success, r.successful_keys) for r in out)
+        return out
+
+    tier.get_finished_jobs = recording
+    keys = [key_of(i) for i in range(12)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    # Nothing in flight: an empty answer.
+    assert list(method()) == []
+    return seen
+
+
+def test_native_get_finished_jobs_reports_what_the_method_reports(tmp_path, make_engine) -> None:
+    native = _run(make_engine, str(tmp_path / "a"), native=True)
+    python = _run(make_engine, str(tmp_path / "b"), native=False)
+    assert native and sorted(native) == sorted(python)
+    assert all(ok for _, ok, _ in native)
+
+
+def test_a_subclass_that_overrides_get_finished_jobs_keeps_its_own(tmp_path, make_engine) -> None:
+    eng = make_engine(
+        [{**nvme_tier(str(tmp_path / "kv")), "type": "PollCountingTier", "module_path": __name__}]
+    )
+    tier = eng.tiers[0]
+    assert "get_finished_jobs" not in vars(tier)
+    keys = [key_of(i) for i in range(8)]
+    eng.store_all(keys)
+    assert tier.polls > 0 and tier.jobs_seen > 0
+
+
+class PollCountingTier(NvmeTierManager):
+    """A subclass with its own get_finished_jobs."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.polls = 0
+        self.jobs_seen = 0
+
+    def get_finished_jobs(self) -> Any:
+        self.polls += 1
+        out = list(super().get_finished_jobs())
+        self.jobs_seen += len(out)
+        return out
