@@ -69,7 +69,7 @@ TABLE_SOURCES = [
     "native/nvt_table_admin.c",
     "native/nvt_table_module.c",
     "native/nvt_hot_request.c",
-    "native/nvt_finished_jobs.c",
+    "native/nvt_tier_calls.c",
     "native/nvt_jobs.c",
     "native/nvt_job_submit.c",
     "native/nvt_job_complete.c",

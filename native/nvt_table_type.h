@@ -46,9 +46,9 @@ int nvt_append_record_key(PyObject **list, const unsigned char *rec);
 /* Adds the type HotRequest to the module (its init). */
 int nvt_hot_request_add(PyObject *m);
 
-/* ---------------------------------------------------- nvt_finished_jobs.c */
-/* Adds the type FinishedJobs to the module (its init). */
-int nvt_finished_jobs_add(PyObject *m);
+/* ------------------------------------------------------- nvt_tier_calls.c */
+/* Adds the types FinishedJobs and NewRequest to the module (its init). */
+int nvt_tier_calls_add(PyObject *m);
 
 /* ------------------------------------------------------ nvt_table_admin.c */
 PyObject *nvt_Table_set_retention(TableObject *self, PyObject *arg);

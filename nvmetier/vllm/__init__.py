@@ -52,7 +52,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from nvmetier import format as fmt
-from nvmetier._table import FinishedJobs
+from nvmetier._table import FinishedJobs, NewRequest
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
@@ -423,6 +423,10 @@ class NvmeTierManager(SecondaryTierManager):
             self.lookup = self._hot  # type: ignore[method-assign]
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
+        # ... and as the instance's on_new_request, with no frame of ours
+        # (nvmetier._table.NewRequest: track(req_id, ctx), then the answer).
+        if type(self).on_new_request is NvmeTierManager.on_new_request:
+            self.on_new_request = NewRequest(self._track, _REQUEST_CONTEXT)  # type: ignore[method-assign]
         self._refresh_chunks = self.config.recency_refresh_chunks
         # Per request still running: the key lists of its load jobs, whose
         # chunks their load marked recent already (the refresh at its finish
@@ -447,10 +451,11 @@ class NvmeTierManager(SecondaryTierManager):
         # vLLM polls every tier at every step, and most steps nothing of ours
         # finished: the native FinishedJobs answers those with no Python frame
         # (the table's poll itself skips the engine while its completion hint
-        # reads none), and calls _report_finished for the others. Set as this
-        # instance's get_finished_jobs (it shadows the method below, which does
-        # the same), unless a subclass overrides the method.
-        self._finished = FinishedJobs(self._poll, self._report_finished, ())
+        # reads none), makes the JobResult of each store job that succeeded
+        # itself, and calls _report_finished for the others (loads, failures).
+        # Set as this instance's get_finished_jobs (it shadows the method
+        # below, which does the same), unless a subclass overrides the method.
+        self._finished = FinishedJobs(self._poll, self._report_finished, (), JobResult)
         if type(self).get_finished_jobs is NvmeTierManager.get_finished_jobs:
             self.get_finished_jobs = self._finished  # type: ignore[method-assign]
         # Per job and per step: the native calls themselves, no store frame

@@ -1,12 +1,12 @@
-"""The tier's get_finished_jobs() as vLLM calls it: the instance's native
-``FinishedJobs`` (``NvmeTierManager`` sets it over the store's poll), under
-vLLM's real orchestrator.
+"""The tier's get_finished_jobs() and on_new_request() as vLLM calls them: the
+instance's native ``FinishedJobs`` (``NvmeTierManager`` sets it over the
+store's poll) and ``NewRequest``, under vLLM's real orchestrator.
 
 - Stores and promotions through it report exactly the jobs the class's own
   method reports on an identical engine run side by side (ids, success,
   keys), and a step with nothing finished answers an empty result.
-- A subclass of ``NvmeTierManager`` that overrides ``get_finished_jobs``
-  keeps it (the instance's FinishedJobs would shadow it).
+- A subclass of ``NvmeTierManager`` that overrides ``get_finished_jobs`` or
+  ``on_new_request`` keeps it (the instance's native callable would shadow it).
 """
 
 from __future__ import annotations
@@ -76,3 +76,32 @@ class PollCountingTier(NvmeTierManager):
         out = list(super().get_finished_jobs())
         self.jobs_seen += len(out)
         return out
+
+
+def test_on_new_request_is_native_and_a_subclass_keeps_its_own(tmp_path, make_engine) -> None:
+    from nvmetier._table import NewRequest
+
+    eng = make_engine([nvme_tier(str(tmp_path / "a"))])
+    assert isinstance(vars(eng.tiers[0]).get("on_new_request"), NewRequest)
+    eng2 = make_engine(
+        [{**nvme_tier(str(tmp_path / "b")), "type": "NewRequestTier", "module_path": __name__}]
+    )
+    tier = eng2.tiers[0]
+    assert "on_new_request" not in vars(tier)
+    keys = [key_of(i) for i in range(8)]
+    eng2.store_all(keys)
+    eng2.reset_primary()
+    assert set(eng2.promote(keys).values()) == {LookupResult.HIT}
+    assert tier.new_requests >= 1
+
+
+class NewRequestTier(NvmeTierManager):
+    """A subclass with its own on_new_request."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.new_requests = 0
+
+    def on_new_request(self, req_context: Any) -> Any:
+        self.new_requests += 1
+        return super().on_new_request(req_context)

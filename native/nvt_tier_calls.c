@@ -1,0 +1,343 @@
+/*
+ * nvt_tier_calls: vLLM's per-step and per-request calls of a secondary tier
+ * answered in C, with no Python frame of ours on vLLM's scheduler thread in
+ * the usual case: the types FinishedJobs (get_finished_jobs) and NewRequest
+ * (on_new_request) of nvmetier._table. NvmeTierManager sets one of each as
+ * its instance's method (a subclass that overrides the method keeps it).
+ *
+ * FinishedJobs:
+ *
+ * vLLM calls get_finished_jobs() on every tier at every scheduler step, and
+ * most steps no job of ours finished (ops in flight, or none). As a Python
+ * method that is one frame per step run cold between vLLM's own work, around
+ * the table's poll. A FinishedJobs(poll, report, empty) is callable with no
+ * arguments: it calls `poll()` (the table's poll, or a sealed store's); an
+ * empty result returns `empty` (vLLM's "nothing finished"), anything else
+ * returns `report(result)` (the tier's Python code that logs failures,
+ * tells the promotion guard and builds vLLM's JobResults). NvmeTierManager
+ * sets one as its instance's get_finished_jobs.
+ *
+ * With `make` (vLLM's JobResult class), the result is a list and the usual
+ * entry, a store job that succeeded with no error (the table's raw outcome
+ * tuple: job_id, success, ok_keys, secs, moved, error, is_load), becomes
+ * `make(job_id, True, ok_keys or None, secs, moved)` here, with no Python
+ * frame; every other entry (a load, a failure, anything not such a tuple)
+ * goes to `report([entry])`, whose results join the list in its place.
+ *
+ * NewRequest(track, answer): callable as on_new_request(req_context): calls
+ * `track(req_context.req_id, req_context)` (the promotion guard's waiting
+ * map's __setitem__) and returns `answer` (the tier's RequestOffloadingContext).
+ *
+ * Threads: called with the GIL held, on vLLM's scheduler thread (under the
+ * orchestrator's lock); nothing waits, nothing does I/O beyond poll's own.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+
+#include <stddef.h>
+
+#include "nvt_table_type.h"
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *poll;   /* callable(): the finished jobs, a sized sequence */
+    PyObject *report; /* callable(done): what a non-empty poll returns */
+    PyObject *empty;  /* returned when nothing finished */
+    PyObject *make;   /* None, or callable(job_id, success, ok_keys, secs, moved) */
+    vectorcallfunc vectorcall;
+} FinishedObject;
+
+/* Whether `raw` is a plain successful store's outcome: a 7-tuple whose
+ * success is True, error None and is_load False. */
+static int plain_store(PyObject *raw) {
+    return PyTuple_CheckExact(raw) && PyTuple_GET_SIZE(raw) == 7 && PyTuple_GET_ITEM(raw, 1) == Py_True &&
+           PyTuple_GET_ITEM(raw, 5) == Py_None && PyTuple_GET_ITEM(raw, 6) == Py_False;
+}
+
+/* The answer with `make`: see the file's comment. */
+static PyObject *finished_made(FinishedObject *self, PyObject *done) {
+    PyObject *seq = PySequence_Fast(done, "poll() must return a sequence");
+    if (!seq)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *out = PyList_New(0);
+    PyObject *make = Py_NewRef(self->make), *report = Py_NewRef(self->report);
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        PyObject *raw = PySequence_Fast_GET_ITEM(seq, i);
+        if (plain_store(raw)) {
+            PyObject *ok_keys = PyTuple_GET_ITEM(raw, 2);
+            int truth = ok_keys == Py_None ? 0 : PyObject_IsTrue(ok_keys);
+            PyObject *args[5] = {PyTuple_GET_ITEM(raw, 0), Py_True, truth > 0 ? ok_keys : Py_None,
+                                 PyTuple_GET_ITEM(raw, 3), PyTuple_GET_ITEM(raw, 4)};
+            PyObject *r = truth < 0 ? NULL : PyObject_Vectorcall(make, args, 5, NULL);
+            if (!r || PyList_Append(out, r) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(r);
+            continue;
+        }
+        PyObject *one = PyList_New(1);
+        if (!one) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(one, 0, Py_NewRef(raw));
+        PyObject *r = PyObject_CallOneArg(report, one);
+        Py_DECREF(one);
+        PyObject *rs = r ? PySequence_Fast(r, "report() must return a sequence") : NULL;
+        Py_XDECREF(r);
+        if (!rs) {
+            Py_CLEAR(out);
+            break;
+        }
+        for (Py_ssize_t k = 0; k < PySequence_Fast_GET_SIZE(rs); k++) {
+            if (PyList_Append(out, PySequence_Fast_GET_ITEM(rs, k)) < 0) {
+                Py_CLEAR(out);
+                break;
+            }
+        }
+        Py_DECREF(rs);
+    }
+    Py_DECREF(make);
+    Py_DECREF(report);
+    Py_DECREF(seq);
+    return out;
+}
+
+static PyObject *finished_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                     PyObject *kwnames) {
+    FinishedObject *self = (FinishedObject *)callable;
+    if (PyVectorcall_NARGS(nargsf) || (kwnames && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "get_finished_jobs() takes no arguments");
+        return NULL;
+    }
+    if (!self->poll || !self->report || !self->empty) {
+        PyErr_SetString(PyExc_TypeError, "FinishedJobs: poll, report and empty must be set");
+        return NULL;
+    }
+    /* Strong references for the calls: either may replace the members. */
+    PyObject *poll = Py_NewRef(self->poll);
+    PyObject *done = PyObject_CallNoArgs(poll);
+    Py_DECREF(poll);
+    if (!done)
+        return NULL;
+    Py_ssize_t n = (PyTuple_CheckExact(done) || PyList_CheckExact(done)) ? Py_SIZE(done) : PyObject_Length(done);
+    if (n < 0) {
+        Py_DECREF(done);
+        return NULL;
+    }
+    if (n == 0) {
+        Py_DECREF(done);
+        return Py_NewRef(self->empty);
+    }
+    if (self->make && self->make != Py_None) {
+        PyObject *out = finished_made(self, done);
+        Py_DECREF(done);
+        return out;
+    }
+    PyObject *report = Py_NewRef(self->report);
+    PyObject *out = PyObject_CallOneArg(report, done);
+    Py_DECREF(report);
+    Py_DECREF(done);
+    return out;
+}
+
+static PyObject *finished_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"poll", "report", "empty", "make", NULL};
+    PyObject *poll, *report, *empty = NULL, *make = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO|OO:FinishedJobs", kwlist, &poll, &report, &empty, &make))
+        return NULL;
+    if (!PyCallable_Check(poll) || !PyCallable_Check(report) || (make != Py_None && !PyCallable_Check(make))) {
+        PyErr_SetString(PyExc_TypeError, "FinishedJobs: poll, report and make (or None) must be callable");
+        return NULL;
+    }
+    FinishedObject *self = (FinishedObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->vectorcall = finished_vectorcall;
+    self->poll = Py_NewRef(poll);
+    self->report = Py_NewRef(report);
+    self->make = Py_NewRef(make);
+    self->empty = empty ? Py_NewRef(empty) : PyTuple_New(0);
+    if (!self->empty) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int finished_traverse(FinishedObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->poll);
+    Py_VISIT(self->report);
+    Py_VISIT(self->empty);
+    Py_VISIT(self->make);
+    return 0;
+}
+
+static int finished_clear(FinishedObject *self) {
+    Py_CLEAR(self->poll);
+    Py_CLEAR(self->report);
+    Py_CLEAR(self->empty);
+    Py_CLEAR(self->make);
+    return 0;
+}
+
+static void finished_dealloc(FinishedObject *self) {
+    PyObject_GC_UnTrack(self);
+    finished_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* T_OBJECT_EX: a deleted member raises AttributeError when read, and a call
+ * with one missing raises TypeError (never a NULL dereference). */
+static PyMemberDef finished_members[] = {
+    {"poll", T_OBJECT_EX, offsetof(FinishedObject, poll), 0, "callable(): the finished jobs"},
+    {"report", T_OBJECT_EX, offsetof(FinishedObject, report), 0,
+     "callable(done): the answer when some job finished"},
+    {"empty", T_OBJECT_EX, offsetof(FinishedObject, empty), 0, "the answer when none did"},
+    {"make", T_OBJECT, offsetof(FinishedObject, make), 0,
+     "None, or callable(job_id, success, ok_keys, secs, moved): a plain store's result, made here"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(finished_doc, "FinishedJobs(poll, report, empty=(), make=None)\n\n"
+                           "Callable with no arguments, as a tier's get_finished_jobs(): calls\n"
+                           "poll(); returns `empty` when it found nothing, else report(found).\n"
+                           "With make: a list, each successful store's raw outcome (job_id, True,\n"
+                           "ok_keys, secs, moved, None, False) as make(job_id, True, ok_keys or\n"
+                           "None, secs, moved), every other entry as the items of report([entry]).");
+
+static PyTypeObject FinishedType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.FinishedJobs",
+    .tp_basicsize = sizeof(FinishedObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = finished_doc,
+    .tp_new = finished_new,
+    .tp_dealloc = (destructor)finished_dealloc,
+    .tp_traverse = (traverseproc)finished_traverse,
+    .tp_clear = (inquiry)finished_clear,
+    .tp_members = finished_members,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(FinishedObject, vectorcall),
+};
+
+/* ------------------------------------------------------------ NewRequest */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *track;  /* callable(req_id, req_context) */
+    PyObject *answer; /* what the call returns */
+    vectorcallfunc vectorcall;
+} NewRequestObject;
+
+static PyObject *new_request_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                        PyObject *kwnames) {
+    NewRequestObject *self = (NewRequestObject *)callable;
+    PyObject *ctx = NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs == 1 && !nkw)
+        ctx = args[0];
+    else if (nargs == 0 && nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "req_context") == 0)
+        ctx = args[0];
+    if (!ctx) {
+        PyErr_SetString(PyExc_TypeError, "on_new_request() takes one argument, req_context");
+        return NULL;
+    }
+    if (!self->track || !self->answer) {
+        PyErr_SetString(PyExc_TypeError, "NewRequest: track and answer must be set");
+        return NULL;
+    }
+    PyObject *req_id = PyObject_GetAttrString(ctx, "req_id");
+    if (!req_id)
+        return NULL;
+    PyObject *track = Py_NewRef(self->track);
+    PyObject *targs[2] = {req_id, ctx};
+    PyObject *r = PyObject_Vectorcall(track, targs, 2, NULL);
+    Py_DECREF(track);
+    Py_DECREF(req_id);
+    if (!r)
+        return NULL;
+    Py_DECREF(r);
+    if (!self->answer) { /* track() deleted it */
+        PyErr_SetString(PyExc_TypeError, "NewRequest: track and answer must be set");
+        return NULL;
+    }
+    return Py_NewRef(self->answer);
+}
+
+static PyObject *new_request_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"track", "answer", NULL};
+    PyObject *track, *answer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO:NewRequest", kwlist, &track, &answer))
+        return NULL;
+    if (!PyCallable_Check(track)) {
+        PyErr_SetString(PyExc_TypeError, "NewRequest: track must be callable");
+        return NULL;
+    }
+    NewRequestObject *self = (NewRequestObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->vectorcall = new_request_vectorcall;
+    self->track = Py_NewRef(track);
+    self->answer = Py_NewRef(answer);
+    return (PyObject *)self;
+}
+
+static int new_request_traverse(NewRequestObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->track);
+    Py_VISIT(self->answer);
+    return 0;
+}
+
+static int new_request_clear(NewRequestObject *self) {
+    Py_CLEAR(self->track);
+    Py_CLEAR(self->answer);
+    return 0;
+}
+
+static void new_request_dealloc(NewRequestObject *self) {
+    PyObject_GC_UnTrack(self);
+    new_request_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef new_request_members[] = {
+    {"track", T_OBJECT_EX, offsetof(NewRequestObject, track), 0, "callable(req_id, req_context)"},
+    {"answer", T_OBJECT_EX, offsetof(NewRequestObject, answer), 0, "what a call returns"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(new_request_doc, "NewRequest(track, answer)\n\n"
+                              "Callable as a tier's on_new_request(req_context): calls\n"
+                              "track(req_context.req_id, req_context), returns `answer`.");
+
+static PyTypeObject NewRequestType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.NewRequest",
+    .tp_basicsize = sizeof(NewRequestObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = new_request_doc,
+    .tp_new = new_request_new,
+    .tp_dealloc = (destructor)new_request_dealloc,
+    .tp_traverse = (traverseproc)new_request_traverse,
+    .tp_clear = (inquiry)new_request_clear,
+    .tp_members = new_request_members,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(NewRequestObject, vectorcall),
+};
+
+/* ------------------------------------------------------------ the module */
+
+int nvt_tier_calls_add(PyObject *m) {
+    PyTypeObject *types[] = {&FinishedType, &NewRequestType};
+    const char *names[] = {"FinishedJobs", "NewRequest"};
+    for (int i = 0; i < 2; i++) {
+        if (PyType_Ready(types[i]) < 0)
+            return -1;
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
