@@ -235,7 +235,7 @@ def test_a_request_all_loaded_is_not_marked_again() -> None:
         later = b"later"
         t.store([later])
         assert t.t.touch(list(reversed(req)), [req]) == 4
-        order = t.lru_order(0, req + [later])
+        order = t.lru_order(0, [*req, later])
         assert order == list(reversed(req)) + [later]  # head marked last by its load
         # Without `loaded` (or with only equal copies), all marked after `later`.
         t2 = Table(1)
@@ -245,7 +245,7 @@ def test_a_request_all_loaded_is_not_marked_again() -> None:
             t2.store([later])
             copies = [bytes(bytearray(k)) for k in req]
             assert t2.t.touch(list(reversed(req)), [copies]) == 4
-            assert t2.lru_order(0, req + [later]) == [later] + list(reversed(req))
+            assert t2.lru_order(0, [*req, later]) == [later, *list(reversed(req))]
         finally:
             t2.close()
     finally:
@@ -257,7 +257,7 @@ def test_a_key_no_load_took_marks_its_whole_set_in_order() -> None:
     try:
         head = _keys(3, "h")
         computed = b"computed-tail"
-        t.store(head + [computed])
+        t.store([*head, computed])
         t.load(head)
         t.store([b"later"])
         refresh = [computed, *reversed(head)]
