@@ -236,7 +236,7 @@ def test_a_request_all_loaded_is_not_marked_again() -> None:
         t.store([later])
         assert t.t.touch(list(reversed(req)), [req]) == 4
         order = t.lru_order(0, [*req, later])
-        assert order == list(reversed(req)) + [later]  # head marked last by its load
+        assert order == [*reversed(req), later]  # head marked last by its load
         # Without `loaded` (or with only equal copies), all marked after `later`.
         t2 = Table(1)
         try:
