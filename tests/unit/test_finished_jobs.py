@@ -137,3 +137,32 @@ def test_no_reference_is_leaked_on_any_path() -> None:
     gc.collect()
     assert (sys.getrefcount(empty), sys.getrefcount(done)) == before
     assert sys.getallocatedblocks() - blocks < 50
+
+
+_DELETES_DURING_POLL = """
+from nvmetier._table import FinishedJobs
+for member, found in (("report", [1]), ("empty", [])):
+    def poll(member=member, found=found):
+        delattr(fj, member)
+        return found
+    fj = FinishedJobs(poll, lambda done: done, ())
+    try:
+        fj()
+    except TypeError as e:
+        assert "must be set" in str(e), e
+    else:
+        raise AssertionError(member + " deleted by poll: no error")
+print("ok")
+"""
+
+
+def test_a_member_poll_deletes_is_an_error_not_a_crash() -> None:
+    # The member the answer needs (report, or empty) deleted by poll() itself:
+    # read after poll returns, it must be checked again (a child process: a
+    # NULL dereference kills it, not this test run).
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _DELETES_DURING_POLL], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
