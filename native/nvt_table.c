@@ -547,8 +547,9 @@ PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, event
                        "and whether KV events are kept for take_events(). apply_hook: the io_uring\n"
                        "engine's apply_hook() capsule: its I/O threads then apply the slot side of\n"
                        "each common completion (a write's record and READY, a verified load's lease)\n"
-                       "before publishing it, and poll() only accounts for it (nvt_job_worker.c).\n"
-                       "Needs the Table attached; any previous hook is removed first (waiting for\n"
+                       "before publishing it, and poll() only accounts for it (nvt_job_worker.c);\n"
+                       "when wait_raw is that engine's own, a poll skips it while the engine has\n"
+                       "no completion waiting. Needs the Table attached; any previous hook is removed first (waiting for\n"
                        "a worker inside it), as by every bind and by detach().");
 
 static PyObject *Table_bind(TableObject *self, PyObject *args) {
@@ -564,6 +565,12 @@ static PyObject *Table_bind(TableObject *self, PyObject *args) {
         return NULL;
     Py_XSETREF(self->eng_submit, submit == Py_None ? NULL : Py_NewRef(submit));
     Py_XSETREF(self->eng_wait, wait == Py_None ? NULL : Py_NewRef(wait));
+    /* The hook's hint counts the hook's engine's completions: a poll skips
+     * wait only when wait is that engine's own (its wait_raw, no wrapper),
+     * else another engine's completions would never be taken. */
+    if (self->done_hint &&
+        !(PyCFunction_Check(wait) && PyCFunction_GET_SELF(wait) == PyCapsule_GetContext(hook)))
+        self->done_hint = NULL;
     self->max_queued_ops = max_q;
     self->verify = verify;
     self->events_on = events;
