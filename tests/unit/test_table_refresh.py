@@ -349,3 +349,37 @@ def test_a_later_job_of_the_requests_tail_leaves_its_set_marked_in_full() -> Non
         assert t.lru_order(0, req) == list(reversed(req))
     finally:
         t.close()
+
+
+def test_an_allocation_failure_marks_nothing_and_raises() -> None:
+    # Each allocation point of the refresh failing in turn: MemoryError and
+    # no mark, or (past its last point) the refresh as without failures.
+    req = _keys(6, "a")
+    failed = 0
+    for point in range(16):
+        t = Table(1)
+        try:
+            t.store(req)
+            t.load(req[:3])
+            t.store([b"later"])
+            _table._fail_allocs(point, 1)
+            try:
+                t.t.touch([b"computed", *reversed(req)], [req[:3]])
+            except MemoryError:
+                failed += 1
+                _table._fail_allocs(0, 0)
+                # Nothing marked: the tail as stored, the head as loaded,
+                # then `later`.
+                assert t.lru_order(0, [*req, b"later"]) == [
+                    *req[3:],
+                    *reversed(req[:3]),
+                    b"later",
+                ]
+                continue
+            _table._fail_allocs(0, 0)
+            assert t.lru_order(0, [*req, b"later"]) == [b"later", *reversed(req)]
+            break
+        finally:
+            _table._fail_allocs(0, 0)
+            t.close()
+    assert failed >= 4  # every table of the refresh
