@@ -13,7 +13,11 @@
  * a computed tail, a chunk no load took). There a chunk marked now would end
  * up more recent than the loaded chunks before it in the request, so every
  * chunk of the request in such a set is marked, in the refresh's order, as a
- * full refresh would.
+ * full refresh would. So is a set whose loads left its chunks in another
+ * order than the refresh's: a request of several load jobs (a later step's
+ * load of its tail, a preempted request's second load) marked the later
+ * job's chunks after the earlier one's head. The loads' marks are replayed
+ * (jobs in order, each last to first, by content) to tell.
  *
  * Which chunks a load took is told by identity: `loaded` holds the request's
  * load jobs' key lists, whose key objects are the ones the request's context

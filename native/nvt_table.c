@@ -311,7 +311,9 @@ PyDoc_STRVAR(touch_doc, "touch(keys, loaded=None) -> int\n\n"
                         "loaded: the key lists of the request's load jobs, whose keys (the same\n"
                         "objects, by identity) their load marked already: those are left as\n"
                         "they are and counted, except in a set where a key of `keys` not loaded\n"
-                        "is marked (there every key is marked in order, as without `loaded`).");
+                        "is marked, or where the loads (jobs in order, each last to first) left\n"
+                        "its keys in another order than `keys` (there every key is marked in\n"
+                        "order, as without `loaded`).");
 
 static PyObject *Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t nargs) {
     GUARD_ATTACHED(self);
