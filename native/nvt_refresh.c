@@ -13,7 +13,11 @@
  * a computed tail, a chunk no load took). There a chunk marked now would end
  * up more recent than the loaded chunks before it in the request, so every
  * chunk of the request in such a set is marked, in the refresh's order, as a
- * full refresh would.
+ * full refresh would. So is a set whose loads left its chunks in another
+ * order than the refresh's: a request of several load jobs (a later step's
+ * load of its tail, a preempted request's second load) marked the later
+ * job's chunks after the earlier one's head. The loads' marks are replayed
+ * (jobs in order, each last to first, by content) to tell.
  *
  * Which chunks a load took is told by identity: `loaded` holds the request's
  * load jobs' key lists, whose key objects are the ones the request's context
@@ -31,8 +35,9 @@
 
 #include "nvt_hash.h"
 
-/* Open addressing over pointers (the loaded keys) or set numbers (the sets
- * to mark in full): capacity a power of two, at least twice the entries. */
+/* Open addressing over pointers (the loaded key objects), the loaded keys'
+ * contents (their fingerprints) or set numbers: capacity a power of two, at
+ * least twice the entries. */
 static size_t pow2_at_least(size_t n) {
     size_t c = 64;
     while (c < n)
@@ -44,14 +49,14 @@ static inline size_t mix(uint64_t v, size_t mask) {
     return (size_t)((v * 0x9E3779B97F4A7C15ull) >> 17) & mask;
 }
 
-/* Add `p` (not NULL); 1 when it was not there. */
-static int ptr_add(const void **tab, size_t mask, const void *p) {
+/* Add `p` (not NULL). */
+static void ptr_add(const void **tab, size_t mask, const void *p) {
     for (size_t i = mix((uint64_t)(uintptr_t)p, mask);; i = (i + 1) & mask) {
         if (tab[i] == p)
-            return 0;
+            return;
         if (!tab[i]) {
             tab[i] = p;
-            return 1;
+            return;
         }
     }
 }
@@ -65,24 +70,45 @@ static int ptr_has(const void **tab, size_t mask, const void *p) {
     }
 }
 
-/* Sets are stored + 1 (0: empty). */
-static void set_add(uint64_t *tab, size_t mask, uint64_t set) {
-    for (size_t i = mix(set, mask);; i = (i + 1) & mask) {
-        if (tab[i] == set + 1)
-            return;
-        if (!tab[i]) {
-            tab[i] = set + 1;
-            return;
-        }
+/* A loaded key's content: the last mark the loads gave it (`seq`, counted
+ * over the jobs in order, each last to first, as nvt_load_loop marks), and
+ * whether the refresh's walk from its end met it already. */
+typedef struct {
+    PyObject *key; /* NULL: empty */
+    uint64_t fp;
+    uint64_t seq;
+    uint8_t seen;
+} loaded_key;
+
+static loaded_key *key_entry(loaded_key *tab, size_t mask, PyObject *key, uint64_t fp) {
+    for (size_t i = mix(fp, mask);; i = (i + 1) & mask) {
+        loaded_key *e = &tab[i];
+        if (!e->key ||
+            (e->fp == fp && (e->key == key || (PyBytes_GET_SIZE(e->key) == PyBytes_GET_SIZE(key) &&
+                                               !memcmp(PyBytes_AS_STRING(e->key), PyBytes_AS_STRING(key),
+                                                       (size_t)PyBytes_GET_SIZE(key))))))
+            return e;
     }
 }
 
-static int set_has(const uint64_t *tab, size_t mask, uint64_t set) {
+/* A set of the refresh: whether it is marked in full, and the load mark of
+ * the key its walk from the end met last (the next must be older). */
+typedef struct {
+    uint64_t set1; /* set + 1; 0: empty */
+    uint64_t min_seq;
+    uint8_t full;
+} refresh_set;
+
+static refresh_set *set_entry(refresh_set *tab, size_t mask, uint64_t set) {
     for (size_t i = mix(set, mask);; i = (i + 1) & mask) {
-        if (tab[i] == set + 1)
-            return 1;
-        if (!tab[i])
-            return 0;
+        refresh_set *e = &tab[i];
+        if (!e->set1) {
+            e->set1 = set + 1;
+            e->min_seq = UINT64_MAX;
+            return e;
+        }
+        if (e->set1 == set + 1)
+            return e;
     }
 }
 
@@ -94,7 +120,9 @@ Py_ssize_t nvt_touch_refresh(TableObject *self, PyObject *seq, Py_ssize_t m, PyO
     PyObject **jobs = n_lists ? PyMem_Calloc((size_t)n_lists, sizeof(PyObject *)) : NULL;
     Py_ssize_t n_loaded = 0, out = -1;
     const void **ptrs = NULL;
-    uint64_t *fps = NULL, *sets = NULL;
+    loaded_key *contents = NULL;
+    refresh_set *sets = NULL;
+    uint64_t *fps = NULL;
     uint8_t *skip = NULL;
     PyObject *marked = NULL;
     if (n_lists && !jobs) {
@@ -113,18 +141,32 @@ Py_ssize_t nvt_touch_refresh(TableObject *self, PyObject *seq, Py_ssize_t m, PyO
     }
     size_t pcap = pow2_at_least(2 * (size_t)n_loaded), scap = pow2_at_least(2 * (size_t)m);
     ptrs = nvt_alloc_fails() ? NULL : PyMem_Calloc(pcap, sizeof(*ptrs));
+    contents = nvt_alloc_fails() ? NULL : PyMem_Calloc(pcap, sizeof(*contents));
     sets = nvt_alloc_fails() ? NULL : PyMem_Calloc(scap, sizeof(*sets));
     fps = nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(*fps));
     skip = nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m);
-    if (!ptrs || !sets || !fps || !skip) {
+    if (!ptrs || !contents || !sets || !fps || !skip) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t j = 0; j < n_lists; j++)
-        for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(jobs[j]); i++)
-            ptr_add(ptrs, pcap - 1, PySequence_Fast_GET_ITEM(jobs[j], i));
+    /* The loads' marks, replayed: jobs in order, each last to first. A key
+     * that several jobs (or one twice) loaded keeps its last mark, whichever
+     * object carried it (the table marks the content). */
+    uint64_t clock = 0;
+    for (Py_ssize_t j = 0; j < n_lists; j++) {
+        for (Py_ssize_t i = PySequence_Fast_GET_SIZE(jobs[j]) - 1; i >= 0; i--) {
+            PyObject *key = PySequence_Fast_GET_ITEM(jobs[j], i);
+            if (!PyBytes_Check(key))
+                continue; /* no load took it (a load refuses it), and no key of `keys` is it */
+            ptr_add(ptrs, pcap - 1, key);
+            uint64_t fp = nvt_xxh3(PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), 0);
+            loaded_key *e = key_entry(contents, pcap - 1, key, fp);
+            e->key = key; /* the snapshot `jobs[j]` holds it */
+            e->fp = fp;
+            e->seq = ++clock;
+        }
+    }
     /* Every key's set; the sets of the keys no load marked are marked in full. */
-    Py_ssize_t n_skip = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(seq, i);
         if (!PyBytes_Check(key)) {
@@ -133,16 +175,35 @@ Py_ssize_t nvt_touch_refresh(TableObject *self, PyObject *seq, Py_ssize_t m, PyO
         }
         fps[i] = nvt_xxh3(PyBytes_AS_STRING(key), (size_t)PyBytes_GET_SIZE(key), 0);
         skip[i] = (uint8_t)ptr_has(ptrs, pcap - 1, key);
-        n_skip += skip[i];
+        refresh_set *s = set_entry(sets, scap - 1, fps[i] % self->core.n_sets);
         if (!skip[i])
-            set_add(sets, scap - 1, fps[i] % self->core.n_sets);
+            s->full = 1;
     }
-    Py_ssize_t n_mark = 0;
+    /* The loads' order must be the refresh's: walked from its end (the most
+     * recent it leaves), each key's last load mark older than the one after
+     * it in its set. A set where it is not (several jobs: a later one took
+     * chunks after an earlier one's head) is marked in full. A key met again
+     * (`keys` lists it twice) counts at its last place, as a touch leaves it. */
+    for (Py_ssize_t i = m - 1; i >= 0; i--) {
+        if (!skip[i])
+            continue;
+        refresh_set *s = set_entry(sets, scap - 1, fps[i] % self->core.n_sets);
+        if (s->full)
+            continue;
+        loaded_key *e = key_entry(contents, pcap - 1, PySequence_Fast_GET_ITEM(seq, i), fps[i]);
+        if (e->seen)
+            continue;
+        e->seen = 1;
+        if (e->seq >= s->min_seq)
+            s->full = 1;
+        else
+            s->min_seq = e->seq;
+    }
+    Py_ssize_t n_mark = 0, n_skip = 0;
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (skip[i] && set_has(sets, scap - 1, fps[i] % self->core.n_sets)) {
+        if (skip[i] && set_entry(sets, scap - 1, fps[i] % self->core.n_sets)->full)
             skip[i] = 0;
-            n_skip--;
-        }
+        n_skip += skip[i];
         n_mark += !skip[i];
     }
     if (!n_skip) {
@@ -163,6 +224,7 @@ done:
     PyMem_Free(skip);
     PyMem_Free(fps);
     PyMem_Free(sets);
+    PyMem_Free(contents);
     PyMem_Free(ptrs);
     if (jobs) {
         for (Py_ssize_t j = 0; j < n_lists; j++)

@@ -311,7 +311,9 @@ PyDoc_STRVAR(touch_doc, "touch(keys, loaded=None) -> int\n\n"
                         "loaded: the key lists of the request's load jobs, whose keys (the same\n"
                         "objects, by identity) their load marked already: those are left as\n"
                         "they are and counted, except in a set where a key of `keys` not loaded\n"
-                        "is marked (there every key is marked in order, as without `loaded`).");
+                        "is marked, or where the loads (jobs in order, each last to first) left\n"
+                        "its keys in another order than `keys` (there every key is marked in\n"
+                        "order, as without `loaded`).");
 
 static PyObject *Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t nargs) {
     GUARD_ATTACHED(self);
@@ -547,8 +549,9 @@ PyDoc_STRVAR(bind_doc, "bind(submit_raw, wait_raw, max_queued_ops, verify, event
                        "and whether KV events are kept for take_events(). apply_hook: the io_uring\n"
                        "engine's apply_hook() capsule: its I/O threads then apply the slot side of\n"
                        "each common completion (a write's record and READY, a verified load's lease)\n"
-                       "before publishing it, and poll() only accounts for it (nvt_job_worker.c).\n"
-                       "Needs the Table attached; any previous hook is removed first (waiting for\n"
+                       "before publishing it, and poll() only accounts for it (nvt_job_worker.c);\n"
+                       "when wait_raw is that engine's own, a poll skips it while the engine has\n"
+                       "no completion waiting. Needs the Table attached; any previous hook is removed first (waiting for\n"
                        "a worker inside it), as by every bind and by detach().");
 
 static PyObject *Table_bind(TableObject *self, PyObject *args) {
@@ -564,6 +567,12 @@ static PyObject *Table_bind(TableObject *self, PyObject *args) {
         return NULL;
     Py_XSETREF(self->eng_submit, submit == Py_None ? NULL : Py_NewRef(submit));
     Py_XSETREF(self->eng_wait, wait == Py_None ? NULL : Py_NewRef(wait));
+    /* The hook's hint counts the hook's engine's completions: a poll skips
+     * wait only when wait is that engine's own (its wait_raw, no wrapper),
+     * else another engine's completions would never be taken. */
+    if (self->done_hint &&
+        !(PyCFunction_Check(wait) && PyCFunction_GET_SELF(wait) == PyCapsule_GetContext(hook)))
+        self->done_hint = NULL;
     self->max_queued_ops = max_q;
     self->verify = verify;
     self->events_on = events;

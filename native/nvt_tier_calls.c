@@ -126,6 +126,12 @@ static PyObject *finished_vectorcall(PyObject *callable, PyObject *const *args, 
         Py_DECREF(done);
         return NULL;
     }
+    /* poll() may have deleted a member (T_OBJECT_EX: NULL now). */
+    if (!(n == 0 ? self->empty : self->report)) {
+        Py_DECREF(done);
+        PyErr_SetString(PyExc_TypeError, "FinishedJobs: poll, report and empty must be set");
+        return NULL;
+    }
     if (n == 0) {
         Py_DECREF(done);
         return Py_NewRef(self->empty);

@@ -510,8 +510,9 @@ class BlockStore:
         ``loaded``: a finished request's load jobs' key lists, whose keys
         (the same objects as in ``keys``) their load marked, last to first:
         those are left as they are (and counted), except in a set where
-        another of ``keys`` is marked now, where all are marked in order
-        (``native/nvt_refresh.c``). A sealed store marks them all (its keys
+        another of ``keys`` is marked now, or where the loads (jobs in order)
+        left them in another order than ``keys``: there all are marked in
+        order (``native/nvt_refresh.c``). A sealed store marks them all (its keys
         become MACs here, other objects than the jobs')."""
         key_list = _key_list(keys)
         if self._keys is not None:

@@ -679,6 +679,12 @@ class NvmeTierManager(SecondaryTierManager):
                 log_failed_job(raw)
             if is_load:  # the guard pins what landed for requests waiting on it
                 self._guard.load_finished(job_id, success, ok_keys)
+                if not success and self._loads_of:
+                    # A chunk the load missed got no mark from it: the
+                    # refresh must mark it. Which request the job was is not
+                    # kept (per job, on this thread): every request running
+                    # refreshes in full (a failed load is rare).
+                    self._loads_of.clear()
             elif not success and not compat.REPORTS_STORE_FAILURES:
                 self._report_store_failed()
             append(JobResult(job_id, success, ok_keys or None, secs, moved))

@@ -7,8 +7,10 @@ The contract, checked against a plain model of per-set LRU order:
 - ``touch(keys)`` marks every READY key in order (the later, the more recent);
 - ``touch(keys, loaded)`` leaves a key of a ``loaded`` job list (the same
   object) as its load left it, unless its set also holds a key of ``keys``
-  that no load took: there it marks every key of ``keys`` in that set, in
-  order, as ``touch(keys)`` would. A key only equal to a loaded one (another
+  that no load took, or the loads left the set's keys in another order than
+  the refresh's (several jobs: a later one marked chunks after an earlier
+  one's head): there it marks every key of ``keys`` in that set, in order,
+  as ``touch(keys)`` would. A key only equal to a loaded one (another
   object) is marked. It returns the READY keys marked plus the keys left to
   their load's mark.
 
@@ -128,14 +130,38 @@ class Model:
             lst.remove(key)
         lst.append(key)
 
-    def refresh(self, keys: list[bytes], loaded_ids: set[int]) -> int:
-        kept = {self.set_of(k) for k in keys if id(k) not in loaded_ids}
-        marked = 0
+    def refresh(self, keys: list[bytes], loaded_jobs: list[list[bytes]]) -> tuple[int, int]:
+        """``touch(keys, loaded_jobs)``: (keys marked, keys left to their load)."""
+        loaded_ids = {id(k) for job in loaded_jobs for k in job}
+        # The loads' marks, replayed: jobs in order, each last to first.
+        last: dict[bytes, int] = {}
+        clock = 0
+        for job in loaded_jobs:
+            for k in reversed(job):
+                clock += 1
+                last[k] = clock
+        full = {self.set_of(k) for k in keys if id(k) not in loaded_ids}
+        # A set whose loads left its keys in another order than the refresh
+        # (from its end: each older than the one after it) is marked in full.
+        seen: set[bytes] = set()
+        newest: dict[int, int] = {}
+        for k in reversed(keys):
+            s = self.set_of(k)
+            if id(k) not in loaded_ids or s in full or k in seen:
+                continue
+            seen.add(k)
+            if last[k] >= newest.get(s, 1 << 62):
+                full.add(s)
+            else:
+                newest[s] = last[k]
+        marked = left = 0
         for k in keys:
-            if id(k) not in loaded_ids or self.set_of(k) in kept:
+            if id(k) not in loaded_ids or self.set_of(k) in full:
                 self.mark(k)
                 marked += 1
-        return marked
+            else:
+                left += 1
+        return marked, left
 
 
 def _keys(n: int, tag: str) -> list[bytes]:
@@ -190,14 +216,7 @@ def test_refresh_leaves_what_loads_marked_and_keeps_the_requests_order(seed: int
         # The refresh: tail first, head last; some keys only equal copies.
         refresh = list(reversed(request))
         refresh = [bytes(bytearray(k)) if rng.random() < 0.2 else k for k in refresh]
-        loaded_ids = {id(k) for job in loaded_jobs for k in job}
-        marked = model.refresh(refresh, loaded_ids)
-        left = sum(1 for k in refresh if id(k) in loaded_ids) - sum(
-            1
-            for k in refresh
-            if id(k) in loaded_ids
-            and t.set_of(k) in {t.set_of(x) for x in refresh if id(x) not in loaded_ids}
-        )
+        marked, left = model.refresh(refresh, loaded_jobs)
         assert t.t.touch(refresh, loaded_jobs) == marked + left
         for s in range(sets):
             assert t.lru_order(s, stored) == model.order.get(s, []), f"set {s}"
@@ -267,3 +286,100 @@ def test_bad_arguments_are_refused_before_any_mark() -> None:
         assert t.t.touch([], [req]) == 0
     finally:
         t.close()
+
+
+def _request_order(order: list[bytes], request: set[bytes]) -> list[bytes]:
+    return [k for k in order if k in request]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_requests_order_in_each_set_is_a_full_refreshs(seed: int) -> None:
+    """The contract itself: whatever the request's loads (several jobs, in
+    any order, overlapping, a key twice, equal copies), its chunks end in
+    each set in the order ``touch(keys)`` would leave them."""
+    rng = random.Random(1000 + seed)
+    sets = rng.choice([1, 1, 2, 4])
+    request = _keys(rng.randint(2, sets * (WAYS - 1)), f"c{seed}")
+    per_set: dict[int, int] = {}
+    kept = []
+    for k in request:
+        s = xxhash.xxh3_64_intdigest(k, 0) % sets
+        if per_set.get(s, 0) < WAYS - 1:
+            per_set[s] = per_set.get(s, 0) + 1
+            kept.append(k)
+    request = kept
+    jobs: list[list[bytes]] = []
+    for _ in range(rng.randint(1, 4)):
+        a = rng.randrange(len(request))
+        job = request[a : a + rng.randint(1, 4)]
+        if rng.random() < 0.2:
+            job = job + job[:1]  # a key twice in one job
+        if rng.random() < 0.2:
+            job = [bytes(bytearray(k)) for k in job]  # equal copies only
+        jobs.append(job)
+    refresh = list(reversed(request))
+    if rng.random() < 0.3:
+        refresh.append(refresh[rng.randrange(len(refresh))])  # a key twice
+    wanted = set(request)
+    orders = []
+    for loaded in (None, jobs):
+        t = Table(sets)
+        try:
+            t.store(request)
+            for job in jobs:
+                t.load(job)
+            t.t.touch(refresh, loaded)
+            orders.append([_request_order(t.lru_order(s, request), wanted) for s in range(sets)])
+        finally:
+            t.close()
+    assert orders[1] == orders[0]
+
+
+def test_a_later_job_of_the_requests_tail_leaves_its_set_marked_in_full() -> None:
+    # Two loads of one request: its head, then (a later step) its tail. The
+    # tail's marks came last: the refresh marks the set again, head last.
+    t = Table(1)
+    try:
+        req = _keys(4, "r")
+        t.store(req)
+        head, tail = req[:2], req[2:]
+        t.load(head)
+        t.load(tail)
+        assert t.t.touch(list(reversed(req)), [head, tail]) == 4
+        assert t.lru_order(0, req) == list(reversed(req))
+    finally:
+        t.close()
+
+
+def test_an_allocation_failure_marks_nothing_and_raises() -> None:
+    # Each allocation point of the refresh failing in turn: MemoryError and
+    # no mark, or (past its last point) the refresh as without failures.
+    req = _keys(6, "a")
+    failed = 0
+    for point in range(16):
+        t = Table(1)
+        try:
+            t.store(req)
+            t.load(req[:3])
+            t.store([b"later"])
+            _table._fail_allocs(point, 1)
+            try:
+                t.t.touch([b"computed", *reversed(req)], [req[:3]])
+            except MemoryError:
+                failed += 1
+                _table._fail_allocs(0, 0)
+                # Nothing marked: the tail as stored, the head as loaded,
+                # then `later`.
+                assert t.lru_order(0, [*req, b"later"]) == [
+                    *req[3:],
+                    *reversed(req[:3]),
+                    b"later",
+                ]
+                continue
+            _table._fail_allocs(0, 0)
+            assert t.lru_order(0, [*req, b"later"]) == [b"later", *reversed(req)]
+            break
+        finally:
+            _table._fail_allocs(0, 0)
+            t.close()
+    assert failed >= 4  # every table of the refresh

@@ -239,3 +239,36 @@ def test_new_request_tracks_by_req_id_and_answers() -> None:
         nr(a)
     gc.collect()
     assert sys.getallocatedblocks() - blocks < 50
+
+
+_DELETES_DURING_POLL = """
+from nvmetier._table import FinishedJobs
+for member, found, make in (
+    ("report", [1], None),
+    ("empty", [], None),
+    ("report", [(1, True, None, 0.1, 1, None, True)], tuple),
+):
+    def poll(member=member, found=found):
+        delattr(fj, member)
+        return found
+    fj = FinishedJobs(poll, lambda done: done, (), make)
+    try:
+        fj()
+    except TypeError as e:
+        assert "must be set" in str(e), e
+    else:
+        raise AssertionError(member + " deleted by poll: no error")
+print("ok")
+"""
+
+
+def test_a_member_poll_deletes_is_an_error_not_a_crash() -> None:
+    # The member the answer needs (report, or empty) deleted by poll() itself:
+    # read after poll returns, it must be checked again (a child process: a
+    # NULL dereference kills it, not this test run).
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _DELETES_DURING_POLL], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
