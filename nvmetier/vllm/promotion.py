@@ -160,11 +160,11 @@ class PromotionGuard(RequestPlanner):
         # any promotion of a step (``_protect_waiting``).
         self._waiting: dict[str, Any] = {}
         self._protected_step = -1
-        # Promotion jobs of planned rounds in flight: job id -> keys, and
-        # their keys together (PENDING in the CPU tier until load_finished:
-        # _pin_landed need not ask about them every step).
+        # Promotion jobs of planned rounds in flight: job id -> keys (PENDING
+        # in the CPU tier until load_finished: _pin_landed need not ask about
+        # them every step). Their union is taken only when a round's landing
+        # changed (_pin_landed), not kept per job on vLLM's thread.
         self._load_jobs: dict[int, Collection[Any]] = {}
-        self._in_flight: set[Any] = set()
         self._protect_spent: set[str] = set()
         self._hot = _Hot()
         # The disk's leasing read of many keys, and who counts the HITs
@@ -486,7 +486,6 @@ class PromotionGuard(RequestPlanner):
         self.note_loaded(keys)
         if self._view is not None and self._rounds:
             self._load_jobs[job_id] = keys
-            self._in_flight.update(keys)
 
     def load_finished(self, job_id: int, success: bool, ok_keys: Collection[Any] | None) -> None:
         """Promotion job ``job_id`` finished (the tier is about to report it).
@@ -501,7 +500,6 @@ class PromotionGuard(RequestPlanner):
         view = self._view
         if keys is None or view is None:
             return
-        self._in_flight.difference_update(keys)
         self._cool()
         if not success or ok_keys is not None:
             # Some of its chunks did not land: every round asks again.
@@ -655,7 +653,6 @@ class PromotionGuard(RequestPlanner):
             self._release(rnd)
         self._rounds.clear()
         self._load_jobs.clear()
-        self._in_flight.clear()
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for the tier's metrics (the HITs answered
@@ -687,8 +684,8 @@ class PromotionGuard(RequestPlanner):
             if rnd.in_flight_n == len(rnd.landing):
                 continue  # all of it still in promotions in flight
             # A key of a promotion in flight stays PENDING until load_finished.
-            if self._in_flight:
-                rest: Iterable[Any] = rnd.landing - self._in_flight
+            if self._load_jobs:
+                rest: Iterable[Any] = rnd.landing.difference(*self._load_jobs.values())
                 if not rest:
                     # Nothing of it can be ready before a load_finished, which
                     # clears this (as a landing that grows does): until then
