@@ -47,7 +47,8 @@ int nvt_append_record_key(PyObject **list, const unsigned char *rec);
 int nvt_hot_request_add(PyObject *m);
 
 /* ------------------------------------------------------- nvt_tier_calls.c */
-/* Adds the types FinishedJobs and NewRequest to the module (its init). */
+/* Adds the types FinishedJobs, NewRequest, ScheduleEnd and SubmitStore to
+ * the module (its init). */
 int nvt_tier_calls_add(PyObject *m);
 
 /* ------------------------------------------------------ nvt_table_admin.c */

@@ -1,9 +1,10 @@
 /*
  * nvt_tier_calls: vLLM's per-step and per-request calls of a secondary tier
  * answered in C, with no Python frame of ours on vLLM's scheduler thread in
- * the usual case: the types FinishedJobs (get_finished_jobs) and NewRequest
- * (on_new_request) of nvmetier._table. NvmeTierManager sets one of each as
- * its instance's method (a subclass that overrides the method keeps it).
+ * the usual case: the types FinishedJobs (get_finished_jobs), NewRequest
+ * (on_new_request), ScheduleEnd (on_schedule_end) and SubmitStore
+ * (submit_store) of nvmetier._table. NvmeTierManager sets one of each as its
+ * instance's method (a subclass that overrides the method keeps it).
  *
  * FinishedJobs:
  *
@@ -27,6 +28,17 @@
  * NewRequest(track, answer): callable as on_new_request(req_context): calls
  * `track(req_context.req_id, req_context)` (the promotion guard's waiting
  * map's __setitem__) and returns `answer` (the tier's RequestOffloadingContext).
+ *
+ * ScheduleEnd(release, end_step): callable as on_schedule_end(context):
+ * `release()` (the table's release_leases), then
+ * `end_step(context.new_req_ids, context.preempted_req_ids)` (the guard's).
+ *
+ * SubmitStore(submit, refused, once=None): callable as
+ * submit_store(job_metadata): `once()` first if set (cleared before it runs:
+ * the tier's first-transfer check, which may replace `submit`), then
+ * `err = submit(job.job_id, job.keys, job.chunk_ids)` (the table's native
+ * submit_store), and `refused(job.job_id, err)` when err is not None (the
+ * engine refused the ops: the job fails, logged). Returns None.
  *
  * Threads: called with the GIL held, on vLLM's scheduler thread (under the
  * orchestrator's lock); nothing waits, nothing does I/O beyond poll's own.
@@ -229,6 +241,9 @@ static PyTypeObject FinishedType = {
 
 /* ------------------------------------------------------------ NewRequest */
 
+/* "req_id", interned once (nvt_tier_calls_add): no string made per call. */
+static PyObject *str_req_id;
+
 typedef struct {
     PyObject_HEAD
     PyObject *track;  /* callable(req_id, req_context) */
@@ -253,7 +268,7 @@ static PyObject *new_request_vectorcall(PyObject *callable, PyObject *const *arg
         PyErr_SetString(PyExc_TypeError, "NewRequest: track and answer must be set");
         return NULL;
     }
-    PyObject *req_id = PyObject_GetAttrString(ctx, "req_id");
+    PyObject *req_id = PyObject_GetAttr(ctx, str_req_id);
     if (!req_id)
         return NULL;
     PyObject *track = Py_NewRef(self->track);
@@ -331,12 +346,225 @@ static PyTypeObject NewRequestType = {
     .tp_vectorcall_offset = offsetof(NewRequestObject, vectorcall),
 };
 
+/* ------------------------------------------ ScheduleEnd and SubmitStore */
+
+/* Attribute names read per call, interned once (nvt_tier_calls_add). */
+static PyObject *str_new_req_ids, *str_preempted_req_ids, *str_job_id, *str_keys, *str_chunk_ids;
+
+/* Both types hold two callables, `first` and `second`; SubmitStore also
+ * `once` (None, or a callable run before the next call's submit). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *first;
+    PyObject *second;
+    PyObject *once;
+    vectorcallfunc vectorcall;
+} PairObject;
+
+/* The one argument of a call, positional or by `name`; NULL with TypeError. */
+static PyObject *one_arg(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *name,
+                         const char *what) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs == 1 && !nkw)
+        return args[0];
+    if (nargs == 0 && nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), name) == 0)
+        return args[0];
+    PyErr_Format(PyExc_TypeError, "%s() takes one argument, %s", what, name);
+    return NULL;
+}
+
+static int pair_members_set(PairObject *self, const char *type) {
+    if (self->first && self->second)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: both callables must be set", type);
+    return -1;
+}
+
+static PyObject *schedule_end_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                         PyObject *kwnames) {
+    PairObject *self = (PairObject *)callable;
+    PyObject *ctx = one_arg(args, nargsf, kwnames, "context", "on_schedule_end");
+    if (!ctx || pair_members_set(self, "ScheduleEnd") < 0)
+        return NULL;
+    PyObject *release = Py_NewRef(self->first), *end_step = Py_NewRef(self->second);
+    PyObject *r = PyObject_CallNoArgs(release);
+    PyObject *out = NULL;
+    if (r) {
+        Py_DECREF(r);
+        PyObject *fresh = PyObject_GetAttr(ctx, str_new_req_ids);
+        PyObject *preempted = fresh ? PyObject_GetAttr(ctx, str_preempted_req_ids) : NULL;
+        if (preempted) {
+            PyObject *eargs[2] = {fresh, preempted};
+            out = PyObject_Vectorcall(end_step, eargs, 2, NULL);
+        }
+        Py_XDECREF(fresh);
+        Py_XDECREF(preempted);
+    }
+    Py_DECREF(release);
+    Py_DECREF(end_step);
+    if (!out)
+        return NULL;
+    Py_DECREF(out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *submit_store_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
+                                         PyObject *kwnames) {
+    PairObject *self = (PairObject *)callable;
+    PyObject *job = one_arg(args, nargsf, kwnames, "job_metadata", "submit_store");
+    if (!job)
+        return NULL;
+    if (self->once && self->once != Py_None) {
+        PyObject *once = self->once;
+        self->once = Py_NewRef(Py_None); /* cleared before it runs: once */
+        PyObject *r = PyObject_CallNoArgs(once);
+        Py_DECREF(once);
+        if (!r)
+            return NULL;
+        Py_DECREF(r);
+    }
+    if (pair_members_set(self, "SubmitStore") < 0)
+        return NULL;
+    PyObject *sargs[3] = {NULL, NULL, NULL};
+    PyObject *out = NULL;
+    if ((sargs[0] = PyObject_GetAttr(job, str_job_id)) && (sargs[1] = PyObject_GetAttr(job, str_keys)) &&
+        (sargs[2] = PyObject_GetAttr(job, str_chunk_ids))) {
+        PyObject *submit = Py_NewRef(self->first), *refused = Py_NewRef(self->second);
+        PyObject *err = PyObject_Vectorcall(submit, sargs, 3, NULL);
+        if (err == Py_None) {
+            out = Py_NewRef(Py_None);
+        } else if (err) {
+            PyObject *rargs[2] = {sargs[0], err};
+            PyObject *r = PyObject_Vectorcall(refused, rargs, 2, NULL);
+            if (r) {
+                Py_DECREF(r);
+                out = Py_NewRef(Py_None);
+            }
+        }
+        Py_XDECREF(err);
+        Py_DECREF(submit);
+        Py_DECREF(refused);
+    }
+    for (int i = 0; i < 3; i++)
+        Py_XDECREF(sargs[i]);
+    return out;
+}
+
+static PyObject *pair_new(PyTypeObject *type, PyObject *args, PyObject *kwds, const char *format, char **kwlist,
+                          vectorcallfunc call) {
+    PyObject *first, *second, *once = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, format, kwlist, &first, &second, &once))
+        return NULL;
+    if (!PyCallable_Check(first) || !PyCallable_Check(second) || (once != Py_None && !PyCallable_Check(once))) {
+        PyErr_Format(PyExc_TypeError, "%s and %s must be callable", kwlist[0], kwlist[1]);
+        return NULL;
+    }
+    PairObject *self = (PairObject *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    self->vectorcall = call;
+    self->first = Py_NewRef(first);
+    self->second = Py_NewRef(second);
+    self->once = Py_NewRef(once);
+    return (PyObject *)self;
+}
+
+static PyObject *schedule_end_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"release", "end_step", NULL};
+    return pair_new(type, args, kwds, "OO:ScheduleEnd", kwlist, schedule_end_vectorcall);
+}
+
+static PyObject *submit_store_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"submit", "refused", "once", NULL};
+    return pair_new(type, args, kwds, "OO|O:SubmitStore", kwlist, submit_store_vectorcall);
+}
+
+static int pair_traverse(PairObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->first);
+    Py_VISIT(self->second);
+    Py_VISIT(self->once);
+    return 0;
+}
+
+static int pair_clear(PairObject *self) {
+    Py_CLEAR(self->first);
+    Py_CLEAR(self->second);
+    Py_CLEAR(self->once);
+    return 0;
+}
+
+static void pair_dealloc(PairObject *self) {
+    PyObject_GC_UnTrack(self);
+    pair_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMemberDef schedule_end_members[] = {
+    {"release", T_OBJECT_EX, offsetof(PairObject, first), 0, "callable(): the step's leases released"},
+    {"end_step", T_OBJECT_EX, offsetof(PairObject, second), 0, "callable(new_req_ids, preempted_req_ids)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyMemberDef submit_store_members[] = {
+    {"submit", T_OBJECT_EX, offsetof(PairObject, first), 0, "callable(job_id, keys, chunk_ids) -> error or None"},
+    {"refused", T_OBJECT_EX, offsetof(PairObject, second), 0, "callable(job_id, error): the ops refused"},
+    {"once", T_OBJECT, offsetof(PairObject, once), 0, "None, or callable(): run (and cleared) before the next submit"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+PyDoc_STRVAR(schedule_end_doc, "ScheduleEnd(release, end_step)\n\n"
+                               "Callable as a tier's on_schedule_end(context): release(), then\n"
+                               "end_step(context.new_req_ids, context.preempted_req_ids).");
+
+PyDoc_STRVAR(submit_store_doc, "SubmitStore(submit, refused, once=None)\n\n"
+                               "Callable as a tier's submit_store(job_metadata): once() first when\n"
+                               "set (cleared before it runs), then err =\n"
+                               "submit(job.job_id, job.keys, job.chunk_ids); refused(job.job_id, err)\n"
+                               "when err is not None. Returns None.");
+
+static PyTypeObject ScheduleEndType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.ScheduleEnd",
+    .tp_basicsize = sizeof(PairObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = schedule_end_doc,
+    .tp_new = schedule_end_new,
+    .tp_dealloc = (destructor)pair_dealloc,
+    .tp_traverse = (traverseproc)pair_traverse,
+    .tp_clear = (inquiry)pair_clear,
+    .tp_members = schedule_end_members,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(PairObject, vectorcall),
+};
+
+static PyTypeObject SubmitStoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "nvmetier._table.SubmitStore",
+    .tp_basicsize = sizeof(PairObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = submit_store_doc,
+    .tp_new = submit_store_new,
+    .tp_dealloc = (destructor)pair_dealloc,
+    .tp_traverse = (traverseproc)pair_traverse,
+    .tp_clear = (inquiry)pair_clear,
+    .tp_members = submit_store_members,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(PairObject, vectorcall),
+};
+
 /* ------------------------------------------------------------ the module */
 
 int nvt_tier_calls_add(PyObject *m) {
-    PyTypeObject *types[] = {&FinishedType, &NewRequestType};
-    const char *names[] = {"FinishedJobs", "NewRequest"};
-    for (int i = 0; i < 2; i++) {
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names_in[] = {{&str_req_id, "req_id"},       {&str_new_req_ids, "new_req_ids"},
+                    {&str_preempted_req_ids, "preempted_req_ids"}, {&str_job_id, "job_id"},
+                    {&str_keys, "keys"},           {&str_chunk_ids, "chunk_ids"}};
+    for (size_t i = 0; i < sizeof(names_in) / sizeof(names_in[0]); i++)
+        if (!*names_in[i].slot && !(*names_in[i].slot = PyUnicode_InternFromString(names_in[i].text)))
+            return -1;
+    PyTypeObject *types[] = {&FinishedType, &NewRequestType, &ScheduleEndType, &SubmitStoreType};
+    const char *names[] = {"FinishedJobs", "NewRequest", "ScheduleEnd", "SubmitStore"};
+    for (int i = 0; i < 4; i++) {
         if (PyType_Ready(types[i]) < 0)
             return -1;
         Py_INCREF(types[i]);

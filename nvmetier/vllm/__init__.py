@@ -52,7 +52,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from nvmetier import format as fmt
-from nvmetier._table import FinishedJobs, NewRequest
+from nvmetier._table import FinishedJobs, NewRequest, ScheduleEnd, SubmitStore
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine
 from nvmetier.errors import ConfigError
@@ -427,6 +427,7 @@ class NvmeTierManager(SecondaryTierManager):
         # (nvmetier._table.NewRequest: track(req_id, ctx), then the answer).
         if type(self).on_new_request is NvmeTierManager.on_new_request:
             self.on_new_request = NewRequest(self._track, _REQUEST_CONTEXT)  # type: ignore[method-assign]
+        self._wire_native_calls()
         self._refresh_chunks = self.config.recency_refresh_chunks
         # Per request still running: the key lists of its load jobs, whose
         # chunks their load marked recent already (the refresh at its finish
@@ -448,20 +449,53 @@ class NvmeTierManager(SecondaryTierManager):
         # The guard's answer over this store's lookup, built at the next lookup.
         self._answer = self._first_lookup
         self._poll = store.poll_raw()
-        # vLLM polls every tier at every step, and most steps nothing of ours
-        # finished: the native FinishedJobs answers those with no Python frame
-        # (the table's poll itself skips the engine while its completion hint
-        # reads none), makes the JobResult of each store job that succeeded
-        # itself, and calls _report_finished for the others (loads, failures).
-        # Set as this instance's get_finished_jobs (it shadows the method
-        # below, which does the same), unless a subclass overrides the method.
-        self._finished = FinishedJobs(self._poll, self._report_finished, (), JobResult)
-        if type(self).get_finished_jobs is NvmeTierManager.get_finished_jobs:
-            self.get_finished_jobs = self._finished  # type: ignore[method-assign]
         # Per job and per step: the native calls themselves, no store frame
         # (vLLM's chunk_ids array goes to the table as it is).
         submit_store, self._submit_load, self._release = store.table_calls()
         self._submit_store = store.submit_store if store.counts_lookups else submit_store
+        native = vars(self).get("_native_calls")
+        if native is not None:  # (made at the end of __init__)
+            finished, schedule_end, submit = native
+            finished.poll = self._poll
+            schedule_end.release = self._release
+            submit.submit = self._submit_store
+
+    def _wire_native_calls(self) -> None:
+        """vLLM's per-step and per-job calls answered in C, with no Python
+        frame of ours (nvmetier._table, native/nvt_tier_calls.c), each set on
+        the instance where its method is this class's (a subclass that
+        overrides one keeps it); the store setter points them at a new
+        store's calls in place (an instance's callable stays the same object,
+        whatever wraps it). Each does what the method below it does:
+
+        - ``get_finished_jobs``: most steps nothing of ours finished, answered
+          without a frame (the table's poll itself skips the engine while its
+          completion hint reads none); a store job that succeeded gets its
+          JobResult made there; loads and failures go to _report_finished.
+        - ``on_schedule_end``: the step's leases released, the guard's
+          end_step.
+        - ``submit_store``: the block-hash seed checked before the first
+          (``once``), then the table's submit; a refused job logged.
+        """
+        finished = FinishedJobs(self._poll, self._report_finished, (), JobResult)
+        schedule_end = ScheduleEnd(self._release, self._guard.end_step)
+        submit = SubmitStore(
+            self._submit_store, log_refused_job, None if self._seed_checked else self._seed_once
+        )
+        self._native_calls = (finished, schedule_end, submit)
+        cls = type(self)
+        if cls.get_finished_jobs is NvmeTierManager.get_finished_jobs:
+            self.get_finished_jobs = finished  # type: ignore[method-assign]
+        if cls.on_schedule_end is NvmeTierManager.on_schedule_end:
+            self.on_schedule_end = schedule_end  # type: ignore[method-assign]
+        if cls.submit_store is NvmeTierManager.submit_store:
+            self.submit_store = submit  # type: ignore[method-assign]
+
+    def _seed_once(self) -> None:
+        """The native submit_store's first call: the seed check, if no other
+        data-path call made it yet."""
+        if not self._seed_checked:
+            self._check_seed()
 
     def _build_guard(self, spec: OffloadingSpec, view: memoryview) -> PromotionGuard:
         """Warn when the CPU tier is too small for one longest request, and

@@ -272,3 +272,91 @@ def test_a_member_poll_deletes_is_an_error_not_a_crash() -> None:
         [sys.executable, "-c", _DELETES_DURING_POLL], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_schedule_end_releases_then_ends_the_step() -> None:
+    from nvmetier._table import ScheduleEnd
+
+    class Ctx:
+        new_req_ids = ("a",)
+        preempted_req_ids = ("b",)
+
+    calls: list = []
+    se = ScheduleEnd(lambda: calls.append("release"), lambda new, pre: calls.append((new, pre)))
+    assert se(Ctx()) is None and se(context=Ctx()) is None
+    assert calls == ["release", (("a",), ("b",))] * 2
+    with pytest.raises(TypeError, match="context"):
+        se()
+    with pytest.raises(AttributeError):
+        se(object())  # no new_req_ids: the error, after the release
+    with pytest.raises(TypeError, match="callable"):
+        ScheduleEnd(None, print)
+
+    def failing():
+        raise OSError("release failed")
+
+    with pytest.raises(OSError):
+        ScheduleEnd(failing, lambda n, p: calls.append("never"))(Ctx())
+    assert "never" not in calls
+    se2 = ScheduleEnd(lambda: delattr(se2, "end_step"), print)
+    del se2.release
+    with pytest.raises(TypeError, match="must be set"):
+        se2(Ctx())
+    blocks = sys.getallocatedblocks()
+    for _ in range(20000):
+        se(Ctx())
+    calls.clear()
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks < 50
+
+
+def test_submit_store_submits_logs_refusals_and_runs_once_first() -> None:
+    from nvmetier._table import SubmitStore
+
+    class Job:
+        def __init__(self, job_id, keys, chunk_ids):
+            self.job_id, self.keys, self.chunk_ids = job_id, keys, chunk_ids
+
+    submitted: list = []
+    refused: list = []
+    answers = iter([None, "engine closed", None])
+
+    def submit(job_id, keys, rows):
+        submitted.append((job_id, keys, rows))
+        return next(answers)
+
+    order: list = []
+
+    def once():
+        order.append("once")
+        st.submit = lambda *a: order.append("new submit") or submit(*a)
+
+    st = SubmitStore(submit, lambda job_id, err: refused.append((job_id, err)), once)
+    assert st(Job(1, [b"k"], [3])) is None
+    assert st(job_metadata=Job(2, [b"j"], [4])) is None
+    assert st(Job(3, [], [])) is None
+    # once ran first, once, and its new submit took every job.
+    assert order == ["once", "new submit", "new submit", "new submit"] and st.once is None
+    assert submitted == [(1, [b"k"], [3]), (2, [b"j"], [4]), (3, [], [])]
+    assert refused == [(2, "engine closed")]
+    with pytest.raises(TypeError, match="job_metadata"):
+        st()
+    with pytest.raises(AttributeError):
+        st(object())
+    with pytest.raises(TypeError, match="callable"):
+        SubmitStore(print, print, 5)
+
+    def bad_once():
+        raise RuntimeError("seed check failed")
+
+    st2 = SubmitStore(submit, print, bad_once)
+    with pytest.raises(RuntimeError):
+        st2(Job(9, [], []))
+    assert st2.once is None  # cleared before it ran: never twice
+    ok = SubmitStore(lambda *a: None, print)
+    job = Job(5, [b"x"], [1])
+    blocks = sys.getallocatedblocks()
+    for _ in range(20000):
+        ok(job)
+    gc.collect()
+    assert sys.getallocatedblocks() - blocks < 50

@@ -105,3 +105,44 @@ class NewRequestTier(NvmeTierManager):
     def on_new_request(self, req_context: Any) -> Any:
         self.new_requests += 1
         return super().on_new_request(req_context)
+
+
+def test_schedule_end_and_submit_store_are_native_and_subclasses_keep_theirs(
+    tmp_path, make_engine
+) -> None:
+    from nvmetier._table import ScheduleEnd, SubmitStore
+
+    eng = make_engine([nvme_tier(str(tmp_path / "a"))])
+    tier = eng.tiers[0]
+    assert isinstance(vars(tier).get("on_schedule_end"), ScheduleEnd)
+    assert isinstance(vars(tier).get("submit_store"), SubmitStore)
+    keys = [key_of(i) for i in range(12)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    assert set(eng.promote(keys).values()) == {LookupResult.HIT}
+    eng2 = make_engine(
+        [{**nvme_tier(str(tmp_path / "b")), "type": "StepCountingTier", "module_path": __name__}]
+    )
+    tier2 = eng2.tiers[0]
+    assert "on_schedule_end" not in vars(tier2) and "submit_store" not in vars(tier2)
+    eng2.store_all(keys)
+    eng2.reset_primary()
+    assert set(eng2.promote(keys).values()) == {LookupResult.HIT}
+    assert tier2.steps > 0 and tier2.stores > 0
+
+
+class StepCountingTier(NvmeTierManager):
+    """A subclass with its own on_schedule_end and submit_store."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps = 0
+        self.stores = 0
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.steps += 1
+        super().on_schedule_end(context)
+
+    def submit_store(self, job_metadata: Any) -> None:
+        self.stores += 1
+        super().submit_store(job_metadata)
