@@ -360,3 +360,47 @@ def test_submit_store_submits_logs_refusals_and_runs_once_first() -> None:
         ok(job)
     gc.collect()
     assert sys.getallocatedblocks() - blocks < 50
+
+
+_POLL_LIST_CHANGED = """
+import sys
+from nvmetier._table import FinishedJobs
+
+found = []
+
+
+class Keys(list):
+    def __len__(self):  # ok_keys' truth, asked by the make path: Python code
+        found.clear()
+        return 1
+
+
+def report(done):
+    found.clear()
+    return ["reported"]
+
+
+stores = [(i, True, None, 0.1, 1, None, False) for i in range(2, 50)]
+for first in (
+    (1, True, None, 0.1, 1, None, True),  # a load: report() runs
+    (1, True, Keys([b"k"]), 0.1, 1, None, False),  # a store: its keys' len() runs
+):
+    found[:] = [first, *stores]
+    fj = FinishedJobs(lambda: found, report, (), lambda *a: a[0])
+    out = fj()
+    assert out in (["reported"], [1]), out
+print("ok")
+"""
+
+
+def test_a_polled_list_changed_while_it_is_answered_is_no_crash() -> None:
+    # With make, the answer calls Python code (report, make, an ok_keys'
+    # truth) between the entries of the list poll() returned: a list that
+    # code empties must be read again, never past its end (a child process:
+    # a crash kills it, not this run).
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _POLL_LIST_CHANGED], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
