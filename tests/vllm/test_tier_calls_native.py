@@ -176,8 +176,9 @@ def test_native_finished_jobs_equals_the_python_report_entry_by_entry(
     dropped)."""
     from nvmetier.vllm import compat
 
-    monkeypatch.setattr(compat, "REPORTS_STORE_FAILURES", reports_failures)
     eng = make_engine([nvme_tier(str(tmp_path / "kv"))])
+    # (After the tier's detector is built: it reads the flag too.)
+    monkeypatch.setattr(compat, "REPORTS_STORE_FAILURES", reports_failures)
     tier: Any = eng.tiers[0]
     native = vars(tier)["get_finished_jobs"]
     runs = []
