@@ -72,17 +72,20 @@ static PyObject *finished_made(FinishedObject *self, PyObject *done) {
     PyObject *seq = PySequence_Fast(done, "poll() must return a sequence");
     if (!seq)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyList_New(0);
     PyObject *make = Py_NewRef(self->make), *report = Py_NewRef(self->report);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *raw = PySequence_Fast_GET_ITEM(seq, i);
+    /* When poll() returned a list, `seq` is that list: make, report or an
+     * ok_keys' __bool__ may change it while this runs (Python code). Its
+     * size is read again at each entry, and the entry held while in use. */
+    for (Py_ssize_t i = 0; out && i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *raw = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
         if (plain_store(raw)) {
             PyObject *ok_keys = PyTuple_GET_ITEM(raw, 2);
             int truth = ok_keys == Py_None ? 0 : PyObject_IsTrue(ok_keys);
             PyObject *args[5] = {PyTuple_GET_ITEM(raw, 0), Py_True, truth > 0 ? ok_keys : Py_None,
                                  PyTuple_GET_ITEM(raw, 3), PyTuple_GET_ITEM(raw, 4)};
             PyObject *r = truth < 0 ? NULL : PyObject_Vectorcall(make, args, 5, NULL);
+            Py_DECREF(raw);
             if (!r || PyList_Append(out, r) < 0)
                 Py_CLEAR(out);
             Py_XDECREF(r);
@@ -90,10 +93,11 @@ static PyObject *finished_made(FinishedObject *self, PyObject *done) {
         }
         PyObject *one = PyList_New(1);
         if (!one) {
+            Py_DECREF(raw);
             Py_CLEAR(out);
             break;
         }
-        PyList_SET_ITEM(one, 0, Py_NewRef(raw));
+        PyList_SET_ITEM(one, 0, raw); /* the list takes the entry's reference */
         PyObject *r = PyObject_CallOneArg(report, one);
         Py_DECREF(one);
         PyObject *rs = r ? PySequence_Fast(r, "report() must return a sequence") : NULL;

@@ -471,19 +471,25 @@ class NvmeTierManager(SecondaryTierManager):
         - ``get_finished_jobs``: most steps nothing of ours finished, answered
           without a frame (the table's poll itself skips the engine while its
           completion hint reads none); a store job that succeeded gets its
-          JobResult made there; loads and failures go to _report_finished.
+          JobResult made there (unless a subclass has its own
+          ``_report_finished``); loads and failures go to _report_finished.
         - ``on_schedule_end``: the step's leases released, the guard's
           end_step.
         - ``submit_store``: the block-hash seed checked before the first
           (``once``), then the table's submit; a refused job logged.
         """
-        finished = FinishedJobs(self._poll, self._report_finished, (), JobResult)
+        cls = type(self)
+        # A subclass's own _report_finished gets every job: no JobResult
+        # made past it.
+        own_report = cls._report_finished is not NvmeTierManager._report_finished
+        finished = FinishedJobs(
+            self._poll, self._report_finished, (), None if own_report else JobResult
+        )
         schedule_end = ScheduleEnd(self._release, self._guard.end_step)
         submit = SubmitStore(
             self._submit_store, log_refused_job, None if self._seed_checked else self._seed_once
         )
         self._native_calls = (finished, schedule_end, submit)
-        cls = type(self)
         if cls.get_finished_jobs is NvmeTierManager.get_finished_jobs:
             self.get_finished_jobs = finished  # type: ignore[method-assign]
         if cls.on_schedule_end is NvmeTierManager.on_schedule_end:

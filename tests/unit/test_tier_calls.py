@@ -360,3 +360,156 @@ def test_submit_store_submits_logs_refusals_and_runs_once_first() -> None:
         ok(job)
     gc.collect()
     assert sys.getallocatedblocks() - blocks < 50
+
+
+_POLL_LIST_CHANGED = """
+import sys
+from nvmetier._table import FinishedJobs
+
+found = []
+
+
+class Keys(list):
+    def __len__(self):  # ok_keys' truth, asked by the make path: Python code
+        found.clear()
+        return 1
+
+
+def report(done):
+    found.clear()
+    return ["reported"]
+
+
+stores = [(i, True, None, 0.1, 1, None, False) for i in range(2, 50)]
+for first in (
+    (1, True, None, 0.1, 1, None, True),  # a load: report() runs
+    (1, True, Keys([b"k"]), 0.1, 1, None, False),  # a store: its keys' len() runs
+):
+    found[:] = [first, *stores]
+    fj = FinishedJobs(lambda: found, report, (), lambda *a: a[0])
+    out = fj()
+    assert out in (["reported"], [1]), out
+print("ok")
+"""
+
+
+def test_a_polled_list_changed_while_it_is_answered_is_no_crash() -> None:
+    # With make, the answer calls Python code (report, make, an ok_keys'
+    # truth) between the entries of the list poll() returned: a list that
+    # code empties must be read again, never past its end (a child process:
+    # a crash kills it, not this run).
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _POLL_LIST_CHANGED], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
+
+
+_MEDDLING = """
+import gc
+import random
+import sys
+
+from nvmetier._table import FinishedJobs, NewRequest, ScheduleEnd, SubmitStore
+
+MEMBERS = {
+    FinishedJobs: ("poll", "report", "empty", "make"),
+    NewRequest: ("track", "answer"),
+    ScheduleEnd: ("release", "end_step"),
+    SubmitStore: ("submit", "refused", "once"),
+}
+
+
+class Ctx:
+    req_id = "r"
+    new_req_ids = ()
+    preempted_req_ids = ()
+    job_id = 1
+    keys = (b"k",)
+    chunk_ids = (0,)
+
+
+for seed in range(int(sys.argv[1])):
+    rng = random.Random(seed)
+    polled = []
+    answers = [None, "refused", [], [1, 2], (), polled]
+    objs = []
+    depth = [0]
+    ok = [0]
+
+    def call(o):
+        if depth[0] > 3:
+            return
+        depth[0] += 1
+        try:
+            o() if isinstance(o, FinishedJobs) else o(Ctx())
+            ok[0] += 1
+        finally:
+            depth[0] -= 1
+
+    def meddle(*args, **kwargs):
+        # Delete, replace or clear what the calls use, call one again.
+        for _ in range(rng.randint(0, 3)):
+            o = rng.choice(objs)
+            member = rng.choice(MEMBERS[type(o)])
+            r = rng.random()
+            try:
+                if r < 0.3:
+                    delattr(o, member)
+                elif r < 0.6:
+                    setattr(o, member, meddle)
+                elif r < 0.7:
+                    setattr(o, member, None)
+                else:
+                    setattr(o, member, rng.choice(answers))
+            except (AttributeError, TypeError):
+                pass
+            if rng.random() < 0.2:
+                polled.clear()
+            if rng.random() < 0.1:
+                try:
+                    call(rng.choice(objs))
+                except Exception:
+                    pass
+        return rng.choice(answers)
+
+    def poll():
+        meddle()
+        polled[:] = [
+            (i, True, None, 0.1, 1, None, rng.random() < 0.5) for i in range(rng.randint(0, 6))
+        ]
+        return polled
+
+    def fresh():
+        objs[:] = [
+            FinishedJobs(poll, meddle, (), meddle),
+            NewRequest(meddle, 1),
+            ScheduleEnd(meddle, meddle),
+            SubmitStore(meddle, meddle, meddle),
+        ]
+
+    fresh()
+    for i in range(20000):
+        try:
+            call(rng.choice(objs))
+        except Exception:
+            pass
+        if i % 50 == 0:
+            fresh()
+    gc.collect()
+    assert ok[0] > 1000, ok
+print("ok")
+"""
+
+
+def test_calls_whose_callables_meddle_with_everything_never_crash() -> None:
+    # Every callable deletes, replaces or clears members of any of the four
+    # types (its own included), empties the list poll() returned, or calls
+    # one of them again, at random: errors, never a crash (a child process).
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", _MEDDLING, "8"], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", (out.returncode, out.stderr[-2000:])
