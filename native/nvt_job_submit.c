@@ -473,11 +473,20 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
     uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
     if (!fps)
         goto error;
-    for (Py_ssize_t i = m - 1; i >= m - PREFETCH_AHEAD && i >= PREFETCH_AHEAD; i--)
+    /* Two stages ahead, as nvt_ready_keys: the sets' lines 2 * READY_AHEAD
+     * keys ahead, then, once their tags are in, the matching ways' lines
+     * (fingerprint, record, lease, recency, gen) READY_AHEAD ahead. The
+     * plan's lease read them in this step, but vLLM's own work since (a CPU
+     * tier slot for each HIT) leaves them out of the near caches: through
+     * vLLM, submit_load 0.34 -> 0.315 us a chunk (8 rounds alternated). */
+    for (Py_ssize_t i = m - 1; i >= 0 && i >= m - 2 * READY_AHEAD; i--)
         prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
     for (Py_ssize_t i = m - 1; i >= 0; i--) {
-        if (i >= PREFETCH_AHEAD)
-            prefetch_set(&self->core, fps[i - PREFETCH_AHEAD] % self->core.n_sets, 0);
+        if (i >= 2 * READY_AHEAD)
+            prefetch_set(&self->core, fps[i - 2 * READY_AHEAD] % self->core.n_sets, 0);
+        if (i >= READY_AHEAD)
+            prefetch_ways(&self->core, fps[i - READY_AHEAD] % self->core.n_sets, fps[i - READY_AHEAD],
+                          NVT_PF_LEASE | NVT_PF_LAST | NVT_PF_GEN);
         const char *k = NULL;
         Py_ssize_t n = 0;
         key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
