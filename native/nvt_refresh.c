@@ -25,10 +25,12 @@
  * marked as before. The keys' sets come from their fingerprints alone (no
  * table memory is read to choose).
  *
- * Threads: the CPython type's (nvt_table.c), with the GIL held, on vLLM's
- * scheduler thread; a set wait inside the touch is bounded (nvt_core.c).
+ * Threads: Table.touch's (defined here, in the CPython type), with the GIL
+ * held, on vLLM's scheduler thread; a set wait inside the touch is bounded
+ * (nvt_core.c).
  */
 #include "nvt_jobs.h"
+#include "nvt_table_type.h"
 
 #include <stdint.h>
 #include <string.h>
@@ -233,4 +235,36 @@ done:
     }
     Py_DECREF(lists);
     return out;
+}
+
+/* Table.touch: see its doc. */
+NVT_DOCSTR(nvt_touch_doc, "touch(keys, loaded=None) -> int\n\n"
+                        "Mark READY keys most recently used, in order (within a set, the last key\n"
+                        "touched is the most recent). Returns how many keys were READY and touched;\n"
+                        "a key that is not READY (absent, being written, bad) is left alone.\n"
+                        "loaded: the key lists of the request's load jobs, whose keys (the same\n"
+                        "objects, by identity) their load marked already: those are left as\n"
+                        "they are and counted, except in a set where a key of `keys` not loaded\n"
+                        "is marked, or where the loads (jobs in order, each last to first) left\n"
+                        "its keys in another order than `keys` (there every key is marked in\n"
+                        "order, as without `loaded`).");
+
+PyObject *nvt_Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    GUARD_ATTACHED(self);
+    if (nargs < 1 || nargs > 2) {
+        PyErr_SetString(PyExc_TypeError, "touch(keys, loaded=None) takes 1 or 2 arguments");
+        return NULL;
+    }
+    PyObject *seq = nvt_seq_snapshot(args[0], "keys must be a sequence");
+    if (!seq)
+        return NULL;
+    if (nvt_args_detached(self)) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t touched = nargs == 2 && args[1] != Py_None ? nvt_touch_refresh(self, seq, m, args[1])
+                                                          : nvt_ready_keys(self, seq, m, NULL, NVT_READY_TOUCH);
+    Py_DECREF(seq);
+    return touched < 0 ? NULL : PyLong_FromSsize_t(touched);
 }

@@ -304,37 +304,6 @@ static PyObject *Table_slot_of(TableObject *self, PyObject *key) {
     return PyLong_FromLongLong(slot);
 }
 
-PyDoc_STRVAR(touch_doc, "touch(keys, loaded=None) -> int\n\n"
-                        "Mark READY keys most recently used, in order (within a set, the last key\n"
-                        "touched is the most recent). Returns how many keys were READY and touched;\n"
-                        "a key that is not READY (absent, being written, bad) is left alone.\n"
-                        "loaded: the key lists of the request's load jobs, whose keys (the same\n"
-                        "objects, by identity) their load marked already: those are left as\n"
-                        "they are and counted, except in a set where a key of `keys` not loaded\n"
-                        "is marked, or where the loads (jobs in order, each last to first) left\n"
-                        "its keys in another order than `keys` (there every key is marked in\n"
-                        "order, as without `loaded`).");
-
-static PyObject *Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    GUARD_ATTACHED(self);
-    if (nargs < 1 || nargs > 2) {
-        PyErr_SetString(PyExc_TypeError, "touch(keys, loaded=None) takes 1 or 2 arguments");
-        return NULL;
-    }
-    PyObject *seq = nvt_seq_snapshot(args[0], "keys must be a sequence");
-    if (!seq)
-        return NULL;
-    if (nvt_args_detached(self)) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    Py_ssize_t touched = nargs == 2 && args[1] != Py_None ? nvt_touch_refresh(self, seq, m, args[1])
-                                                          : nvt_ready_keys(self, seq, m, NULL, NVT_READY_TOUCH);
-    Py_DECREF(seq);
-    return touched < 0 ? NULL : PyLong_FromSsize_t(touched);
-}
-
 PyDoc_STRVAR(contains_many_doc,
              "contains_many(keys) -> bytes\n\n"
              "contains() of each key in one call: one byte per key, 1 when READY, else 0;\n"
@@ -738,7 +707,7 @@ static PyMethodDef Table_methods[] = {
     {"contains_many", (PyCFunction)Table_contains_many, METH_O, contains_many_doc},
     {"lease_many", (PyCFunction)Table_lease_many, METH_O, lease_many_doc},
     {"states_many", (PyCFunction)Table_states_many, METH_O, states_many_doc},
-    {"touch", (PyCFunction)(void (*)(void))Table_touch, METH_FASTCALL, touch_doc},
+    {"touch", (PyCFunction)(void (*)(void))nvt_Table_touch, METH_FASTCALL, nvt_touch_doc},
     {"slot_of", (PyCFunction)Table_slot_of, METH_O, slot_of_doc},
     {"store_ops", (PyCFunction)Table_store_ops, METH_VARARGS, store_ops_doc},
     {"load_ops", (PyCFunction)Table_load_ops, METH_VARARGS, load_ops_doc},

@@ -66,6 +66,7 @@ PyObject *nvt_Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_usage(TableObject *self, PyObject *Py_UNUSED(ignored));
 PyObject *nvt_Table_hold_set(TableObject *self, PyObject *arg);
 PyObject *nvt_Table_release_set(TableObject *self, PyObject *arg);
+PyObject *nvt_Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t nargs); /* nvt_refresh.c */
 extern const char nvt_set_retention_doc[];
 extern const char nvt_purge_doc[];
 extern const char nvt_purge_generation_doc[];
@@ -80,6 +81,7 @@ extern const char nvt_counters_doc[];
 extern const char nvt_usage_doc[];
 extern const char nvt_hold_set_doc[];
 extern const char nvt_release_set_doc[];
+extern const char nvt_touch_doc[];
 
 /* ----------------------------------------------------- nvt_table_module.c */
 extern struct PyModuleDef nvt_table_module;

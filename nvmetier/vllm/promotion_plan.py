@@ -2,8 +2,10 @@
 
 Owns ``RequestPlanner``, the part of ``nvmetier.vllm.promotion.PromotionGuard``
 that computes a request's plan (its walk's start, its load end, the
-promotions and the CPU tier pins), the request's layout by KV group, and the
-protection of waiting requests' CPU chunks; the guard adds the per-lookup
+promotions and the CPU tier pins), the request's layout by KV group, the
+protection of waiting requests' CPU chunks, the rule without a view of the
+CPU tier (one round in the step of a request's first HIT, within its budget)
+and the guard's warnings; the guard adds the per-lookup
 fast path and the per-step bookkeeping (pins landing, rounds ending).
 
 Threads: vLLM's scheduler thread only, under the orchestrator's lock
@@ -145,6 +147,11 @@ class RequestPlanner:
     _lease_many: Callable[[list[Any]], bytes] | None
     _state: Callable[[Any], int]
     _residencies: Callable[[list[Any]], list[int]]
+    lookups_withheld: int
+    _groups: tuple[tuple[int, int | None], ...]
+    _longest: int
+    _not_logged: int
+    _not_logged_reqs: int
 
     def _layout_of(self, ctx: Any) -> list[_Group]:
         """The request's KV groups, full attention first (vLLM's walk order),
@@ -513,6 +520,64 @@ class RequestPlanner:
             self.cpu_chunks,
             fits,
         )
+
+    # ------------------------------------------------------------ no CPU tier view
+    def _chunks_before(self, position: int) -> int:
+        """Chunks of a request before the chunk ending at token ``position``."""
+        total = 0
+        for tokens_per_chunk, window in self._groups:
+            before = max(0, position // tokens_per_chunk - 1)
+            total += before if window is None else min(before, window + 1)
+        return total
+
+    def _request_budget(self, key: Any, ctx: Any) -> int:
+        """HITs a round starting at ``key`` may get: the budget less the
+        request's chunks before ``key`` (those the CPU tier may hold)."""
+        get_position = getattr(ctx, "get_offload_key_position", None)
+        position = get_position(key) if get_position is not None and self._groups else None
+        if not position:
+            return self.budget
+        return min(self.budget, self.cpu_chunks - self._chunks_before(int(position)))
+
+    def _admits_unplanned(self, key: Any, ctx: Any) -> bool:
+        """Without a CPU tier view: HITs only in the step of the request's
+        first HIT, at most its budget."""
+        req_id = ctx.req_id
+        rnd = self._rounds.get(req_id)
+        if rnd is None:  # no HIT yet: a round starts here if there is room
+            budget = self._request_budget(key, ctx)
+            if budget > 0:
+                return True
+            self._rounds[req_id] = _Round(ctx, self._step, budget, closed=True)
+            self.lookups_withheld += 1
+            return False
+        if not rnd.closed and rnd.step == self._step and rnd.hits < rnd.budget:
+            return True
+        rnd.closed = True
+        self.lookups_withheld += 1
+        return False
+
+    # ------------------------------------------------------------ warnings
+    def _warn_not_loaded(self) -> None:
+        need = ""
+        if self._longest > self.cpu_chunks and self._chunk_bytes:
+            need = (
+                f"; one longest request needs {self._longest} chunks: "
+                f"cpu_bytes_to_use >= {self._longest * self._chunk_bytes}"
+            )
+        logger.warning(
+            "nvmetier[%s]: %d disk hits of %d requests were not loaded since the last report: "
+            "vLLM's CPU tier (%d chunks) had no free slot for them, so those chunks are "
+            "recomputed (counted in vllm:nvmetier_hits_not_loaded). Raise cpu_bytes_to_use%s, "
+            "or send fewer long prompts at once (docs/vllm.md, 'Sizing the CPU tier')",
+            self._tier_label,
+            self._not_logged,
+            self._not_logged_reqs,
+            self.cpu_chunks,
+            need,
+        )
+        self._not_logged = 0
+        self._not_logged_reqs = 0
 
 
 def _protect_anchor(groups: list[_Group], view: Any) -> Any:
