@@ -20,70 +20,29 @@ set one at a time evict the least recently used first.
 
 from __future__ import annotations
 
-import mmap
-import os
 import random
-import tempfile
 
 import numpy as np
 import pytest
 import xxhash
 
-_table = pytest.importorskip("nvmetier._table")
-from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE  # noqa: E402
+from tests.unit.mem_table import MemTable
 
-ROW_BYTES = 4096
+_table = pytest.importorskip("nvmetier._table")
+
 WAYS = 8
 
 
-class Table:
+class Table(MemTable):
     """A real slot table of `sets` sets of WAYS ways, in memory."""
 
     def __init__(self, sets: int) -> None:
+        super().__init__(sets * WAYS, WAYS, prefix="nvt-refresh-")
         self.sets = sets
-        slots = sets * WAYS
-        self.map = mmap.mmap(-1, _table.table_bytes(slots, WAYS))
-        self.index = mmap.mmap(-1, slots * 128)
-        _table.format(self.map, slots, WAYS)
-        fd, self.lock_path = tempfile.mkstemp(prefix="nvt-refresh-", suffix=".lock")
-        self.fd = fd
-        self.t = _table.Table(
-            self.map,
-            self.index,
-            fd,
-            n_paths=1,
-            slot_bytes=ROW_BYTES,
-            row_bytes=ROW_BYTES,
-            n_rows=slots,
-            lease_ns=10**9,
-            watch_timeout_ns=10**9,
-        )
-        self.t.attach()
-        self.job = 0
         self.fresh = 0
-
-    def close(self) -> None:
-        self.t.detach()
-        os.close(self.fd)
-        os.unlink(self.lock_path)
 
     def set_of(self, key: bytes) -> int:
         return xxhash.xxh3_64_intdigest(key, 0) % self.sets
-
-    def _complete(self, packed: bytes, ok: bool) -> None:
-        ops = np.frombuffer(packed, dtype=OP_DTYPE)
-        comps = np.zeros(len(ops), dtype=COMPLETION_DTYPE)
-        for i, op in enumerate(ops):
-            comps[i] = (int(op["op_id"]), int(op["length"]) if ok else -5, 0)
-        self.t.complete(comps.tobytes(), False)
-
-    def store(self, keys: list[bytes]) -> None:
-        self.job += 1
-        packed, failed, _ev, _pending = self.t.store_ops(
-            self.job, keys, np.zeros(len(keys), dtype=np.int64), len(keys), True
-        )
-        assert failed is None
-        self._complete(packed, True)
 
     def load(self, keys: list[bytes]) -> None:
         """A load's table side: its ops built (each key marked), then
@@ -93,7 +52,7 @@ class Table:
             self.job, keys, np.zeros(len(keys), dtype=np.int64), False
         )
         assert missing is None
-        self._complete(packed, True)
+        self.complete(packed)
 
     def fresh_key_in(self, s: int) -> bytes:
         while True:

@@ -15,19 +15,16 @@ bytes written non-zero (no writer does) change none of it.
 
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import xxhash
 
-_table = pytest.importorskip("nvmetier._table")
-from nvmetier.engine.base import COMPLETION_DTYPE, OP_DTYPE  # noqa: E402
+from tests.unit.mem_table import MemTable
 
-ROW_BYTES = 4096
+_table = pytest.importorskip("nvmetier._table")
+
 HEADER_BYTES = 8192
 SET_HEAD_BYTES = 64
 WAYS = (1, 3, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1024)
@@ -54,48 +51,11 @@ def _pools() -> dict[str, Iterator[bytes]]:
     return {k: iter(v) for k, v in out.items()}
 
 
-class OneSet:
+class OneSet(MemTable):
     """A table of one set of `ways` ways (every key lands in it)."""
 
     def __init__(self, ways: int) -> None:
-        self.ways = ways
-        self.map = mmap.mmap(-1, _table.table_bytes(ways, ways))
-        self.index = mmap.mmap(-1, ways * 128)
-        _table.format(self.map, ways, ways)
-        fd, self.lock_path = tempfile.mkstemp(prefix="nvt-swar-", suffix=".lock")
-        self.fd = fd
-        self.t = _table.Table(
-            self.map,
-            self.index,
-            fd,
-            n_paths=1,
-            slot_bytes=ROW_BYTES,
-            row_bytes=ROW_BYTES,
-            n_rows=ways,
-            lease_ns=10**9,
-            watch_timeout_ns=10**9,
-        )
-        self.t.attach()
-        self.job = 0
-
-    def close(self) -> None:
-        self.t.detach()
-        os.close(self.fd)
-        os.unlink(self.lock_path)
-
-    def store(self, keys: list[bytes]) -> list[int]:
-        """Store `keys` (completed at once): the slot each op claimed."""
-        self.job += 1
-        packed, failed, _ev, _pending = self.t.store_ops(
-            self.job, keys, np.arange(len(keys), dtype=np.int64), len(keys), True
-        )
-        assert failed is None
-        ops = np.frombuffer(packed, dtype=OP_DTYPE)
-        comps = np.zeros(len(ops), dtype=COMPLETION_DTYPE)
-        for i, op in enumerate(ops):
-            comps[i] = (int(op["op_id"]), int(op["length"]), 7)
-        self.t.complete(comps.tobytes(), False)
-        return [int(op["file_offset"]) // ROW_BYTES for op in ops]
+        super().__init__(ways, ways, prefix="nvt-swar-")
 
     def padding(self) -> tuple[bytes, bytes]:
         """The tag and state arrays' padding bytes."""
