@@ -255,19 +255,24 @@ typedef struct {
     vectorcallfunc vectorcall;
 } NewRequestObject;
 
+/* The one argument of a call, positional or by `name`; NULL with TypeError. */
+static PyObject *one_arg(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *name,
+                         const char *what) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (nargs == 1 && !nkw)
+        return args[0];
+    if (nargs == 0 && nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), name) == 0)
+        return args[0];
+    PyErr_Format(PyExc_TypeError, "%s() takes one argument, %s", what, name);
+    return NULL;
+}
+
 static PyObject *new_request_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                                         PyObject *kwnames) {
     NewRequestObject *self = (NewRequestObject *)callable;
-    PyObject *ctx = NULL;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs == 1 && !nkw)
-        ctx = args[0];
-    else if (nargs == 0 && nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), "req_context") == 0)
-        ctx = args[0];
-    if (!ctx) {
-        PyErr_SetString(PyExc_TypeError, "on_new_request() takes one argument, req_context");
+    PyObject *ctx = one_arg(args, nargsf, kwnames, "req_context", "on_new_request");
+    if (!ctx)
         return NULL;
-    }
     if (!self->track || !self->answer) {
         PyErr_SetString(PyExc_TypeError, "NewRequest: track and answer must be set");
         return NULL;
@@ -364,18 +369,6 @@ typedef struct {
     PyObject *once;
     vectorcallfunc vectorcall;
 } PairObject;
-
-/* The one argument of a call, positional or by `name`; NULL with TypeError. */
-static PyObject *one_arg(PyObject *const *args, size_t nargsf, PyObject *kwnames, const char *name,
-                         const char *what) {
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-    if (nargs == 1 && !nkw)
-        return args[0];
-    if (nargs == 0 && nkw == 1 && PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(kwnames, 0), name) == 0)
-        return args[0];
-    PyErr_Format(PyExc_TypeError, "%s() takes one argument, %s", what, name);
-    return NULL;
-}
 
 static int pair_members_set(PairObject *self, const char *type) {
     if (self->first && self->second)

@@ -320,10 +320,6 @@ class NvmeTierManager(SecondaryTierManager):
             self.lookup = self._hot  # type: ignore[method-assign]
         # Per request on the scheduler thread: one C call each, no guard frame.
         self._track = self._guard.track_call()
-        # ... and as the instance's on_new_request, with no frame of ours
-        # (nvmetier._table.NewRequest: track(req_id, ctx), then the answer).
-        if type(self).on_new_request is NvmeTierManager.on_new_request:
-            self.on_new_request = NewRequest(self._track, _REQUEST_CONTEXT)  # type: ignore[method-assign]
         self._wire_native_calls()
         self._refresh_chunks = self.config.recency_refresh_chunks
         # Per request still running: the key lists of its load jobs, whose
@@ -370,6 +366,8 @@ class NvmeTierManager(SecondaryTierManager):
           completion hint reads none); a store job that succeeded gets its
           JobResult made there (unless a subclass has its own
           ``_report_finished``); loads and failures go to _report_finished.
+        - ``on_new_request``: the guard's track (``track_call``), then the
+          one request context every request gets.
         - ``on_schedule_end``: the step's leases released, the guard's
           end_step.
         - ``submit_store``: the block-hash seed checked before the first
@@ -387,6 +385,8 @@ class NvmeTierManager(SecondaryTierManager):
             self._submit_store, log_refused_job, None if self._seed_checked else self._seed_once
         )
         self._native_calls = (finished, schedule_end, submit)
+        if cls.on_new_request is NvmeTierManager.on_new_request:
+            self.on_new_request = NewRequest(self._track, _REQUEST_CONTEXT)  # type: ignore[method-assign]
         if cls.get_finished_jobs is NvmeTierManager.get_finished_jobs:
             self.get_finished_jobs = finished  # type: ignore[method-assign]
         if cls.on_schedule_end is NvmeTierManager.on_schedule_end:
@@ -599,7 +599,7 @@ class NvmeTierManager(SecondaryTierManager):
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        # What the instance's native FinishedJobs does (see the store setter).
+        # What the instance's native FinishedJobs does (_wire_native_calls).
         done = self._poll()  # one native call: completions applied, finished jobs out
         if not done:
             return ()
