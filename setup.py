@@ -75,6 +75,7 @@ TABLE_SOURCES = [
     "native/nvt_job_complete.c",
     "native/nvt_job_worker.c",
     "native/nvt_refresh.c",
+    "native/nvt_leases.c",
     "native/nvt_core.c",
     "native/nvt_hash.c",
     "native/nvt_hash_avx2.c",

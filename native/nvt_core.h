@@ -49,7 +49,7 @@ typedef struct {
         lock_recoveries, load_jobs_failed, store_jobs_failed, loads_cancelled, stores_dropped_watch_timeout,
         stores_dropped_watch_failed, set_lock_timeouts, completions_deferred, loads_verified_unverified,
         completions_abandoned, retention_expired, stores_purged, auth_failures, stores_skipped_no_epoch,
-        loads_key_destroyed;
+        loads_key_destroyed, load_leases_taken;
 } nvt_counters;
 
 /* A process's view of one table: the mappings and geometry (checked by

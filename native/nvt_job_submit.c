@@ -28,10 +28,11 @@ static int key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
 }
 
 /* Fingerprints of a job's keys (into `local` when they fit, else a new
- * array: free it with free_fps), with the sets of the first keys prefetched.
- * NULL with an exception set on a bad key or out of memory. */
+ * array: free it with free_fps), with the sets of the first keys prefetched;
+ * a key with skip[i] >= 0 (a load's grant taken over) is left unread, its
+ * fingerprint 0. NULL with an exception set on a bad key or out of memory. */
 static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
-                         int scan) {
+                         int scan, const int64_t *skip) {
     uint64_t *fps = m <= n_local ? local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(uint64_t));
     if (!fps) {
         PyErr_NoMemory();
@@ -40,6 +41,10 @@ static uint64_t *job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *
     for (Py_ssize_t i = 0; i < m; i++) {
         const char *k;
         Py_ssize_t n;
+        if (skip && skip[i] >= 0) {
+            fps[i] = 0;
+            continue;
+        }
         if (key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n) < 0) {
             if (fps != local)
                 PyMem_Free(fps);
@@ -72,7 +77,7 @@ static inline void free_fps(uint64_t *fps, uint64_t *local) {
  * that, the sets). 8, 16 and 32 measured alike (docs/bench.md). */
 #define READY_AHEAD 16
 Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_t *out, int mode) {
-    uint64_t fps_local[256], *fps = job_fps(self, seq, m, fps_local, 256, 0);
+    uint64_t fps_local[256], *fps = job_fps(self, seq, m, fps_local, 256, 0, NULL);
     if (!fps)
         return -1;
     Py_ssize_t ready = 0;
@@ -104,7 +109,7 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
             if (w >= 0 && mode == NVT_READY_TOUCH)
                 *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set);
             else if (w >= 0 && mode == NVT_READY_LEASE)
-                nvt_hold_lease(self, set, w, now);
+                nvt_hold_lease(self, set, w, now, PySequence_Fast_GET_ITEM(seq, i));
             set_unlock(&self->core, set);
         }
         if (out)
@@ -278,7 +283,7 @@ int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t 
     int64_t job = *job_io;
     int rc = 0;
     uint64_t now = nvt_now_ms();
-    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1);
+    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 1, NULL);
     if (!fps)
         goto error;
     for (Py_ssize_t i = 0; i < m; i++) {
@@ -453,6 +458,13 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
  * (submit_load). Returns 0, or -1 with an exception set (unwind with
  * load_unwind).
  *
+ * A key object this step's plan or lookup leased is taken over from its
+ * grant (nvt_leases.c): its set locked, the slot checked (same generation,
+ * READY, the grant's pin still there and not past retention) and its
+ * recency marked, from the grant's record of where it is; the grant is the
+ * op's, released at its completion. Any other key (or one whose slot
+ * changed since) is found in its set and leased as before.
+ *
  * The keys are taken last to first: a job lists a request's chunks head
  * first, and the recency each load marks (the set's clock) then leaves the
  * head the most recent of the chunks that share a set, as the refresh of a
@@ -460,6 +472,49 @@ void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, in
  * last; with the refresh off, the load's marks are the only ones). The ops
  * are built from the end of `ops` down and moved to its front at the end:
  * they stay in the keys' order, and so do the positions in `*missing`. */
+
+/* The lines a taken-over grant's check reads and writes: the set's head (the
+ * mutex and clock), its states and flags, and the way's recency, generation
+ * and lease epoch. */
+static inline void prefetch_grant(nvt_core *t, uint64_t slot) {
+    uint64_t set = slot / t->ways;
+    slot_ref s = slot_at(t, set, (uint32_t)(slot % t->ways));
+    __builtin_prefetch(set_head(t->base, t->set_bytes, set), 1);
+    __builtin_prefetch(s.state, 0);
+    __builtin_prefetch(s.last, 1);
+    __builtin_prefetch(s.gen, 0);
+    __builtin_prefetch(s.epoch, 0);
+}
+
+/* Take grant `g` over for a load (the set is locked): 1 with *leased,
+ * *epoch, *check (or'ed), *gen and *expected set, or 0 when the slot no
+ * longer holds what the grant leased (the key then takes the ordinary path). */
+static int take_over_locked(TableObject *self, const nvt_grant *g, uint64_t now, uint64_t until, uint64_t wall_ns,
+                            int *leased, uint32_t *epoch, int *check, uint32_t *gen, uint64_t *expected) {
+    uint64_t set = g->slot / self->core.ways;
+    slot_ref s = slot_at(&self->core, set, (uint32_t)(g->slot % self->core.ways));
+    if (*s.gen != g->gen || *s.state != NVT_READY)
+        return 0;
+    if (self->core.retention_ns && nvt_stamp_expired(g->stored_ns, wall_ns, self->core.retention_ns))
+        return 0; /* the ordinary path counts and frees it */
+    if (*s.epoch == g->epoch && g->until_ms > now) {
+        /* The grant's pin is there: the op's now. Its end is pushed out
+         * only once half of it is spent (the stamp's line is left alone
+         * in the usual load, moments after its plan). */
+        *leased = 1;
+        *epoch = g->epoch;
+        if (g->until_ms - now < self->core.lease_ms / 2 && *s.stamp < until)
+            *s.stamp = until;
+    } else {
+        *leased = lease_grant(s, now, until, epoch); /* it ran out: a new one */
+    }
+    *check |= (*s.flags & NVT_FLAG_UNVERIFIED) != 0;
+    *s.last = tick(&self->core, set);
+    *gen = g->gen;
+    *expected = g->payload;
+    return 1;
+}
+
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows,
                      int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing) {
     Py_ssize_t n_ops = *n_ops_io;
@@ -470,32 +525,110 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
      * room for one op per key past the n_ops already there). */
     Py_ssize_t top = n_ops + m, built = 0;
     Py_ssize_t missing_from = missing && *missing ? PyList_GET_SIZE(*missing) : 0;
-    uint64_t fps_local[64], *fps = job_fps(self, seq, m, fps_local, 64, 0);
+    /* The grants taken over, by key (taken[i] < 0: none), found by the key
+     * objects' addresses alone: such a key's bytes are not read again. */
+    int64_t taken_local[64], *taken = NULL;
+    nvt_grant grants_local[64], *grants = NULL;
+    Py_ssize_t n_taken = 0;
+    uint64_t wall_ns = 0, fps_local[64], *fps = NULL, round = self->held_round;
+    if (self->n_held && self->map_cap) {
+        taken = m <= 64 ? taken_local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(int64_t));
+        if (!taken) {
+            PyErr_NoMemory();
+            goto error;
+        }
+        for (Py_ssize_t i = 0; i < m; i++) {
+            int64_t row = row_at(rows, i);
+            int64_t h = row >= 0 && row < self->n_rows ? nvt_find_grant(self, PySequence_Fast_GET_ITEM(seq, i)) : -1;
+            if (h >= 0) {
+                /* Marked at once: the same key twice in the job takes it
+                 * once (the other finds it the ordinary way). */
+                self->held[h].adopted = 1;
+                n_taken++;
+            }
+            taken[i] = h;
+        }
+    }
+    /* Every other key parsed and hashed (a bad key raises before any grant
+     * is taken: those marked above are given back, unless Python code run
+     * meanwhile, an exception's allocation collecting garbage, released the
+     * step's leases: held_round then moved, and they are gone). */
+    fps = job_fps(self, seq, m, fps_local, 64, 0, n_taken ? taken : NULL);
+    if (n_taken && fps)
+        grants = m <= 64 ? grants_local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(nvt_grant));
+    if (n_taken && !grants) {
+        for (Py_ssize_t i = 0; i < m && self->held_round == round; i++) /* released at the step's end */
+            if (taken[i] >= 0)
+                self->held[taken[i]].adopted = 0;
+        n_taken = 0;
+        if (fps)
+            PyErr_NoMemory();
+        goto error;
+    }
     if (!fps)
         goto error;
+    if (n_taken) {
+        for (Py_ssize_t i = 0; i < m; i++)
+            if (taken[i] >= 0)
+                nvt_take_grant(self, taken[i], &grants[i]);
+        if (self->core.retention_ns)
+            wall_ns = nvt_wall_ns();
+    }
+#define TAKEN(i) (n_taken && taken[i] >= 0)
     /* Two stages ahead, as nvt_ready_keys: the sets' lines 2 * READY_AHEAD
      * keys ahead, then, once their tags are in, the matching ways' lines
      * (fingerprint, record, lease, recency, gen) READY_AHEAD ahead. The
      * plan's lease read them in this step, but vLLM's own work since (a CPU
      * tier slot for each HIT) leaves them out of the near caches: through
-     * vLLM, submit_load 0.34 -> 0.315 us a chunk (8 rounds alternated). */
-    for (Py_ssize_t i = m - 1; i >= 0 && i >= m - 2 * READY_AHEAD; i--)
-        prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+     * vLLM, submit_load 0.34 -> 0.315 us a chunk (8 rounds alternated). A
+     * key whose grant is taken over: the lines its check reads, from the
+     * grant's slot, 2 * READY_AHEAD ahead. */
+    for (Py_ssize_t i = m - 1; i >= 0 && i >= m - 2 * READY_AHEAD; i--) {
+        if (TAKEN(i))
+            prefetch_grant(&self->core, grants[i].slot);
+        else
+            prefetch_set(&self->core, fps[i] % self->core.n_sets, 0);
+    }
     for (Py_ssize_t i = m - 1; i >= 0; i--) {
-        if (i >= 2 * READY_AHEAD)
-            prefetch_set(&self->core, fps[i - 2 * READY_AHEAD] % self->core.n_sets, 0);
-        if (i >= READY_AHEAD)
-            prefetch_ways(&self->core, fps[i - READY_AHEAD] % self->core.n_sets, fps[i - READY_AHEAD],
+        Py_ssize_t far = i - 2 * READY_AHEAD, near = i - READY_AHEAD;
+        if (far >= 0) {
+            if (TAKEN(far))
+                prefetch_grant(&self->core, grants[far].slot);
+            else
+                prefetch_set(&self->core, fps[far] % self->core.n_sets, 0);
+        }
+        if (near >= 0 && !TAKEN(near))
+            prefetch_ways(&self->core, fps[near] % self->core.n_sets, fps[near],
                           NVT_PF_LEASE | NVT_PF_LAST | NVT_PF_GEN);
         const char *k = NULL;
         Py_ssize_t n = 0;
-        key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
         int64_t row = row_at(rows, i);
         uint64_t fp = fps[i], set = fp % self->core.n_sets;
         int w = -1, leased = 0, check = verify;
         uint32_t gen = 0, epoch = 0;
         uint64_t expected = 0;
-        if (n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && nvt_set_lock(&self->core, set) == 0) {
+        if (TAKEN(i)) {
+            const nvt_grant *g = &grants[i];
+            uint64_t gset = g->slot / self->core.ways;
+            if (nvt_set_lock(&self->core, gset) == 0) {
+                if (take_over_locked(self, g, now, until, wall_ns, &leased, &epoch, &check, &gen, &expected)) {
+                    set = gset;
+                    w = (int)(g->slot % self->core.ways);
+                    fp = g->fp; /* the read's checksum seed */
+                }
+                set_unlock(&self->core, gset);
+            }
+            if (w >= 0) {
+                self->core.c.load_leases_taken++;
+            } else { /* the ordinary path: its bytes now (a leased key is bytes) */
+                key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n);
+                fp = nvt_xxh3(k, (size_t)n, 0);
+                set = fp % self->core.n_sets;
+            }
+        } else {
+            key_arg(PySequence_Fast_GET_ITEM(seq, i), &k, &n); /* checked by job_fps */
+        }
+        if (w < 0 && n <= REC_KEY_MAX && row >= 0 && row < self->n_rows && nvt_set_lock(&self->core, set) == 0) {
             w = nvt_find_way(&self->core, set, fp, k, n, 1u << NVT_READY);
             if (w >= 0) {
                 slot_ref s = slot_at(&self->core, set, (uint32_t)w);
@@ -542,7 +675,12 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
 error:
     rc = -1;
 done:
+#undef TAKEN
     free_fps(fps, fps_local);
+    if (taken && taken != taken_local)
+        PyMem_Free(taken);
+    if (grants && grants != grants_local)
+        PyMem_Free(grants);
     if (built && top != n_ops)
         memmove(&ops[n_ops], &ops[top], (size_t)built * sizeof(nvt_op));
     n_ops += built;

@@ -10,7 +10,9 @@
  * load loops, submit_store/submit_load), nvt_job_complete.c (completions,
  * job reports, watches, deferred completions, KV events, collect) and
  * nvt_job_worker.c (the slot side of a completion, applied by an io_uring
- * worker before it publishes it). All but nvt_worker_apply run with the GIL
+ * worker before it publishes it); and nvt_leases.c, the step's lease grants
+ * (lookup hits, lease_many) that release_leases drops and a load of the same
+ * key object takes over. All but nvt_worker_apply run with the GIL
  * held on the thread that owns the Table (the scheduler thread);
  * nvt_worker_apply runs on the engine's I/O threads, without the GIL, and
  * reads only what nvt_job_worker.c lists.
@@ -131,6 +133,25 @@ typedef struct {
 } job_info;
 
 
+/* One lease grant of this step (nvt_leases.c): where, what the slot and its
+ * record said when it was granted, and the key object it was granted to. */
+typedef struct nvt_held {
+    uint64_t slot;      /* set * ways + way */
+    uint64_t until_ms;  /* the grant's end (nvt_now_ms clock) */
+    uint64_t payload;   /* the record's payload checksum */
+    uint64_t stored_ns; /* the record's store time (retention) */
+    uint64_t fp;        /* the key's fingerprint (a load's checksum seed) */
+    uint32_t gen, epoch;
+    PyObject *key;    /* a reference to the key object leased, or NULL */
+    uint32_t adopted; /* a load took it over: its completion releases it */
+} nvt_held;
+
+/* A grant a load took over (nvt_take_grant): nvt_held less the key. */
+typedef struct {
+    uint64_t slot, until_ms, payload, stored_ns, fp;
+    uint32_t gen, epoch;
+} nvt_grant;
+
 typedef struct {
     PyObject_HEAD
     Py_buffer tbuf, ibuf;
@@ -143,8 +164,14 @@ typedef struct {
     uint32_t n_ops_cap, *op_free, n_op_free;
     job_info *jobs;
     uint32_t n_jobs_cap, *job_free, n_job_free, jobs_live;
-    uint64_t *held; /* (slot, lease end) pairs of this step's lookup hits */
+    /* This step's lease grants (lookup hits, lease_many) and the map from a
+     * leased key object to its newest grant (nvt_leases.c). */
+    struct nvt_held *held;
     size_t n_held, cap_held;
+    uint32_t *held_map; /* held index + 1, 0: empty; map_cap entries */
+    size_t map_cap;
+    unsigned map_bits;
+    uint64_t held_round; /* release_leases so far: a held index is of one round */
     /* Stores of keys another write (any sharer's) was already writing: the
      * job finishes only once that write is no longer in flight, so a finished
      * store job always means its keys are there for everyone. */
@@ -265,8 +292,19 @@ Py_ssize_t nvt_ready_keys(TableObject *self, PyObject *seq, Py_ssize_t m, uint8_
  * the sets where another of its keys is marked. Returns the keys touched
  * READY plus those left to their load's mark, or -1 with an exception set. */
 Py_ssize_t nvt_touch_refresh(TableObject *self, PyObject *seq, Py_ssize_t m, PyObject *loaded);
-/* nvt_table.c: lease way w of set (locked) as a lookup hit, for release_leases. */
-void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now);
+/* ------------------------------------------------------ nvt_leases.c */
+/* Lease way w of set (locked) as a lookup hit, remembered for release_leases
+ * (out of memory to remember it: it runs out on its own) and, with `key`,
+ * for a load of that very key object to take over. */
+void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now, PyObject *key);
+/* The newest grant of this step to the object `key` that no load took over
+ * yet (its index in `held`), or -1. */
+int64_t nvt_find_grant(TableObject *self, PyObject *key);
+/* A load takes grant h over: copied to *g, left alone by release_leases. */
+void nvt_take_grant(TableObject *self, int64_t h, nvt_grant *g);
+/* End of a step: every grant no load took over released; the map emptied. */
+void nvt_release_held(TableObject *self);
+void nvt_held_free(TableObject *self);
 int nvt_append_key(PyObject **list, const char *key, Py_ssize_t n);
 PyObject *nvt_table_detached(void);
 /* Whether the Table was detached while its arguments were read (a generator

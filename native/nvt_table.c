@@ -66,7 +66,7 @@ static void Table_dealloc(TableObject *self) {
     for (unsigned b = 0; b < NVT_OP_BLOCKS; b++)
         PyMem_Free(self->op_blocks[b]);
     PyMem_Free(self->op_free);
-    PyMem_Free(self->held);
+    nvt_held_free(self);
     PyMem_Free(self->watches);
     PyMem_Free(self->deferred);
     PyMem_Free(self->ev_open);
@@ -226,30 +226,6 @@ PyDoc_STRVAR(lookup_doc, "lookup(key) -> bool\n\n"
                          "Whether key is READY (its record holds this key). A hit is leased:\n"
                          "no sharer evicts it for lease_ns, and counts as an access.");
 
-/* Lease way `w` of `set` (locked) as a lookup hit: one pin, ending lease_ms
- * from `now`, remembered for release_leases (out of memory to remember it:
- * the lease runs out on its own). lookup and lease_many. */
-void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now) {
-    slot_ref s = slot_at(&self->core, set, (uint32_t)w);
-    uint32_t epoch;
-    int pinned = lease_grant(s, now, now + self->core.lease_ms, &epoch);
-    if (pinned && self->n_held == self->cap_held) {
-        size_t cap = self->cap_held ? self->cap_held * 2 : 256;
-        uint64_t *h = PyMem_Realloc(self->held, cap * 2 * sizeof(uint64_t));
-        if (h) {
-            self->held = h;
-            self->cap_held = cap;
-        }
-    }
-    if (pinned && self->n_held < self->cap_held) {
-        self->held[2 * self->n_held] = set * self->core.ways + (uint64_t)w;
-        self->held[2 * self->n_held + 1] = (uint64_t)*s.gen << 32 | epoch;
-        self->n_held++;
-    } else if (pinned) { /* no memory to remember it: the lease runs out on its own */
-        PyErr_Clear();
-    }
-}
-
 static PyObject *Table_lookup(TableObject *self, PyObject *key) {
     GUARD_ATTACHED(self);
     uint64_t set;
@@ -259,7 +235,7 @@ static PyObject *Table_lookup(TableObject *self, PyObject *key) {
         return NULL;
     if (r == 0) {
         if (w >= 0) {
-            nvt_hold_lease(self, set, w, nvt_now_ms());
+            nvt_hold_lease(self, set, w, nvt_now_ms(), key);
             *slot_at(&self->core, set, (uint32_t)w).last = tick(&self->core, set); /* an access */
             hit = 1;
         }
@@ -646,20 +622,13 @@ static PyObject *Table_push_stored(TableObject *self, PyObject *keys) {
 }
 
 PyDoc_STRVAR(release_leases_doc, "release_leases()\n\n"
-                                 "End of a step: drop the leases of this step's lookup hits that no\n"
-                                 "load (and no other sharer) extended since.");
+                                 "End of a step: drop the leases of this step's lookup hits and\n"
+                                 "lease_many that no load took over (a load's completion releases\n"
+                                 "the grant it took over).");
 
 static PyObject *Table_release_leases(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD_ATTACHED(self);
-    for (size_t i = 0; i < self->n_held; i++) {
-        uint64_t slot = self->held[2 * i], grant = self->held[2 * i + 1], set = slot / self->core.ways;
-        if (nvt_set_lock(&self->core, set) != 0)
-            continue; /* the lease runs out on its own */
-        lease_release(slot_at(&self->core, set, (uint32_t)(slot % self->core.ways)), (uint32_t)(grant >> 32),
-                      (uint32_t)grant);
-        set_unlock(&self->core, set);
-    }
-    self->n_held = 0;
+    nvt_release_held(self);
     Py_RETURN_NONE;
 }
 

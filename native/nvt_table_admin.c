@@ -325,7 +325,7 @@ PyObject *nvt_Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
     GUARD(self);
     nvt_counters *c = &self->core.c;
     return Py_BuildValue(
-        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
+        "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "hits", c->hits, "misses", c->misses, "evictions",
         c->evictions, "checksum_failures", c->checksum_failures, "read_errors", c->read_errors,
         "write_errors", c->write_errors, "loads_raced", c->loads_raced, "stores_skipped_present",
         c->stores_skipped_present, "stores_dropped_set_busy", c->stores_dropped_set_busy,
@@ -340,7 +340,7 @@ PyObject *nvt_Table_counters(TableObject *self, PyObject *Py_UNUSED(ignored)) {
         c->completions_deferred, "completions_abandoned", c->completions_abandoned, "kv_events_lost",
         self->events_lost, "retention_expired", c->retention_expired, "stores_purged", c->stores_purged,
         "auth_failures", c->auth_failures, "stores_skipped_no_epoch", c->stores_skipped_no_epoch,
-        "loads_key_destroyed", c->loads_key_destroyed);
+        "loads_key_destroyed", c->loads_key_destroyed, "load_leases_taken", c->load_leases_taken);
 }
 
 NVT_DOCSTR(nvt_usage_doc, "usage() -> (used, ready, watches, jobs_in_flight)\n\n"
