@@ -137,6 +137,7 @@ class PromotionGuard(RequestPlanner):
         if not groups:
             groups = tuple((i, tpc, w) for i, (tpc, w) in enumerate(self._groups))
         self._layout = {g: (tpc, w) for g, tpc, w in groups if tpc > 0}
+        self._one_group = None
         self._step = 0
         self._rounds: dict[str, _Round] = {}
         # HITs answered this step that no submit_load took yet: key -> req_id,
@@ -423,12 +424,7 @@ class PromotionGuard(RequestPlanner):
                 return self._admits_unplanned(key, ctx)
         elif not rnd.plans:
             return self._admits_unplanned(key, ctx)
-        elif (
-            not rnd.closed
-            and rnd.step != self._step
-            and rnd.plans < MAX_PLANS
-            and (key in rnd.needed or not rnd.needed)
-        ):
+        elif not rnd.closed and rnd.step != self._step and rnd.plans < MAX_PLANS and rnd.needs(key):
             self._plan_and_lease(rnd, key)
         if key in rnd.planned:
             return True

@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from nvmetier._table import chunk_run
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView, key_positions, request_keys
@@ -83,7 +83,7 @@ NOT_LOADED_LOG_INTERVAL_S = 60.0
 PLAN_BATCH = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class _Round:
     """One request's promotion round."""
 
@@ -101,7 +101,9 @@ class _Round:
     # (release_leases drops every lease at the step's end).
     leased: set[Any] = field(default_factory=set)
     lease_step: int = -1
-    needed: set[Any] = field(default_factory=set)  # keys the planned load takes
+    # Keys the planned load takes: a set, or (a dense plan) the list of them,
+    # made a set only when asked (``needs``).
+    needed: set[Any] | list[Any] = field(default_factory=set)
     pinned: set[Any] = field(default_factory=set)  # keys this round pinned
     landing: set[Any] = field(default_factory=set)  # needed keys to pin once ready
     # len(landing) when every landing key was found in a promotion job in
@@ -113,12 +115,20 @@ class _Round:
     idle_steps: int = 0
     protect_only: bool = False  # pins a waiting request's CPU chunks, no HIT
 
+    def needs(self, key: Any) -> bool:
+        """Whether the planned load takes ``key`` (or the plan is empty)."""
+        needed = self.needed
+        if type(needed) is list:
+            needed = self.needed = set(needed)
+        return not needed or key in needed
 
-@dataclass(frozen=True)
-class _Group:
-    """One KV group of a request: its chunk size, window and keys by chunk."""
 
-    index: int
+class _Group(NamedTuple):
+    """One KV group of a request: its chunk size, window and keys by chunk
+    (a tuple: made once per plan on vLLM's thread, ~4 us cold as a frozen
+    dataclass, whose fields are set one ``object.__setattr__`` at a time)."""
+
+    group_index: int  # the KV group's index in vLLM's config
     tokens_per_chunk: int
     window: int | None
     keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
@@ -136,6 +146,9 @@ class RequestPlanner:
     _tier_label: str
     _last_size_log: float
     _layout: dict[int, tuple[int, int | None]]
+    # The one group's (index, tokens per chunk, window, key suffix), once
+    # made (a model of one KV group; None until then).
+    _one_group: tuple[int, int, int | None, bytes] | None
     _step: int
     _protected_step: int
     _rounds: dict[str, _Round]
@@ -173,7 +186,7 @@ class RequestPlanner:
                 if tpc <= 0:
                     return []
             out.append(_Group(index, tpc, window, _chunk_keys(ends, tpc)))
-        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.index))
+        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.group_index))
         return out
 
     def _layout_one_group(self, ctx: Any) -> list[_Group] | None:
@@ -182,8 +195,11 @@ class RequestPlanner:
         positions = key_positions(ctx)
         if not positions:
             return None
-        ((index, (tpc, window)),) = self._layout.items()
-        suffix = index.to_bytes(4, "big")
+        one = self._one_group
+        if one is None:
+            ((index, (tpc, window)),) = self._layout.items()
+            one = self._one_group = (index, tpc, window, index.to_bytes(4, "big"))
+        index, tpc, window, suffix = one
         if tpc > 0:
             # The usual record (every key of the group, chunk after chunk
             # from the first) in one native pass; anything else below.
@@ -249,6 +265,20 @@ class RequestPlanner:
         rnd.step = self._step
         rnd.planned = set()
         state = self._state
+        if len(groups) == 1 and groups[0].window is None:
+            # One full-attention group (a dense model): its walk's start and
+            # the plan, without the general path's per-group bookkeeping.
+            group = groups[0]
+            start = self._walk_start(groups, first_key, int(position), state, on_disk, group)
+            room = view.room()
+            return self._plan_dense(
+                rnd,
+                group,
+                start,
+                self.budget - rnd.hits,
+                self.cpu_chunks if room is None else room,
+                promote,
+            )
         start = self._walk_start(groups, first_key, int(position), state, on_disk)
         step = _lcm_bounded([g.tokens_per_chunk for g in groups])
         end_tokens = min(len(g.keys) * g.tokens_per_chunk for g in groups)
@@ -258,8 +288,6 @@ class RequestPlanner:
             room = self.cpu_chunks
         full = [g for g in groups if g.window is None]
         windows = [g for g in groups if g.window is not None]
-        if len(full) == 1 and not windows:
-            return self._plan_dense(rnd, full[0], start, budget, room, promote)
         known: dict[Any, int] = {}  # key -> READY / PENDING / ABSENT, or NOWHERE
 
         def classify(key: Any) -> int:
@@ -276,7 +304,7 @@ class RequestPlanner:
 
         # Full groups accumulate from the start (counted once, O(prompt));
         # windows are counted afresh per end (O(window) each).
-        full_next = {g.index: start // g.tokens_per_chunk for g in full}
+        full_next = {g.group_index: start // g.tokens_per_chunk for g in full}
         full_need = full_promos = full_pins = 0
         best_end = no_disk_end = 0
         need_most = 0
@@ -285,7 +313,7 @@ class RequestPlanner:
             blocked = False
             for g in full:
                 stop = t // g.tokens_per_chunk
-                i = full_next[g.index]
+                i = full_next[g.group_index]
                 while i < stop:
                     where = classify(g.keys[i])
                     if where == NOWHERE:
@@ -297,7 +325,7 @@ class RequestPlanner:
                     elif where == READY:
                         full_pins += pins_new(g.keys[i])
                     i += 1
-                full_next[g.index] = i
+                full_next[g.group_index] = i
                 if blocked:
                     break
             if blocked:  # a full group's chunk is nowhere: no end past it
@@ -441,12 +469,13 @@ class RequestPlanner:
             best = no_disk  # the CPU tier alone serves as much: no HIT
         needed = keys[first : first + best]
         wheres = wheres[:best]
-        rnd.needed = set(needed)
+        # The list itself: a set only if a later lookup asks (_Round.needs).
+        rnd.needed = needed
         # At C speed (compress), a chunk's class read once per set built; a
-        # request all on disk (the common case) copies the needed set.
+        # request all on disk (the common case) makes one set, and copies it.
         all_absent = wheres.count(ABSENT) == best
         if all_absent:
-            rnd.planned = rnd.needed.copy()
+            rnd.planned = set(needed)
         else:
             rnd.planned = set(compress(needed, map(_ABSENT_EQ, wheres)))
         if lease:
@@ -466,7 +495,12 @@ class RequestPlanner:
         if to_pin:
             view.pin(to_pin, rnd.ctx)
             pinned.update(to_pin)
-        not_ready = rnd.needed if all_absent else set(compress(needed, map(_READY_GT, wheres)))
+        if all_absent and not pinned and not rnd.landing:
+            # Every chunk lands: a copy of the planned set, taken before any
+            # HIT leaves it.
+            rnd.landing = rnd.planned.copy()
+            return True
+        not_ready = set(needed) if all_absent else set(compress(needed, map(_READY_GT, wheres)))
         rnd.landing.update(not_ready - pinned if pinned else not_ready)
         return True
 
@@ -477,14 +511,17 @@ class RequestPlanner:
         position: int,
         state: Callable[[Any], int],
         on_disk: Callable[[Any], bool],
+        full: _Group | None = None,
     ) -> int:
         """The token where the request's walk started (vLLM tells no tier).
 
-        With a full-attention group: where the CPU tier's run of its chunks
-        ends just before ``first_key`` starts (the walk found them all).
-        Sliding windows only: the first token.
+        With a full-attention group (``full``, when the caller has it):
+        where the CPU tier's run of its chunks ends just before
+        ``first_key`` starts (the walk found them all). Sliding windows
+        only: the first token.
         """
-        full = next((g for g in groups if g.window is None), None)
+        if full is None:
+            full = next((g for g in groups if g.window is None), None)
         if full is None:
             # Sliding windows only, scanned from the end: nothing tells where
             # the walk began; from the first token, the windows the plan
@@ -493,8 +530,10 @@ class RequestPlanner:
             # plan does not count on).
             return 0
         tpc = full.tokens_per_chunk
-        if first_key in full.keys:
-            i = position // tpc - 1  # the first chunk the CPU tier did not have
+        keys = full.keys
+        at = position // tpc - 1  # where the key's own chunk is, if it is this group's
+        if (0 <= at < len(keys) and keys[at] == first_key) or first_key in keys:
+            i = at  # the first chunk the CPU tier did not have
         else:  # a later group's key: the full group's walk passed this chunk
             i = min(len(full.keys), -(-position // tpc))
         while i > 0 and state(full.keys[i - 1]) != ABSENT:
