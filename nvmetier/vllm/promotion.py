@@ -161,6 +161,14 @@ class PromotionGuard(RequestPlanner):
         # any promotion of a step (``_protect_waiting``).
         self._waiting: dict[str, Any] = {}
         self._protected_step = -1
+        # Whether the last end of step found every round waiting on promotions
+        # in flight (or no round) and nothing to count, with nothing of the
+        # guard's changed since: every method that changes a round, a HIT or
+        # a pin clears it. Then the next end of step only counts the step
+        # (unless it schedules or preempts a request, or the CPU tier's
+        # generation moved).
+        self._quiet = False
+        self._quiet_generation: int | None = None
         # Promotion jobs of planned rounds in flight: job id -> keys (PENDING
         # in the CPU tier until load_finished: _pin_landed need not ask about
         # them every step). Their union is taken only when a round's landing
@@ -195,6 +203,7 @@ class PromotionGuard(RequestPlanner):
         HITs were so answered (once per request and step). A
         planned key not leased is asked of the disk's own lookup when vLLM
         looks it up, as without it."""
+        self._quiet = False
         self._cool()
         self._view = view
         self._on_disk = on_disk
@@ -394,6 +403,7 @@ class PromotionGuard(RequestPlanner):
         False (counted in ``lookups_withheld``) for every key outside the
         request's plan; the tier then answers MISS without asking the disk.
         """
+        self._quiet = False
         if self._hot.ctx is not None:
             self._cool()
         if not self.enabled:
@@ -433,6 +443,7 @@ class PromotionGuard(RequestPlanner):
 
     def note_hit(self, key: Any, ctx: Any) -> None:
         """The tier answers HIT for ``key`` of request ``ctx`` (after ``admits``)."""
+        self._quiet = False
         if self._hot.ctx is not None:
             self._cool()
         if self._pending:
@@ -453,6 +464,7 @@ class PromotionGuard(RequestPlanner):
 
     def note_loaded(self, keys: Iterable[Any]) -> None:
         """vLLM submitted a load (promotion) of ``keys``."""
+        self._quiet = False
         self._cool()
         pending = self._pending
         head = keys
@@ -492,6 +504,7 @@ class PromotionGuard(RequestPlanner):
         would let its stores evict them before the guard could pin them. The
         orchestrator's own ``complete_write`` of ready chunks changes nothing.
         """
+        self._quiet = False
         keys = self._load_jobs.pop(job_id, None)
         view = self._view
         if keys is None or view is None:
@@ -545,6 +558,14 @@ class PromotionGuard(RequestPlanner):
     ) -> None:
         """End of a scheduler step (after vLLM submitted its promotions and
         pinned the loads of the requests it scheduled)."""
+        if self._quiet and not new_req_ids and not preempted_req_ids:
+            # Nothing of the guard's changed since the last end of step found
+            # every round waiting (``_quiet``): this one would find the same.
+            view = self._view
+            if view is None or view.generation() == self._quiet_generation:
+                self._step += 1
+                return
+        self._quiet = False
         if self._hot.ctx is not None:
             self._cool()
         self._step += 1
@@ -561,6 +582,8 @@ class PromotionGuard(RequestPlanner):
                 self._note_pending()
             if self._unloaded:
                 self._count_unloaded()
+            self._quiet = True  # no round: the next end of step has nothing to do
+            self._quiet_generation = None if self._view is None else self._view.generation()
             return
         for req_id in preempted_req_ids:
             rnd = rounds.pop(req_id, None)
@@ -583,13 +606,18 @@ class PromotionGuard(RequestPlanner):
         # Then _pin_landed and _expire_idle would pass over each round and
         # change nothing: one pass (_rounds_waiting) instead of their two.
         view = self._view
+        quiet = True
         if rounds and view is not None and not self._rounds_waiting(view):
             self._pin_landed()
             self._expire_idle()
+            quiet = False  # it may have changed something: the next step looks again
         if self._pending:
             self._note_pending()
         if self._unloaded:
             self._count_unloaded()
+        self._quiet = quiet
+        if quiet:
+            self._quiet_generation = None if view is None else view.generation()
 
     def _rounds_waiting(self, view: PrimaryView) -> bool:
         """Whether no round has anything for ``_pin_landed`` or
@@ -631,6 +659,7 @@ class PromotionGuard(RequestPlanner):
 
     def finish(self, req_id: str) -> None:
         """The request finished: drop its pins and forget its round."""
+        self._quiet = False
         if self._hot.ctx is not None:
             self._cool()
         self._waiting.pop(req_id, None)
@@ -644,6 +673,7 @@ class PromotionGuard(RequestPlanner):
     def release_all(self) -> None:
         """Drop every pin and round (before vLLM resets the CPU tier, or at
         shutdown): requests plan afresh at their next lookup."""
+        self._quiet = False
         self._cool()
         for rnd in self._rounds.values():
             self._release(rnd)

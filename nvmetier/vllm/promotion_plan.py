@@ -62,7 +62,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 from nvmetier._table import chunk_run
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView, key_positions, request_keys
@@ -123,15 +123,40 @@ class _Round:
         return not needed or key in needed
 
 
-class _Group(NamedTuple):
-    """One KV group of a request: its chunk size, window and keys by chunk
-    (a tuple: made once per plan on vLLM's thread, ~4 us cold as a frozen
-    dataclass, whose fields are set one ``object.__setattr__`` at a time)."""
+class _Group:
+    """One KV group of a request: its chunk size, window and keys by chunk.
 
-    group_index: int  # the KV group's index in vLLM's config
-    tokens_per_chunk: int
-    window: int | None
-    keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
+    A slotted class: made once per plan on vLLM's thread, where a frozen
+    dataclass (fields set one ``object.__setattr__`` at a time) cost ~4 us
+    cold. Not changed once made."""
+
+    __slots__ = ("index", "keys", "tokens_per_chunk", "window")
+
+    def __init__(
+        self, index: int, tokens_per_chunk: int, window: int | None, keys: list[Any]
+    ) -> None:
+        self.index = index
+        self.tokens_per_chunk = tokens_per_chunk
+        self.window = window
+        self.keys = keys  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _Group):
+            return NotImplemented
+        return (self.index, self.tokens_per_chunk, self.window, self.keys) == (
+            other.index,
+            other.tokens_per_chunk,
+            other.window,
+            other.keys,
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # keys is a list
+
+    def __repr__(self) -> str:
+        return (
+            f"_Group(index={self.index}, tokens_per_chunk={self.tokens_per_chunk}, "
+            f"window={self.window}, keys={self.keys!r})"
+        )
 
 
 class RequestPlanner:
@@ -186,7 +211,7 @@ class RequestPlanner:
                 if tpc <= 0:
                     return []
             out.append(_Group(index, tpc, window, _chunk_keys(ends, tpc)))
-        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.group_index))
+        out.sort(key=lambda g: (g.window is not None, -(g.window or 0), g.index))
         return out
 
     def _layout_one_group(self, ctx: Any) -> list[_Group] | None:
@@ -304,7 +329,7 @@ class RequestPlanner:
 
         # Full groups accumulate from the start (counted once, O(prompt));
         # windows are counted afresh per end (O(window) each).
-        full_next = {g.group_index: start // g.tokens_per_chunk for g in full}
+        full_next = {g.index: start // g.tokens_per_chunk for g in full}
         full_need = full_promos = full_pins = 0
         best_end = no_disk_end = 0
         need_most = 0
@@ -313,7 +338,7 @@ class RequestPlanner:
             blocked = False
             for g in full:
                 stop = t // g.tokens_per_chunk
-                i = full_next[g.group_index]
+                i = full_next[g.index]
                 while i < stop:
                     where = classify(g.keys[i])
                     if where == NOWHERE:
@@ -325,7 +350,7 @@ class RequestPlanner:
                     elif where == READY:
                         full_pins += pins_new(g.keys[i])
                     i += 1
-                full_next[g.group_index] = i
+                full_next[g.index] = i
                 if blocked:
                     break
             if blocked:  # a full group's chunk is nowhere: no end past it
