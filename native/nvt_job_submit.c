@@ -615,8 +615,16 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
                     set = gset;
                     w = (int)(g->slot % self->core.ways);
                     fp = g->fp; /* the read's checksum seed */
+                } else {
+                    /* Not taken over: its pin, if the slot still carries it
+                     * (past retention, or a BAD slot), goes now, as the
+                     * step's end would have dropped it. */
+                    lease_release(slot_at(&self->core, gset, (uint32_t)(g->slot % self->core.ways)), g->gen,
+                                  g->epoch);
                 }
                 set_unlock(&self->core, gset);
+            } else if (self->held_round == round && (size_t)taken[i] < self->n_held) {
+                self->held[taken[i]].adopted = 0; /* its set is busy: the step's end releases it */
             }
             if (w >= 0) {
                 self->core.c.load_leases_taken++;

@@ -20,6 +20,13 @@ The model is the contract, not a copy of the implementation's choices:
 - a lease is one token per grant (each lookup hit, each load): it protects its
   slot until it is released (the step's end, the load's completion) or its
   time runs out, whatever other grants of the same slot do;
+- a load of a key object this handle leased since its last release (a lookup
+  or lease_many; the newest such grant of that object, once) takes that
+  grant over if it still protects the slot it named (same generation,
+  READY, not run out): no grant of its own; the load's completion releases
+  it, the step's end does not. A grant run out on a slot still holding the
+  key is replaced by a new one; a grant whose slot was freed or rewritten is
+  no grant (the key is found again, or missing);
 - an op the engine refused or cancelled (-ECANCELED) changes nothing.
 Time moves only through the table's test clock (``_set_clock_offset_ns``): the
 ``advance_clock`` step jumps past every lease granted so far, so leases (and
@@ -124,6 +131,7 @@ COUNTER_NAMES = (
     "stores_dropped_watch_failed",
     "set_lock_timeouts",
     "completions_deferred",
+    "load_leases_taken",
 )
 
 
@@ -283,10 +291,21 @@ class MJob:
 
 
 @dataclasses.dataclass
+class MHeld:
+    """A grant of a lookup or lease_many, until the handle's release_leases."""
+
+    slot: int
+    token: int
+    gen: int
+    key: bytes
+    taken: bool = False  # a load took it over: its completion releases it
+
+
+@dataclasses.dataclass
 class MHandle:
     table: _table.Table
     fd: int
-    held: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    held: list[MHeld] = dataclasses.field(default_factory=list)
     ops: dict[int, MOp] = dataclasses.field(default_factory=dict)
     jobs: dict[int, MJob] = dataclasses.field(default_factory=dict)
     # (slot, gen, job_id, pos, deadline_ms)
@@ -466,10 +485,38 @@ class TableModel(RuleBasedStateMachine):
         want_ops: list[tuple[int, int]] = []
         want_missing: list[int] = []
         mops: list[MOp] = []
+        # The grants it takes over: for each key in the keys' order, the
+        # handle's newest grant to that object, unless a load took it.
+        takes: dict[int, MHeld] = {}
+        for pos, key in enumerate(keys):
+            newest = next((g for g in reversed(h.held) if g.key is key), None)
+            if newest is not None and not newest.taken:
+                newest.taken = True
+                takes[pos] = newest
         # A load takes its keys last to first (a request's head ends up its
         # most recent chunk, as the finish refresh leaves it); its ops and
         # missing positions come out in the keys' order.
         for pos, key in reversed(list(enumerate(keys))):
+            took = takes.get(pos)
+            if took is not None:
+                s = self.slots[took.slot]
+                if s.gen == took.gen and s.state == READY:
+                    end = s.grants.get(took.token, 0)
+                    if end > self.now_ms:
+                        token = took.token  # the grant is the load's now
+                        if end - self.now_ms < LEASE_MS // 2:
+                            s.grants[token] = self.now_ms + LEASE_MS
+                    else:
+                        token = self.grant(took.slot)  # it ran out: a new one
+                    s.last_used = self.tick()
+                    h.counters["load_leases_taken"] += 1
+                    want_ops.insert(0, (pos, took.slot))
+                    mops.insert(
+                        0,
+                        MOp(OP_READ, took.slot, s.gen, key, job_id, pos, token, s.payload, verify),
+                    )
+                    continue
+                # Its slot was freed or rewritten: the grant went with it.
             slot = self.find(key, (READY,))
             if slot is None:
                 h.counters["load_keys_missing"] += 1
@@ -625,7 +672,7 @@ class TableModel(RuleBasedStateMachine):
             h.counters["misses"] += 1
         else:
             s = self.slots[slot]
-            h.held.append((slot, self.grant(slot)))
+            h.held.append(MHeld(slot, self.grant(slot), s.gen, key))
             s.last_used = self.tick()
             h.counters["hits"] += 1
         assert h.table.lookup(key) == (slot is not None)
@@ -639,7 +686,7 @@ class TableModel(RuleBasedStateMachine):
         for key in keys:
             slot = self.find(key, (READY,))
             if slot is not None:
-                h.held.append((slot, self.grant(slot)))
+                h.held.append(MHeld(slot, self.grant(slot), self.slots[slot].gen, key))
             got.append(slot is not None)
         assert h.table.lease_many(keys) == bytes(got)
 
@@ -675,8 +722,9 @@ class TableModel(RuleBasedStateMachine):
     @rule(hi=st.integers(0, 2))
     def release_leases(self, hi: int) -> None:
         h = self.handles[hi % len(self.handles)]
-        for slot, token in h.held:
-            self.slots[slot].grants.pop(token, None)  # this lookup's lease only
+        for g in h.held:
+            if not g.taken:  # a load's completion releases a grant it took over
+                self.slots[g.slot].grants.pop(g.token, None)  # this lookup's lease only
         h.held = []
         h.table.release_leases()
 

@@ -47,6 +47,28 @@ def test_cascade_then_promotion_returns_the_same_bytes(make_engine) -> None:
         eng.reset_primary()
 
 
+def test_a_promotion_takes_over_the_leases_its_plan_took(make_engine) -> None:
+    """vLLM's orchestrator hands the request's own key objects from its lookups
+    to its load jobs: every promoted chunk's load takes over the lease its
+    plan granted (no second search of the index), and no pin outlives the
+    loads and the step (each slot is evictable again: a flood of stores
+    replaces every chunk)."""
+    eng = make_engine()
+    tier = eng.tiers[0]
+    keys = [key_of(i) for i in range(16)]
+    eng.store_all(keys)
+    eng.reset_primary()
+    before = tier.store.stats()["load_leases_taken"]
+    results = eng.promote(keys)
+    assert set(results.values()) == {LookupResult.HIT}
+    eng.wait_idle()
+    assert eng.verify(keys) == len(keys)
+    assert tier.store.stats()["load_leases_taken"] - before == len(keys)
+    eng.store_all([key_of(10_000 + i) for i in range(2 * tier.store.sb.n_slots)])
+    eng.wait_idle()
+    assert not any(tier.store.contains(k) for k in keys)
+
+
 def test_lookup_of_an_unknown_key_is_a_miss(make_engine) -> None:
     eng = make_engine()
     assert eng.promote([key_of(12345)]) == {key_of(12345): LookupResult.MISS}
