@@ -504,12 +504,23 @@ class PromotionGuard(RequestPlanner):
         would let its stores evict them before the guard could pin them. The
         orchestrator's own ``complete_write`` of ready chunks changes nothing.
         """
-        self._quiet = False
         keys = self._load_jobs.pop(job_id, None)
         view = self._view
         if keys is None or view is None:
             return
-        self._cool()
+        if self._hot.ctx is not None:
+            self._cool()
+        if success and ok_keys is None:
+            for rnd in self._rounds.values():
+                if rnd.landing:
+                    break
+            else:
+                # No round waits on a chunk (the usual load: its request was
+                # scheduled in the step of its HITs, and vLLM's own
+                # prepare_load holds its chunks): nothing to make ready or
+                # pin, nothing changed.
+                return
+        self._quiet = False
         if not success or ok_keys is not None:
             # Some of its chunks did not land: every round asks again.
             for rnd in self._rounds.values():
