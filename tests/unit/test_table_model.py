@@ -283,10 +283,22 @@ class MJob:
 
 
 @dataclasses.dataclass
+class MHeld:
+    """A grant of this step (lookup, lease_many): release_leases drops it,
+    unless a load of the very key object took it over (nvt_leases.c)."""
+
+    slot: int
+    token: int
+    key: bytes
+    gen: int
+    taken: bool = False
+
+
+@dataclasses.dataclass
 class MHandle:
     table: _table.Table
     fd: int
-    held: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    held: list[MHeld] = dataclasses.field(default_factory=list)
     ops: dict[int, MOp] = dataclasses.field(default_factory=dict)
     jobs: dict[int, MJob] = dataclasses.field(default_factory=dict)
     # (slot, gen, job_id, pos, deadline_ms)
@@ -466,10 +478,35 @@ class TableModel(RuleBasedStateMachine):
         want_ops: list[tuple[int, int]] = []
         want_missing: list[int] = []
         mops: list[MOp] = []
+        # The newest grant of this step to each key object, if no load took
+        # it yet, is taken over by the key's first position (nvt_leases.c).
+        taken: dict[int, MHeld] = {}
+        for pos, key in enumerate(keys):
+            newest = next((g for g in reversed(h.held) if g.key is key), None)
+            if newest is not None and not newest.taken:
+                newest.taken = True
+                taken[pos] = newest
         # A load takes its keys last to first (a request's head ends up its
         # most recent chunk, as the finish refresh leaves it); its ops and
         # missing positions come out in the keys' order.
         for pos, key in reversed(list(enumerate(keys))):
+            g = taken.get(pos)
+            if g is not None:
+                s = self.slots[g.slot]
+                if s.gen == g.gen and s.state == READY:
+                    # Its grant is the op's; one that ran out: a new one.
+                    token = g.token
+                    if s.grants.get(token, 0) <= self.now_ms:
+                        s.grants.pop(token, None)
+                        token = self.grant(g.slot)
+                    s.last_used = self.tick()
+                    want_ops.insert(0, (pos, g.slot))
+                    mops.insert(
+                        0, MOp(OP_READ, g.slot, s.gen, key, job_id, pos, token, s.payload, verify)
+                    )
+                    continue
+                if s.gen == g.gen:
+                    s.grants.pop(g.token, None)  # gone BAD: given back now
             slot = self.find(key, (READY,))
             if slot is None:
                 h.counters["load_keys_missing"] += 1
@@ -625,7 +662,7 @@ class TableModel(RuleBasedStateMachine):
             h.counters["misses"] += 1
         else:
             s = self.slots[slot]
-            h.held.append((slot, self.grant(slot)))
+            h.held.append(MHeld(slot, self.grant(slot), key, s.gen))
             s.last_used = self.tick()
             h.counters["hits"] += 1
         assert h.table.lookup(key) == (slot is not None)
@@ -639,7 +676,7 @@ class TableModel(RuleBasedStateMachine):
         for key in keys:
             slot = self.find(key, (READY,))
             if slot is not None:
-                h.held.append((slot, self.grant(slot)))
+                h.held.append(MHeld(slot, self.grant(slot), key, self.slots[slot].gen))
             got.append(slot is not None)
         assert h.table.lease_many(keys) == bytes(got)
 
@@ -675,8 +712,9 @@ class TableModel(RuleBasedStateMachine):
     @rule(hi=st.integers(0, 2))
     def release_leases(self, hi: int) -> None:
         h = self.handles[hi % len(self.handles)]
-        for slot, token in h.held:
-            self.slots[slot].grants.pop(token, None)  # this lookup's lease only
+        for g in h.held:
+            if not g.taken:  # a load's completion drops the grant it took
+                self.slots[g.slot].grants.pop(g.token, None)  # this lookup's lease only
         h.held = []
         h.table.release_leases()
 
