@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import gc
 import os
+import struct
 import sys
 from collections.abc import Callable
 
 import pytest
 from test_table_model import (
+    ECANCELED,
     EIO,
     N_ROWS,
     READY,
@@ -517,3 +519,113 @@ def test_a_collection_while_a_bad_key_raises_leaves_no_pin(shared: Shared) -> No
         gc.set_threshold(*old)
         gc.enable()
     assert any(inside), "no collection ran inside load_ops"
+
+
+# ------------------------------------------- submit_load, engine, worker
+class _Engine:
+    """Completes each op at the next wait with `result` (the row's size:
+    read) and checksum 11; `refuse`: submit_raw queues nothing (closed)."""
+
+    def __init__(self, result: int = ROW_BYTES, refuse: bool = False) -> None:
+        self.result, self.refuse = result, refuse
+        self.pending: list[bytes] = []
+
+    def submit_raw(self, ops: bytes) -> bool | None:
+        if self.refuse:
+            return False
+        for i in range(len(ops) // _table.OP_BYTES):
+            (op_id,) = struct.unpack_from("<Q", ops, i * _table.OP_BYTES)
+            self.pending.append(struct.pack("<QqQ", op_id, self.result, 11))
+        return None
+
+    def wait_raw(self, _timeout: float) -> bytes:
+        out = b"".join(self.pending)
+        self.pending.clear()
+        return out
+
+
+def _bound(shared: Shared, engine: _Engine):
+    a = _handle(shared)
+    a.bind(engine.submit_raw, engine.wait_raw, 1000, True, True)
+    return a
+
+
+def _poll_all(t) -> list[tuple]:
+    done: list[tuple] = []
+    for _ in range(20):
+        done += list(t.poll())
+        if t.inflight() == (0, 0):
+            return done
+    raise AssertionError(f"still in flight: {t.inflight()}")
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [_Engine(), _Engine(result=-ECANCELED), _Engine(result=-EIO), _Engine(refuse=True)],
+    ids=["read", "cancelled", "read_error", "refused"],
+)
+def test_submit_load_of_taken_grants_releases_each_once(shared: Shared, engine: _Engine) -> None:
+    """Through the engine: a completed, cancelled, failed or refused load of
+    taken grants leaves only the other sharer's pin, then none."""
+    a = _bound(shared, engine)
+    b = _handle(shared)
+    k0, k1 = SET0_KEYS[0], SET1_KEYS[0]
+    _stored(b, k0)
+    _stored(b, k1, job_id=2)
+    assert b.lease_many([k0, k1]) == b"\x01\x01"  # another sharer's pins
+    assert a.lease_many([k0, k1]) == b"\x01\x01"
+    a.submit_load(3, [k0, k1], [0, 1])
+    assert _taken(a) == 2
+    a.release_leases()
+    ((job_id, *_rest),) = _poll_all(a)
+    assert job_id == 3
+    assert _pins(shared, k0) == _pins(shared, k1) == 1
+    b.release_leases()
+    assert _all_pins(shared) == [0] * 8
+
+
+def test_submit_load_failing_anywhere_leaves_no_pin() -> None:
+    """submit_load's allocation points (its job, its ops, the deferral
+    room after the loop, which unwinds a built load) walked in turn."""
+
+    def scenario(sh: Shared, after: int, count: int) -> bool:
+        engine = _Engine()
+        a = _bound(sh, engine)
+        key = SET0_KEYS[0]
+        _stored(a, key)
+        objs = [_copy(key) for _ in range(70)]
+        assert a.lease_many(objs) == b"\x01" * 70
+        _table._fail_allocs(after, count)
+        try:
+            a.submit_load(2, objs, [i % N_ROWS for i in range(70)])
+            failed = False
+        except MemoryError:
+            failed = True
+        _table._fail_allocs(-1, 0)
+        a.release_leases()
+        _poll_all(a)
+        left = _pins(sh, key)
+        assert left == 0, f"{left} pins left, allocation point {after} failing (count {count})"
+        a.detach()
+        return failed
+
+    assert _walk_alloc_failures(scenario) > 3
+
+
+def test_a_worker_applied_load_releases_the_taken_grant_once(shared: Shared) -> None:
+    a, b = _handle(shared), _handle(shared)
+    key = SET0_KEYS[0]
+    _stored(a, key)
+    assert b.lookup(key)
+    assert a.lease_many([key]) == b"\x01"
+    packed, _ = a.load_ops(2, [key], _rows(1), True)
+    assert _taken(a) == 1 and _pins(shared, key) == 2
+    comps = _ok(_ops(packed), checksum=11)
+    a._apply_as_worker(comps)
+    assert _pins(shared, key) == 1  # b's
+    a.release_leases()
+    done, _, _ = a.complete(comps, False)
+    assert done == [(2, True, ROW_BYTES, None, None)]
+    assert _pins(shared, key) == 1
+    b.release_leases()
+    assert _pins(shared, key) == 0
