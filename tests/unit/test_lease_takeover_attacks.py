@@ -629,3 +629,48 @@ def test_a_worker_applied_load_releases_the_taken_grant_once(shared: Shared) -> 
     assert _pins(shared, key) == 1
     b.release_leases()
     assert _pins(shared, key) == 0
+
+
+def test_lease_many_out_of_memory_for_its_grants_or_map_leaves_no_pin() -> None:
+    """The grants' array or the key map cannot grow while lease_many leases
+    (each allocation point in turn): a grant not remembered runs out on its
+    own, one without the map is only released at the step's end; loads of
+    those keys take the ordinary path or a grant still mapped, and nothing
+    is released twice."""
+
+    def scenario(sh: Shared, after: int, count: int) -> bool:
+        a, b = _handle(sh), _handle(sh)
+        key = SET0_KEYS[0]
+        _stored(a, key)
+        assert b.lookup(key)  # another sharer's pin, which must stay
+        objs = [_copy(key) for _ in range(300)]
+        _table._fail_allocs(after, count)
+        try:
+            got = a.lease_many(objs)
+        except MemoryError:  # its keys' fingerprints: nothing leased
+            _table._fail_allocs(-1, 0)
+            a.release_leases()
+            assert _pins(sh, key) == 1
+            b.release_leases()
+            a.detach()
+            return True
+        points = _table._fail_allocs(-1, 0)
+        assert got == b"\x01" * 300
+        packed, missing = a.load_ops(2, objs[::3], _rows(100) % N_ROWS, True)
+        assert missing is None
+        a.release_leases()
+        a.complete(_ok(_ops(packed), checksum=11), False)
+        left = _pins(sh, key)
+        assert left >= 1, "the other sharer's pin was released"
+        assert left == 1 or after < points, "a remembered grant left pinned"
+        b.release_leases()
+        # Grants not remembered end on the clock, and nothing else pins.
+        _table._set_clock_offset_ns(2 * 10**9)
+        try:
+            assert a.invalidate(key)
+        finally:
+            _table._set_clock_offset_ns(0)
+        a.detach()
+        return after < points
+
+    assert _walk_alloc_failures(scenario) >= 4
