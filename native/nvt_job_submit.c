@@ -517,13 +517,20 @@ static int take_over_locked(TableObject *self, const nvt_grant *g, uint64_t now,
         drop_grant_locked(self, g);
         return 0;
     }
-    lease_expire_locked(s, now);
-    if (*s.epoch == g->epoch) {
+    int ours = *s.epoch == g->epoch;
+    if (ours && g->until_ms <= now) {
+        /* The grant's own end passed: its pin is still there only if a
+         * later grant kept the slot's lease going (no expiry seen since,
+         * and none due now). The usual load, moments after its plan,
+         * reads neither the pins' nor the stamp's line. */
+        lease_expire_locked(s, now);
+        ours = *s.epoch == g->epoch;
+    }
+    if (ours) {
         /* The slot's lease never ran out since the grant (its epoch is the
-         * same): the grant's pin is there, the op's now, even if the
-         * grant's own end passed under a later grant's. Its end is pushed
+         * same): the grant's pin is there, the op's now. Its end is pushed
          * out only once half of it is spent (the stamp's line is left
-         * alone in the usual load, moments after its plan). */
+         * alone in the usual load). */
         *leased = 1;
         *epoch = g->epoch;
         if (g->until_ms < now + self->core.lease_ms / 2 && *s.stamp < until)
