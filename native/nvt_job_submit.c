@@ -486,24 +486,54 @@ static inline void prefetch_grant(nvt_core *t, uint64_t slot) {
     __builtin_prefetch(s.epoch, 0);
 }
 
+/* Release grant `g`'s pin, if its slot still carries it (a grant a load took
+ * over but holds no op for: the load failed, or the slot changed). */
+static void drop_grant_locked(TableObject *self, const nvt_grant *g) {
+    lease_release(slot_at(&self->core, g->slot / self->core.ways, (uint32_t)(g->slot % self->core.ways)), g->gen,
+                  g->epoch);
+}
+
+static void drop_grant(TableObject *self, const nvt_grant *g) {
+    uint64_t set = g->slot / self->core.ways;
+    if (nvt_set_lock(&self->core, set) != 0)
+        return; /* the lease runs out on its own */
+    drop_grant_locked(self, g);
+    set_unlock(&self->core, set);
+}
+
 /* Take grant `g` over for a load (the set is locked): 1 with *leased,
  * *epoch, *check (or'ed), *gen and *expected set, or 0 when the slot no
- * longer holds what the grant leased (the key then takes the ordinary path). */
+ * longer holds what the grant leased (the key then takes the ordinary path;
+ * the grant's pin, if still there, is released first: no load holds it,
+ * and release_leases leaves a taken grant alone). */
 static int take_over_locked(TableObject *self, const nvt_grant *g, uint64_t now, uint64_t until, uint64_t wall_ns,
                             int *leased, uint32_t *epoch, int *check, uint32_t *gen, uint64_t *expected) {
     uint64_t set = g->slot / self->core.ways;
     slot_ref s = slot_at(&self->core, set, (uint32_t)(g->slot % self->core.ways));
-    if (*s.gen != g->gen || *s.state != NVT_READY)
+    if (*s.gen != g->gen || *s.state != NVT_READY ||
+        (self->core.retention_ns && nvt_stamp_expired(g->stored_ns, wall_ns, self->core.retention_ns))) {
+        /* Freed, rewritten or gone BAD; or past retention, which the
+         * ordinary path counts and frees once no lease covers it. */
+        drop_grant_locked(self, g);
         return 0;
-    if (self->core.retention_ns && nvt_stamp_expired(g->stored_ns, wall_ns, self->core.retention_ns))
-        return 0; /* the ordinary path counts and frees it */
-    if (*s.epoch == g->epoch && g->until_ms > now) {
-        /* The grant's pin is there: the op's now. Its end is pushed out
-         * only once half of it is spent (the stamp's line is left alone
-         * in the usual load, moments after its plan). */
+    }
+    int ours = *s.epoch == g->epoch;
+    if (ours && g->until_ms <= now) {
+        /* The grant's own end passed: its pin is still there only if a
+         * later grant kept the slot's lease going (no expiry seen since,
+         * and none due now). The usual load, moments after its plan,
+         * reads neither the pins' nor the stamp's line. */
+        lease_expire_locked(s, now);
+        ours = *s.epoch == g->epoch;
+    }
+    if (ours) {
+        /* The slot's lease never ran out since the grant (its epoch is the
+         * same): the grant's pin is there, the op's now. Its end is pushed
+         * out only once half of it is spent (the stamp's line is left
+         * alone in the usual load). */
         *leased = 1;
         *epoch = g->epoch;
-        if (g->until_ms - now < self->core.lease_ms / 2 && *s.stamp < until)
+        if (g->until_ms < now + self->core.lease_ms / 2 && *s.stamp < until)
             *s.stamp = until;
     } else {
         *leased = lease_grant(s, now, until, epoch); /* it ran out: a new one */
@@ -529,7 +559,9 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
      * objects' addresses alone: such a key's bytes are not read again. */
     int64_t taken_local[64], *taken = NULL;
     nvt_grant grants_local[64], *grants = NULL;
-    Py_ssize_t n_taken = 0;
+    /* The keys below `unreached` are not reached yet by the loop (last to
+     * first): on an error, their taken grants are released (no op holds them). */
+    Py_ssize_t n_taken = 0, unreached = 0;
     uint64_t wall_ns = 0, fps_local[64], *fps = NULL, round = self->held_round;
     if (self->n_held && self->map_cap) {
         taken = m <= 64 ? taken_local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(int64_t));
@@ -540,40 +572,43 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
         for (Py_ssize_t i = 0; i < m; i++) {
             int64_t row = row_at(rows, i);
             int64_t h = row >= 0 && row < self->n_rows ? nvt_find_grant(self, PySequence_Fast_GET_ITEM(seq, i)) : -1;
+            if (h >= 0 && !grants) {
+                grants = m <= 64 ? grants_local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(nvt_grant));
+                if (!grants) { /* none taken yet */
+                    PyErr_NoMemory();
+                    goto error;
+                }
+            }
             if (h >= 0) {
-                /* Marked at once: the same key twice in the job takes it
-                 * once (the other finds it the ordinary way). */
-                self->held[h].adopted = 1;
+                /* Taken at once, as a copy: the same key twice in the job
+                 * takes it once (the other finds it the ordinary way), and
+                 * Python code run from here on may end the step. */
+                nvt_take_grant(self, h, &grants[i]);
                 n_taken++;
             }
             taken[i] = h;
         }
     }
     /* Every other key parsed and hashed (a bad key raises before any grant
-     * is taken: those marked above are given back, unless Python code run
-     * meanwhile, an exception's allocation collecting garbage, released the
-     * step's leases: held_round then moved, and they are gone). */
+     * is used). On a failure the grants taken go back to release_leases;
+     * but if Python code run meanwhile (an exception's allocation collecting
+     * garbage) already ended the step, held_round moved and that
+     * release_leases left them alone: they are released here. */
     fps = job_fps(self, seq, m, fps_local, 64, 0, n_taken ? taken : NULL);
-    if (n_taken && fps)
-        grants = m <= 64 ? grants_local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(nvt_grant));
-    if (n_taken && !grants) {
-        for (Py_ssize_t i = 0; i < m && self->held_round == round; i++) /* released at the step's end */
-            if (taken[i] >= 0)
+    if (!fps) {
+        for (Py_ssize_t i = 0; i < m && n_taken; i++) {
+            if (taken[i] < 0)
+                continue;
+            if (self->held_round == round)
                 self->held[taken[i]].adopted = 0;
+            else
+                drop_grant(self, &grants[i]);
+        }
         n_taken = 0;
-        if (fps)
-            PyErr_NoMemory();
         goto error;
     }
-    if (!fps)
-        goto error;
-    if (n_taken) {
-        for (Py_ssize_t i = 0; i < m; i++)
-            if (taken[i] >= 0)
-                nvt_take_grant(self, taken[i], &grants[i]);
-        if (self->core.retention_ns)
-            wall_ns = nvt_wall_ns();
-    }
+    if (n_taken && self->core.retention_ns)
+        wall_ns = nvt_wall_ns();
 #define TAKEN(i) (n_taken && taken[i] >= 0)
     /* Two stages ahead, as nvt_ready_keys: the sets' lines 2 * READY_AHEAD
      * keys ahead, then, once their tags are in, the matching ways' lines
@@ -591,6 +626,7 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
     }
     for (Py_ssize_t i = m - 1; i >= 0; i--) {
         Py_ssize_t far = i - 2 * READY_AHEAD, near = i - READY_AHEAD;
+        unreached = i;
         if (far >= 0) {
             if (TAKEN(far))
                 prefetch_grant(&self->core, grants[far].slot);
@@ -615,13 +651,7 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
                     set = gset;
                     w = (int)(g->slot % self->core.ways);
                     fp = g->fp; /* the read's checksum seed */
-                } else {
-                    /* Not taken over: its pin, if the slot still carries it
-                     * (past retention, or a BAD slot), goes now, as the
-                     * step's end would have dropped it. */
-                    lease_release(slot_at(&self->core, gset, (uint32_t)(g->slot % self->core.ways)), g->gen,
-                                  g->epoch);
-                }
+                } /* else take_over_locked released the grant's pin */
                 set_unlock(&self->core, gset);
             } else if (self->held_round == round && (size_t)taken[i] < self->n_held) {
                 self->held[taken[i]].adopted = 0; /* its set is busy: the step's end releases it */
@@ -654,12 +684,12 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
                 goto error;
             continue;
         }
-        if (job < 0 && (job = nvt_job_alloc(self, job_id, 1)) < 0) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        int64_t oi = nvt_op_alloc(self);
-        if (oi < 0) {
+        int64_t oi = -1;
+        if ((job < 0 && (job = nvt_job_alloc(self, job_id, 1)) < 0) || (oi = nvt_op_alloc(self)) < 0) {
+            if (leased) { /* no op to release it: given back now */
+                nvt_grant mine = {.slot = set * self->core.ways + (uint64_t)w, .gen = gen, .epoch = epoch};
+                drop_grant(self, &mine);
+            }
             PyErr_NoMemory();
             goto error;
         }
@@ -682,6 +712,9 @@ int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m
     goto done;
 error:
     rc = -1;
+    for (Py_ssize_t i = 0; i < unreached; i++) /* grants taken, never reached */
+        if (TAKEN(i))
+            drop_grant(self, &grants[i]);
 done:
 #undef TAKEN
     free_fps(fps, fps_local);
@@ -707,10 +740,17 @@ done:
     return rc;
 }
 
-/* Undo a load_loop that failed (its leases run out on their own). */
+/* Undo a load_loop that failed: each op's lease released (a grant it took
+ * over from the step's plan, or its own), and its op and job freed. */
 void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job) {
-    for (Py_ssize_t i = 0; i < n_ops; i++)
+    for (Py_ssize_t i = 0; i < n_ops; i++) {
+        const op_info *o = op_at(self, (uint32_t)(uintptr_t)ops[i].op_id);
+        if (o->leased) {
+            nvt_grant mine = {.slot = o->slot, .gen = o->gen, .epoch = o->epoch};
+            drop_grant(self, &mine);
+        }
         op_release(self, (uint32_t)(uintptr_t)ops[i].op_id);
+    }
     if (job >= 0)
         job_release(self, (uint32_t)job);
 }

@@ -20,8 +20,12 @@
  * grant still pins it) and marks its recency, from the grant's own record of
  * where the key is; its completion releases that grant, and release_leases
  * leaves it alone. Anything that changed since (another sharer freed or
- * rewrote the slot, the lease ran out, retention expired it) sends the key
- * down the load's ordinary path, which finds it again or fails it.
+ * rewrote the slot, it went BAD, retention expired it) sends the key down
+ * the load's ordinary path, which finds it again or fails it, the grant's
+ * pin (if the slot still has it) given back first; a grant whose lease ran
+ * out is replaced by a new one. A load that fails before its ops are out
+ * gives back the grants it took (nvt_load_loop, nvt_load_unwind): a grant
+ * taken over is released exactly once, by that load.
  *
  * Identity, not equality: a grant is handed over only to the very object
  * leased (vLLM passes a request's own key objects to its lookups and its

@@ -25,8 +25,9 @@ The model is the contract, not a copy of the implementation's choices:
   grant over if it still protects the slot it named (same generation,
   READY, not run out): no grant of its own; the load's completion releases
   it, the step's end does not. A grant run out on a slot still holding the
-  key is replaced by a new one; a grant whose slot was freed or rewritten is
-  no grant (the key is found again, or missing);
+  key is replaced by a new one, and one past half its time is pushed out to
+  a full lease; a grant whose slot was freed or rewritten is no grant (the
+  key is found again, or missing); one whose slot went BAD is given back;
 - an op the engine refused or cancelled (-ECANCELED) changes nothing.
 Time moves only through the table's test clock (``_set_clock_offset_ns``): the
 ``advance_clock`` step jumps past every lease granted so far, so leases (and
@@ -292,13 +293,14 @@ class MJob:
 
 @dataclasses.dataclass
 class MHeld:
-    """A grant of a lookup or lease_many, until the handle's release_leases."""
+    """A grant of this step (lookup, lease_many): release_leases drops it,
+    unless a load of the very key object took it over (nvt_leases.c)."""
 
     slot: int
     token: int
-    gen: int
     key: bytes
-    taken: bool = False  # a load took it over: its completion releases it
+    gen: int
+    taken: bool = False
 
 
 @dataclasses.dataclass
@@ -485,38 +487,40 @@ class TableModel(RuleBasedStateMachine):
         want_ops: list[tuple[int, int]] = []
         want_missing: list[int] = []
         mops: list[MOp] = []
-        # The grants it takes over: for each key in the keys' order, the
-        # handle's newest grant to that object, unless a load took it.
-        takes: dict[int, MHeld] = {}
+        # The newest grant of this step to each key object, if no load took
+        # it yet, is taken over by the key's first position (nvt_leases.c).
+        taken: dict[int, MHeld] = {}
         for pos, key in enumerate(keys):
             newest = next((g for g in reversed(h.held) if g.key is key), None)
             if newest is not None and not newest.taken:
                 newest.taken = True
-                takes[pos] = newest
+                taken[pos] = newest
         # A load takes its keys last to first (a request's head ends up its
         # most recent chunk, as the finish refresh leaves it); its ops and
         # missing positions come out in the keys' order.
         for pos, key in reversed(list(enumerate(keys))):
-            took = takes.get(pos)
-            if took is not None:
-                s = self.slots[took.slot]
-                if s.gen == took.gen and s.state == READY:
-                    end = s.grants.get(took.token, 0)
-                    if end > self.now_ms:
-                        token = took.token  # the grant is the load's now
-                        if end - self.now_ms < LEASE_MS // 2:
-                            s.grants[token] = self.now_ms + LEASE_MS
-                    else:
-                        token = self.grant(took.slot)  # it ran out: a new one
+            g = taken.get(pos)
+            if g is not None:
+                s = self.slots[g.slot]
+                if s.gen == g.gen and s.state == READY:
+                    # Its grant is the op's; one that ran out: a new one; one
+                    # past half its time is pushed out to a full lease.
+                    token = g.token
+                    end = s.grants.get(token, 0)
+                    if end <= self.now_ms:
+                        s.grants.pop(token, None)
+                        token = self.grant(g.slot)
+                    elif end - self.now_ms < LEASE_MS // 2:
+                        s.grants[token] = self.now_ms + LEASE_MS
                     s.last_used = self.tick()
                     h.counters["load_leases_taken"] += 1
-                    want_ops.insert(0, (pos, took.slot))
+                    want_ops.insert(0, (pos, g.slot))
                     mops.insert(
-                        0,
-                        MOp(OP_READ, took.slot, s.gen, key, job_id, pos, token, s.payload, verify),
+                        0, MOp(OP_READ, g.slot, s.gen, key, job_id, pos, token, s.payload, verify)
                     )
                     continue
-                # Its slot was freed or rewritten: the grant went with it.
+                if s.gen == g.gen:
+                    s.grants.pop(g.token, None)  # gone BAD: given back now
             slot = self.find(key, (READY,))
             if slot is None:
                 h.counters["load_keys_missing"] += 1
@@ -672,7 +676,7 @@ class TableModel(RuleBasedStateMachine):
             h.counters["misses"] += 1
         else:
             s = self.slots[slot]
-            h.held.append(MHeld(slot, self.grant(slot), s.gen, key))
+            h.held.append(MHeld(slot, self.grant(slot), key, s.gen))
             s.last_used = self.tick()
             h.counters["hits"] += 1
         assert h.table.lookup(key) == (slot is not None)
@@ -686,7 +690,7 @@ class TableModel(RuleBasedStateMachine):
         for key in keys:
             slot = self.find(key, (READY,))
             if slot is not None:
-                h.held.append(MHeld(slot, self.grant(slot), self.slots[slot].gen, key))
+                h.held.append(MHeld(slot, self.grant(slot), key, self.slots[slot].gen))
             got.append(slot is not None)
         assert h.table.lease_many(keys) == bytes(got)
 
@@ -723,7 +727,7 @@ class TableModel(RuleBasedStateMachine):
     def release_leases(self, hi: int) -> None:
         h = self.handles[hi % len(self.handles)]
         for g in h.held:
-            if not g.taken:  # a load's completion releases a grant it took over
+            if not g.taken:  # a load's completion drops the grant it took
                 self.slots[g.slot].grants.pop(g.token, None)  # this lookup's lease only
         h.held = []
         h.table.release_leases()
