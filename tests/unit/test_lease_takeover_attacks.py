@@ -316,7 +316,8 @@ def test_a_key_leased_twice_in_one_lease_many_and_loaded_twice(shared: Shared) -
     assert _pins(shared, key) == 4  # three grants (one the load's) and one own lease
     a.release_leases()
     assert _pins(shared, key) == 2
-    a.complete(_ok(_ops(packed), checksum=11), False)
+    done, _, _ = a.complete(_ok(_ops(packed), checksum=11), False)
+    assert done == [(2, True, 2 * ROW_BYTES, None, None)]
     assert _pins(shared, key) == 0
 
 

@@ -119,20 +119,6 @@ def test_an_equal_key_of_another_object_is_not_taken_over(shared: Shared) -> Non
     assert _pins(shared, key) == 0
 
 
-def test_a_key_twice_in_a_load_takes_its_grant_once(shared: Shared) -> None:
-    a = _handle(shared)
-    key = SET0_KEYS[0]
-    _stored(a, key)
-    assert a.lease_many([key]) == b"\x01"
-    packed, missing = a.load_ops(2, [key, key], _rows(2), True)
-    assert missing is None and len(_ops(packed)) == 2
-    assert _taken(a) == 1 and _pins(shared, key) == 2
-    a.release_leases()
-    done, _, _ = a.complete(_ok(_ops(packed), checksum=11), False)
-    assert done == [(2, True, 2 * ROW_BYTES, None, None)]
-    assert _pins(shared, key) == 0
-
-
 def test_a_second_load_of_a_taken_key_leases_on_its_own(shared: Shared) -> None:
     a = _handle(shared)
     key = SET0_KEYS[0]
