@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 import pytest
+from test_table_lease_takeover import _copy, _pins, _slot, _taken
 from test_table_model import (
     ECANCELED,
     EIO,
@@ -45,27 +46,8 @@ from nvmetier import _table  # type: ignore[attr-defined]  # a C extension
 EMPTY = 0
 
 
-def _copy(key: bytes) -> bytes:
-    return bytes(bytearray(key))
-
-
-def _slot(shared: Shared, key: bytes) -> int:
-    for slot in range(2 * 4):
-        if key in shared.raw_record(slot):
-            return slot
-    raise AssertionError(f"{key!r} not in the index")
-
-
-def _pins(shared: Shared, key: bytes) -> int:
-    return shared.raw_slot(_slot(shared, key))[7]
-
-
 def _all_pins(shared: Shared) -> list[int]:
     return [shared.raw_slot(slot)[7] for slot in range(2 * 4)]
-
-
-def _taken(t) -> int:
-    return int(t.counters()["load_leases_taken"])
 
 
 # ------------------------------------------------------- a grant not taken
