@@ -61,7 +61,8 @@ SANITIZE_ARGS = (
 )
 COMPILE_ARGS += SANITIZE_ARGS
 # The shared table's rules (nvt_core, no Python), its job path (nvt_jobs,
-# nvt_job_submit, nvt_job_complete, nvt_job_worker) and its CPython type (nvt_table,
+# nvt_job_submit, nvt_job_load, nvt_job_complete, nvt_job_worker, nvt_leases)
+# and its CPython type (nvt_table,
 # nvt_table_admin, nvt_table_module); the uring module is every other source,
 # so a new table source must be listed here.
 TABLE_SOURCES = [
@@ -72,6 +73,7 @@ TABLE_SOURCES = [
     "native/nvt_tier_calls.c",
     "native/nvt_jobs.c",
     "native/nvt_job_submit.c",
+    "native/nvt_job_load.c",
     "native/nvt_job_complete.c",
     "native/nvt_job_worker.c",
     "native/nvt_refresh.c",

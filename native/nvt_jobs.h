@@ -5,14 +5,15 @@
  * on the CPython type's object (TableObject) and on the keys and lists vLLM
  * hands over, so it includes Python.h; the table's rules stay in nvt_core.
  *
- * Four units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
- * allocation-failure test hook), nvt_job_submit.c (keys to ops: the store and
- * load loops, submit_store/submit_load), nvt_job_complete.c (completions,
- * job reports, watches, deferred completions, KV events, collect) and
+ * Six units: nvt_jobs.c (the op and job slabs, a job's failed keys, the
+ * allocation-failure test hook), nvt_job_submit.c (a job's keys and rows,
+ * the store loop, submit_store/submit_load), nvt_job_load.c (the load loop:
+ * keys to read ops, leases taken over), nvt_job_complete.c (completions,
+ * job reports, watches, deferred completions, KV events, collect),
  * nvt_job_worker.c (the slot side of a completion, applied by an io_uring
- * worker before it publishes it); and nvt_leases.c, the step's lease grants
- * (lookup hits, lease_many) that release_leases drops and a load of the same
- * key object takes over. All but nvt_worker_apply run with the GIL
+ * worker before it publishes it) and nvt_leases.c (the step's lease grants:
+ * lookup hits and lease_many, which release_leases drops and a load of the
+ * same key object takes over). All but nvt_worker_apply run with the GIL
  * held on the thread that owns the Table (the scheduler thread);
  * nvt_worker_apply runs on the engine's I/O threads, without the GIL, and
  * reads only what nvt_job_worker.c lists.
@@ -278,6 +279,54 @@ static inline void event_lost(TableObject *t) {
 }
 
 /* ------------------------------------------------------ nvt_job_submit.c */
+/* A job's key as bytes (TypeError otherwise). */
+static inline int nvt_key_arg(PyObject *key, const char **p, Py_ssize_t *n) {
+    if (!PyBytes_Check(key)) {
+        PyErr_Format(PyExc_TypeError, "a key must be bytes, not %.100s", Py_TYPE(key)->tp_name);
+        return -1;
+    }
+    *p = PyBytes_AS_STRING(key);
+    *n = PyBytes_GET_SIZE(key);
+    return 0;
+}
+
+/* Row i of a job's rows (int32 or int64, rows_arg's view). */
+static inline int64_t nvt_row_at(Py_buffer *v, Py_ssize_t i) {
+    return v->itemsize == 4 ? (int64_t)((int32_t *)v->buf)[i] : ((int64_t *)v->buf)[i];
+}
+
+/* One op of a job: slot `slot`'s place in the data files, row `row` of the
+ * primary, its checksum seed and whether its checksum is checked. */
+static inline void nvt_fill_op(TableObject *t, nvt_op *op, uint32_t op_idx, uint64_t slot, int64_t row, int kind,
+                    uint64_t seed, int checksum) {
+    op->op_id = (void *)(uintptr_t)op_idx;
+    op->file_idx = (int64_t)(slot % (uint64_t)t->n_paths);
+    op->file_offset = (int64_t)(slot / (uint64_t)t->n_paths) * t->slot_bytes;
+    op->buf_offset = row * t->row_bytes;
+    op->length = t->row_bytes;
+    op->seed = seed;
+    op->kind = kind;
+    op->checksum = checksum;
+}
+
+/* Fingerprints of a job's keys (into `local` when they fit, else a new
+ * array: free it with nvt_free_fps), with the sets of the first keys
+ * prefetched; a key with skip[i] >= 0 (a load's grant taken over) is left
+ * unread, its fingerprint 0. NULL with an exception set on a bad key or out
+ * of memory. */
+uint64_t *nvt_job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local, int scan,
+                      const int64_t *skip);
+static inline void nvt_free_fps(uint64_t *fps, uint64_t *local) {
+    if (fps && fps != local)
+        PyMem_Free(fps);
+}
+
+/* Key `i` of a job fails for `kind` (see nvt_job_submit.c). */
+int nvt_key_failed(TableObject *self, int64_t job, Py_ssize_t i, PyObject **list, int kind);
+/* How many keys ahead nvt_ready_keys and the load loop prefetch the matching
+ * ways (and twice that, the sets). 8, 16 and 32 measured alike
+ * (docs/bench.md). */
+#define NVT_READY_AHEAD 16
 int nvt_locate(TableObject *t, PyObject *key, unsigned mask, uint64_t *set, int *w);
 /* nvt_ready_keys' modes: READY only (contains_many), each READY key made the
  * most recent (touch), leased as a lookup hit is (lease_many), or each key's
@@ -321,9 +370,11 @@ static inline int nvt_args_detached(const TableObject *t) {
 Py_ssize_t nvt_job_args(TableObject *self, PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
 int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);
 void nvt_store_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
+PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
+
+/* ------------------------------------------------------ nvt_job_load.c */
 int nvt_load_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, int verify, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **missing);
 void nvt_load_unwind(TableObject *self, const nvt_op *ops, Py_ssize_t n_ops, int64_t job);
-PyObject *nvt_submit_job(TableObject *self, PyObject *args, int is_load);
 
 /* ------------------------------------------------------ nvt_job_worker.c */
 int nvt_apply_hook_install(TableObject *t, PyObject *capsule);
