@@ -158,8 +158,16 @@ void nvt_release_held(TableObject *self) {
     }
     if (!n)
         return;
-    if (self->map_cap)
+    if (self->map_cap > 8 * (2 * n > 512 ? 2 * n : 512)) {
+        /* Grown for a step of many more grants (one long request's plan):
+         * dropped rather than cleared at every step from now on; the next
+         * grant makes one of its own size. */
+        PyMem_Free(self->held_map);
+        self->held_map = NULL;
+        self->map_cap = 0;
+    } else if (self->map_cap) {
         memset(self->held_map, 0, self->map_cap * sizeof(uint32_t));
+    }
     int keys = 0;
     for (size_t i = 0; i < n && !keys; i++)
         keys = held[i].key != NULL;

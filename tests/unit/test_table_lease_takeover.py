@@ -253,3 +253,25 @@ def test_many_grants_and_keys_released_at_the_steps_end(shared: Shared) -> None:
     del taken, packed
     gc.collect()
     assert [sys.getrefcount(o) for o in objs] == refs
+
+
+def test_a_map_grown_for_a_long_request_does_not_stay_for_every_step(shared: Shared) -> None:
+    """A step of many grants (a long request's plan) grows the key map; a
+    later step of a few grants neither clears that large map nor loses a
+    take-over."""
+    a = _handle(shared)
+    key = SET0_KEYS[0]
+    _stored(a, key)
+    many = [_copy(key) for _ in range(20_000)]
+    assert a.lease_many(many) == b"\x01" * len(many)
+    a.release_leases()
+    assert _pins(shared, key) == 0
+    one = _copy(key)
+    assert a.lease_many([one]) == b"\x01"
+    a.release_leases()  # the large map goes here
+    assert a.lease_many([one]) == b"\x01"  # a new map of its own size
+    packed, missing = a.load_ops(2, [one], _rows(1), True)
+    assert missing is None and _taken(a) == 1
+    a.release_leases()
+    a.complete(_ok(_ops(packed), checksum=11), False)
+    assert _pins(shared, key) == 0
