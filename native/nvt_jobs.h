@@ -134,24 +134,24 @@ typedef struct {
 } job_info;
 
 
-/* One lease grant of this step (nvt_leases.c): where, what the slot and its
- * record said when it was granted, and the key object it was granted to. */
-typedef struct nvt_held {
+/* One lease grant (nvt_leases.c): where, and what the slot and its record
+ * said when it was granted; what a load that takes it over reads. */
+typedef struct {
     uint64_t slot;      /* set * ways + way */
     uint64_t until_ms;  /* the grant's end (nvt_now_ms clock) */
     uint64_t payload;   /* the record's payload checksum */
     uint64_t stored_ns; /* the record's store time (retention) */
     uint64_t fp;        /* the key's fingerprint (a load's checksum seed) */
     uint32_t gen, epoch;
+} nvt_grant;
+
+/* A grant of this step, remembered for release_leases, and the key object
+ * it was granted to. */
+typedef struct nvt_held {
+    nvt_grant grant;
     PyObject *key;    /* a reference to the key object leased, or NULL */
     uint32_t adopted; /* a load took it over: its completion releases it */
 } nvt_held;
-
-/* A grant a load took over (nvt_take_grant): nvt_held less the key. */
-typedef struct {
-    uint64_t slot, until_ms, payload, stored_ns, fp;
-    uint32_t gen, epoch;
-} nvt_grant;
 
 typedef struct {
     PyObject_HEAD
@@ -366,6 +366,15 @@ static inline int nvt_args_detached(const TableObject *t) {
         return 0;
     nvt_table_detached();
     return 1;
+}
+/* A call's keys as a tuple (nvt_seq_snapshot), re-checked for a detach
+ * while they were read (nvt_args_detached): a new reference, or NULL with
+ * the exception set. contains_many, lease_many, states_many and touch. */
+static inline PyObject *nvt_keys_arg(const TableObject *t, PyObject *keys) {
+    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
+    if (seq && nvt_args_detached(t))
+        Py_CLEAR(seq);
+    return seq;
 }
 Py_ssize_t nvt_job_args(TableObject *self, PyObject *keys, PyObject *rows_obj, PyObject **seq, Py_buffer *rows, PyObject **out);
 int nvt_store_loop(TableObject *self, int64_t job_id, PyObject *seq, Py_ssize_t m, Py_buffer *rows, long long max_ops, int events, const char *skip, nvt_op *ops, Py_ssize_t *n_ops_io, int64_t *job_io, PyObject **failed, PyObject **evicted);

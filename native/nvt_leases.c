@@ -98,13 +98,15 @@ void nvt_hold_lease(TableObject *self, uint64_t set, int w, uint64_t now, PyObje
     }
     uint64_t slot = set * self->core.ways + (uint64_t)w;
     nvt_held *e = &self->held[self->n_held++];
-    e->slot = slot;
-    e->until_ms = until;
-    e->payload = record_payload(&self->core, slot);
-    e->stored_ns = record_stored_ns(&self->core, slot);
-    e->fp = *s.fp;
-    e->gen = *s.gen;
-    e->epoch = epoch;
+    e->grant = (nvt_grant){
+        .slot = slot,
+        .until_ms = until,
+        .payload = record_payload(&self->core, slot),
+        .stored_ns = record_stored_ns(&self->core, slot),
+        .fp = *s.fp,
+        .gen = *s.gen,
+        .epoch = epoch,
+    };
     e->adopted = 0;
     e->key = NULL;
     if (key && map_room(self, self->n_held) == 0) {
@@ -128,15 +130,8 @@ int64_t nvt_find_grant(TableObject *self, PyObject *key) {
 }
 
 void nvt_take_grant(TableObject *self, int64_t h, nvt_grant *g) {
-    nvt_held *e = &self->held[h];
-    g->slot = e->slot;
-    g->until_ms = e->until_ms;
-    g->payload = e->payload;
-    g->stored_ns = e->stored_ns;
-    g->fp = e->fp;
-    g->gen = e->gen;
-    g->epoch = e->epoch;
-    e->adopted = 1;
+    *g = self->held[h].grant;
+    self->held[h].adopted = 1;
 }
 
 void nvt_release_held(TableObject *self) {
@@ -150,10 +145,11 @@ void nvt_release_held(TableObject *self) {
         nvt_held *e = &held[i];
         if (e->adopted)
             continue; /* its load's completion releases it */
-        uint64_t set = e->slot / self->core.ways;
+        const nvt_grant *g = &e->grant;
+        uint64_t set = g->slot / self->core.ways;
         if (nvt_set_lock(&self->core, set) != 0)
             continue; /* the lease runs out on its own */
-        lease_release(slot_at(&self->core, set, (uint32_t)(e->slot % self->core.ways)), e->gen, e->epoch);
+        lease_release(slot_at(&self->core, set, (uint32_t)(g->slot % self->core.ways)), g->gen, g->epoch);
         set_unlock(&self->core, set);
     }
     if (!n)
