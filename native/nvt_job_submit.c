@@ -18,10 +18,7 @@
 
 /* ------------------------------------------------------------------ helpers */
 
-/* Fingerprints of a job's keys (into `local` when they fit, else a new
- * array: free it with free_fps), with the sets of the first keys prefetched;
- * a key with skip[i] >= 0 (a load's grant taken over) is left unread, its
- * fingerprint 0. NULL with an exception set on a bad key or out of memory. */
+/* See nvt_jobs.h. */
 uint64_t *nvt_job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *local, Py_ssize_t n_local,
                      int scan, const int64_t *skip) {
     uint64_t *fps = m <= n_local ? local : nvt_alloc_fails() ? NULL : PyMem_Malloc((size_t)m * sizeof(uint64_t));
@@ -47,8 +44,6 @@ uint64_t *nvt_job_fps(TableObject *t, PyObject *seq, Py_ssize_t m, uint64_t *loc
     }
     return fps;
 }
-
-
 
 /* Which keys of `seq` (a snapshot of m keys) are READY: out[i] = 1 or 0 when
  * `out`; with mode NVT_READY_TOUCH each READY key marked most recently used,

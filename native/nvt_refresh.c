@@ -255,13 +255,9 @@ PyObject *nvt_Table_touch(TableObject *self, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "touch(keys, loaded=None) takes 1 or 2 arguments");
         return NULL;
     }
-    PyObject *seq = nvt_seq_snapshot(args[0], "keys must be a sequence");
+    PyObject *seq = nvt_keys_arg(self, args[0]);
     if (!seq)
         return NULL;
-    if (nvt_args_detached(self)) {
-        Py_DECREF(seq);
-        return NULL;
-    }
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     Py_ssize_t touched = nargs == 2 && args[1] != Py_None ? nvt_touch_refresh(self, seq, m, args[1])
                                                           : nvt_ready_keys(self, seq, m, NULL, NVT_READY_TOUCH);

@@ -289,13 +289,9 @@ PyDoc_STRVAR(contains_many_doc,
 /* contains_many and lease_many: one byte per key from nvt_ready_keys in `mode`. */
 static PyObject *ready_bytes(TableObject *self, PyObject *keys, int mode) {
     GUARD_ATTACHED(self);
-    PyObject *seq = nvt_seq_snapshot(keys, "keys must be a sequence");
+    PyObject *seq = nvt_keys_arg(self, keys);
     if (!seq)
         return NULL;
-    if (nvt_args_detached(self)) {
-        Py_DECREF(seq);
-        return NULL;
-    }
     Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
     PyObject *out = PyBytes_FromStringAndSize(NULL, m);
     if (out && nvt_ready_keys(self, seq, m, (uint8_t *)PyBytes_AS_STRING(out), mode) < 0)
