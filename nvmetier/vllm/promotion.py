@@ -593,8 +593,7 @@ class PromotionGuard(RequestPlanner):
                 self._note_pending()
             if self._unloaded:
                 self._count_unloaded()
-            self._quiet = True  # no round: the next end of step has nothing to do
-            self._quiet_generation = None if self._view is None else self._view.generation()
+            self._set_quiet(True)  # no round: the next end of step has nothing to do
             return
         for req_id in preempted_req_ids:
             rnd = rounds.pop(req_id, None)
@@ -626,8 +625,14 @@ class PromotionGuard(RequestPlanner):
             self._note_pending()
         if self._unloaded:
             self._count_unloaded()
+        self._set_quiet(quiet)
+
+    def _set_quiet(self, quiet: bool) -> None:
+        """End of ``end_step``: whether the next one only counts its step,
+        against the CPU tier's generation now."""
         self._quiet = quiet
         if quiet:
+            view = self._view
             self._quiet_generation = None if view is None else view.generation()
 
     def _rounds_waiting(self, view: PrimaryView) -> bool:

@@ -123,40 +123,18 @@ class _Round:
         return not needed or key in needed
 
 
+@dataclass(slots=True)
 class _Group:
     """One KV group of a request: its chunk size, window and keys by chunk.
 
-    A slotted class: made once per plan on vLLM's thread, where a frozen
-    dataclass (fields set one ``object.__setattr__`` at a time) cost ~4 us
-    cold. Not changed once made."""
+    Made once per plan on vLLM's thread and not changed after; not frozen: a
+    frozen dataclass sets each field through ``object.__setattr__`` (~4 us a
+    plan, cold)."""
 
-    __slots__ = ("index", "keys", "tokens_per_chunk", "window")
-
-    def __init__(
-        self, index: int, tokens_per_chunk: int, window: int | None, keys: list[Any]
-    ) -> None:
-        self.index = index
-        self.tokens_per_chunk = tokens_per_chunk
-        self.window = window
-        self.keys = keys  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, _Group):
-            return NotImplemented
-        return (self.index, self.tokens_per_chunk, self.window, self.keys) == (
-            other.index,
-            other.tokens_per_chunk,
-            other.window,
-            other.keys,
-        )
-
-    __hash__ = None  # type: ignore[assignment]  # keys is a list
-
-    def __repr__(self) -> str:
-        return (
-            f"_Group(index={self.index}, tokens_per_chunk={self.tokens_per_chunk}, "
-            f"window={self.window}, keys={self.keys!r})"
-        )
+    index: int
+    tokens_per_chunk: int
+    window: int | None
+    keys: list[Any]  # keys[i]: the key of chunk i (ending at (i + 1) * tokens_per_chunk)
 
 
 class RequestPlanner:
@@ -520,12 +498,9 @@ class RequestPlanner:
         if to_pin:
             view.pin(to_pin, rnd.ctx)
             pinned.update(to_pin)
-        if all_absent and not pinned and not rnd.landing:
-            # Every chunk lands: a copy of the planned set, taken before any
-            # HIT leaves it.
-            rnd.landing = rnd.planned.copy()
-            return True
-        not_ready = set(needed) if all_absent else set(compress(needed, map(_READY_GT, wheres)))
+        # All on disk: the planned set is every needed chunk (no HIT has left
+        # it yet); update copies it.
+        not_ready = rnd.planned if all_absent else set(compress(needed, map(_READY_GT, wheres)))
         rnd.landing.update(not_ready - pinned if pinned else not_ready)
         return True
 
