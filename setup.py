@@ -70,6 +70,7 @@ TABLE_SOURCES = [
     "native/nvt_table_admin.c",
     "native/nvt_table_module.c",
     "native/nvt_hot_request.c",
+    "native/nvt_guard_calls.c",
     "native/nvt_tier_calls.c",
     "native/nvt_jobs.c",
     "native/nvt_job_submit.c",

@@ -201,6 +201,12 @@ static PyTypeObject HotType = {
     .tp_vectorcall_offset = offsetof(HotObject, vectorcall),
 };
 
+int nvt_hot_request_idle(PyObject *hot) {
+    if (!PyObject_TypeCheck(hot, &HotType))
+        return -1;
+    return ((HotObject *)hot)->ctx == Py_None;
+}
+
 int nvt_hot_request_add(PyObject *m) {
     if (PyType_Ready(&HotType) < 0)
         return -1;

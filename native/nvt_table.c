@@ -739,7 +739,8 @@ PyMODINIT_FUNC PyInit__table(void) {
         PyModule_AddIntConstant(m, "COMPLETION_BYTES", (long)sizeof(nvt_completion)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SHARERS", NVT_MAX_SHARERS) < 0 ||
         PyModule_AddIntConstant(m, "REGISTRY_LOCK_BASE", (long)NVT_REGISTRY_LOCK_BASE) < 0 ||
-        nvt_hash_py_add(m) < 0 || nvt_hot_request_add(m) < 0 || nvt_tier_calls_add(m) < 0) {
+        nvt_hash_py_add(m) < 0 || nvt_hot_request_add(m) < 0 || nvt_tier_calls_add(m) < 0 ||
+        nvt_guard_calls_add(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -45,6 +45,13 @@ int nvt_append_record_key(PyObject **list, const unsigned char *rec);
 /* ------------------------------------------------------ nvt_hot_request.c */
 /* Adds the type HotRequest to the module (its init). */
 int nvt_hot_request_add(PyObject *m);
+/* Whether `hot` (a HotRequest) holds no request (its ctx is None): 1, 0, or
+ * -1 (no exception set) when `hot` is not a HotRequest. */
+int nvt_hot_request_idle(PyObject *hot);
+
+/* ------------------------------------------------------ nvt_guard_calls.c */
+/* Adds the type GuardCall to the module (its init). */
+int nvt_guard_calls_add(PyObject *m);
 
 /* ------------------------------------------------------- nvt_tier_calls.c */
 /* Adds the types FinishedJobs, NewRequest, ScheduleEnd and SubmitStore to

@@ -90,7 +90,7 @@ TABLE_TESTS=(tests/native tests/unit/test_table_model.py tests/unit/test_table_s
   tests/unit/test_table_header.py tests/unit/test_table_alloc_failure.py tests/unit/test_table_worker_apply.py
   tests/unit/test_table_contains_many.py tests/unit/test_chunk_run.py tests/unit/test_hot_request.py
   tests/unit/test_table_swar.py tests/unit/test_tier_calls.py tests/unit/test_table_refresh.py
-  tests/unit/test_table_lease_takeover.py tests/unit/test_lease_takeover_attacks.py
+  tests/unit/test_table_lease_takeover.py tests/unit/test_lease_takeover_attacks.py tests/unit/test_guard_call.py
   tests/integration/test_done_hint.py
   tests/integration/test_job_path.py tests/integration/test_engines.py tests/fault/test_fault_fork.py
   tests/integration/test_engine_sealing.py tests/integration/test_job_events_attacks.py

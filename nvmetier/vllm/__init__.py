@@ -318,8 +318,12 @@ class NvmeTierManager(SecondaryTierManager):
         # HotRequest would shadow it.)
         if type(self).lookup is NvmeTierManager.lookup:
             self.lookup = self._hot  # type: ignore[method-assign]
-        # Per request on the scheduler thread: one C call each, no guard frame.
+        # Per request on the scheduler thread: one C call each, no guard frame
+        # (a request's finish and an end of step, while the guard has no
+        # round open: nvt_guard_calls.c).
         self._track = self._guard.track_call()
+        self._finish = self._guard.finish_call()
+        self._end_step = self._guard.end_step_call()
         self._wire_native_calls()
         self._refresh_chunks = self.config.recency_refresh_chunks
         # Per request still running: the key lists of its load jobs, whose
@@ -380,7 +384,7 @@ class NvmeTierManager(SecondaryTierManager):
         finished = FinishedJobs(
             self._poll, self._report_finished, (), None if own_report else JobResult
         )
-        schedule_end = ScheduleEnd(self._release, self._guard.end_step)
+        schedule_end = ScheduleEnd(self._release, self._end_step)
         submit = SubmitStore(
             self._submit_store, log_refused_job, None if self._seed_checked else self._seed_once
         )
@@ -543,7 +547,7 @@ class NvmeTierManager(SecondaryTierManager):
     @override
     def on_request_finished(self, req_context: ReqContext) -> None:
         req_id = req_context.req_id
-        self._guard.finish(req_id)
+        self._finish(req_id)  # PromotionGuard.finish, in C while no round is open
         loaded = self._loads_of.pop(req_id, None) if self._loads_of else None
         # vLLM never asks the disk about chunks the GPU or the CPU tier served,
         # nor calls touch: refresh the disk's recency of every chunk the
@@ -569,7 +573,7 @@ class NvmeTierManager(SecondaryTierManager):
         # Counts this step's HITs that were not loaded, drops the pins of the
         # requests vLLM scheduled (their own prepare_load holds the chunks)
         # or preempted, and pins the promotions that landed.
-        self._guard.end_step(context.new_req_ids, context.preempted_req_ids)
+        self._end_step(context.new_req_ids, context.preempted_req_ids)  # PromotionGuard.end_step
 
     # ------------------------------------------------------------ transfers
     @override

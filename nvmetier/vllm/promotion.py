@@ -47,6 +47,7 @@ from collections.abc import Callable, Collection, Iterable
 from itertools import compress, repeat
 from typing import Any
 
+from nvmetier._table import GuardCall
 from nvmetier._table import HotRequest as _Hot
 from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView
 from nvmetier.vllm.promotion_plan import (
@@ -564,6 +565,36 @@ class PromotionGuard(RequestPlanner):
         return self._waiting.__setitem__
 
     # ------------------------------------------------------------ steps
+    def end_step_call(self) -> Callable[..., None]:
+        """``end_step`` as one native call (``nvmetier._table.GuardCall``,
+        native/nvt_guard_calls.c): while no round is open (nothing planned,
+        pinned, noted or protected), the step's scheduled requests leave the
+        waiting map and the step is counted in C; any other call is this
+        method. For vLLM's scheduler thread, where a frame per step counts.
+        (A subclass that overrides ``end_step`` gets its own method.)"""
+        if type(self).end_step is not PromotionGuard.end_step:
+            return self.end_step
+        return GuardCall("end_step", self, self.end_step, *self._idle_state())
+
+    def finish_call(self) -> Callable[[str], None]:
+        """``finish`` as one native call, as ``end_step_call``: a request
+        with no round leaves the waiting map in C."""
+        if type(self).finish is not PromotionGuard.finish:
+            return self.finish
+        return GuardCall("finish", self, self.finish, *self._idle_state())
+
+    def _idle_state(self) -> tuple[Any, ...]:
+        """What a GuardCall reads to tell that no round is open (the guard's
+        own containers, never replaced: cleared in place)."""
+        return (
+            self._waiting,
+            self._rounds,
+            self._protect_spent,
+            self._pending,
+            self._unloaded,
+            self._hot,
+        )
+
     def end_step(
         self, new_req_ids: Collection[str] = (), preempted_req_ids: Collection[str] = ()
     ) -> None:

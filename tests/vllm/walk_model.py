@@ -31,7 +31,8 @@ Per step:
 ``PromotionGuard`` wired exactly as ``NvmeTierManager`` wires it (lookup ->
 ``lookup_call``: ``admits`` -> disk -> ``note_hit``, with its per-request fast
 answer; ``submit_load`` -> ``note_loaded``;
-``on_schedule_end`` -> ``end_step``; ``drain_jobs`` -> ``release_all``).
+``on_schedule_end`` -> ``end_step_call()``; ``on_request_finished`` ->
+``finish_call()``; ``drain_jobs`` -> ``release_all``).
 """
 
 from __future__ import annotations
@@ -118,6 +119,10 @@ class MemoryTier(SecondaryTierManager):
             enabled=promotion_guard,
             groups=kv_groups(offloading_spec, connector_groups()),
         )
+        # As NvmeTierManager: the guard's end of step and finish in C while it
+        # has no round open (its own methods otherwise).
+        self._end_step = self.guard.end_step_call()
+        self._finish = self.guard.finish_call()
         self._wired = False
         self.hits_leased = 0  # HITs answered from the plans' leases (count_hits)
         self._hot: Any = None
@@ -202,12 +207,12 @@ class MemoryTier(SecondaryTierManager):
         return RequestOffloadingContext()
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.guard.end_step(context.new_req_ids, context.preempted_req_ids)
+        self._end_step(context.new_req_ids, context.preempted_req_ids)
         self._answered_hit.clear()
         self._step += 1
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.guard.finish(req_context.req_id)
+        self._finish(req_context.req_id)
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)
