@@ -71,11 +71,12 @@ static int guard_idle(GuardCallObject *self) {
 
 /* waiting.pop(req_id, None). 0, or -1 with an exception set. */
 static int waiting_pop(PyObject *waiting, PyObject *req_id) {
-    if (PyDict_DelItem(waiting, req_id) == 0)
-        return 0;
-    if (!PyErr_ExceptionMatches(PyExc_KeyError))
+    /* Not PyDict_DelItem less its KeyError: a KeyError the id's own __hash__
+     * or __eq__ raises propagates from dict.pop, as it must from here. */
+    PyObject *gone = _PyDict_Pop(waiting, req_id, Py_None);
+    if (!gone)
         return -1;
-    PyErr_Clear();
+    Py_DECREF(gone); /* the context (its finalizer runs here, as after pop) */
     return 0;
 }
 
@@ -88,7 +89,7 @@ static int count_step(GuardCallObject *self, int step) {
     PyObject *now = PyObject_GetAttr(self->guard, str_step);
     if (!now)
         return -1;
-    PyObject *next = PyNumber_Add(now, one);
+    PyObject *next = PyNumber_InPlaceAdd(now, one); /* `self._step += 1` */
     Py_DECREF(now);
     if (!next)
         return -1;
@@ -118,6 +119,15 @@ static PyObject *end_step_fast(GuardCallObject *self, PyObject *fresh) {
     if (PyErr_Occurred())
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* Whether `ids` is absent or a built-in collection (what vLLM passes: a
+ * list, a set or ()), whose truth and iteration run no Python code and match
+ * the method's `if ids:` then walk: anything else (None, a falsy
+ * non-iterable, a __bool__ that raises or mutates) goes to the method. */
+static int plain_ids(PyObject *ids) {
+    return !ids || PyList_CheckExact(ids) || PyTuple_CheckExact(ids) || PySet_CheckExact(ids) ||
+           PyFrozenSet_CheckExact(ids);
 }
 
 /* The call's arguments by position or by the method's names: `names` lists
@@ -151,12 +161,9 @@ static PyObject *guard_call_vectorcall(PyObject *callable, PyObject *const *args
     PyObject *given[2] = {NULL, NULL};
     int fast = 0;
     if (self->kind == GUARD_END_STEP) {
-        if (call_args(args, nargsf, kwnames, end_names, 2, given) == 0 && guard_idle(self)) {
-            int preempted = given[1] ? PyObject_IsTrue(given[1]) : 0;
-            if (preempted < 0)
-                return NULL;
-            fast = !preempted;
-        }
+        if (call_args(args, nargsf, kwnames, end_names, 2, given) == 0 && plain_ids(given[0]) &&
+            plain_ids(given[1]) && guard_idle(self))
+            fast = !given[1] || PyObject_Length(given[1]) == 0;
     } else if (call_args(args, nargsf, kwnames, finish_names, 1, given) == 0 && given[0] && guard_idle(self)) {
         fast = 1;
     }

@@ -98,3 +98,63 @@ def test_a_guard_call_in_a_cycle_is_collected() -> None:
     del guard, call
     gc.collect()
     assert ref() is None
+
+
+def test_a_key_error_from_an_ids_hash_or_eq_propagates_as_dict_pop_does() -> None:
+    # waiting.pop(req_id, None) swallows only the absent key: a KeyError the
+    # id's own __hash__ or __eq__ raises propagates.
+    class HashKeyError:
+        def __hash__(self) -> int:
+            raise KeyError("from hash")
+
+    class EqKeyError:
+        def __hash__(self) -> int:
+            return hash("r0")
+
+        def __eq__(self, other: object) -> bool:
+            raise KeyError("from eq")
+
+    for bad in (HashKeyError(), EqKeyError()):
+        with pytest.raises(KeyError):
+            {"r0": 1}.pop(bad, None)
+        guard, state, waiting, calls = _parts()
+        with pytest.raises(KeyError):
+            GuardCall("finish", guard, calls.append, *state)(bad)
+        with pytest.raises(KeyError):
+            GuardCall("end_step", guard, calls.append, *state)(["r1", bad, "r2"], [])
+        assert "r1" not in waiting and "r2" in waiting and "r0" in waiting
+
+
+def test_the_step_count_is_added_to_in_place_as_step_plus_equals_one() -> None:
+    class InPlaceOnly:
+        def __iadd__(self, other: int) -> int:
+            return 100 + other
+
+    guard, state, _waiting, calls = _parts()
+    guard._step = InPlaceOnly()
+    GuardCall("end_step", guard, calls.append, *state)(["r0"], [])
+    assert guard._step == 101 and calls == []
+
+
+@pytest.mark.parametrize("new", [None, 0, "", b""])
+def test_falsy_scheduled_ids_are_not_iterated_as_the_method_does_not(new: Any) -> None:
+    # end_step tests `if new_req_ids:` before it walks them: a falsy
+    # argument that is not iterable (None) is no scheduled request.
+    guard, state, waiting, calls = _parts()
+    call = GuardCall("end_step", guard, lambda *a: calls.append(a), *state)
+    call(new, ())
+    assert len(waiting) == 4
+    assert calls == [(new, ())] or guard._step == 11
+
+
+def test_scheduled_ids_whose_truth_raises_go_to_the_method() -> None:
+    class NoTruth(list):  # type: ignore[type-arg]
+        def __bool__(self) -> bool:
+            raise ValueError("ambiguous")
+
+    guard, state, waiting, calls = _parts()
+    call = GuardCall("end_step", guard, lambda *a: calls.append(a), *state)
+    ids = NoTruth(["r0"])
+    call(ids, ())
+    call((), NoTruth())
+    assert [c[0] for c in calls][0] is ids and len(calls) == 2 and len(waiting) == 4 and guard._step == 10
