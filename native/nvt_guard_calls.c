@@ -26,6 +26,8 @@
  *   end_step: guard._quiet = False; guard._step += 1; each scheduled id
  *     taken out of `waiting` (absent ids ignored);
  *   finish: guard._quiet = False; req_id taken out of `waiting`.
+ * (What an id's __hash__/__eq__ or a context's finalizer fills during the
+ * pops is then handled as the method does: finish_rest, end_step's tail.)
  * (The Python end_step in that state ends by recording its quiet state, an
  * optimisation of its next call only; clearing it instead makes that call
  * take its full path, which finds the same.) Every other call is
@@ -98,6 +100,16 @@ static int count_step(GuardCallObject *self, int step) {
     return r;
 }
 
+/* obj.name(arg) (or obj.name()), its result dropped. 0, or -1 with an
+ * exception set. */
+static int tail_call(PyObject *obj, const char *name, PyObject *arg) {
+    PyObject *r = arg ? PyObject_CallMethod(obj, name, "O", arg) : PyObject_CallMethod(obj, name, NULL);
+    if (!r)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
 static PyObject *end_step_fast(GuardCallObject *self, PyObject *fresh) {
     if (count_step(self, 1) < 0)
         return NULL;
@@ -118,6 +130,32 @@ static PyObject *end_step_fast(GuardCallObject *self, PyObject *fresh) {
     Py_DECREF(it);
     if (PyErr_Occurred())
         return NULL;
+    /* An id's __hash__/__eq__ or a context's finalizer may have filled what
+     * the method tests after its pops: do what it then does. */
+    if (PySet_GET_SIZE(self->protect_spent) && tail_call(self->protect_spent, "difference_update", fresh) < 0)
+        return NULL;
+    if (PyList_GET_SIZE(self->pending) && tail_call(self->guard, "_note_pending", NULL) < 0)
+        return NULL;
+    if (PyDict_GET_SIZE(self->unloaded) && tail_call(self->guard, "_count_unloaded", NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* finish after its pop: what the method does when protect_spent or rounds
+ * were filled meanwhile (by the id's __hash__/__eq__ or the context's
+ * finalizer): discard the id, and release its round. */
+static PyObject *finish_rest(GuardCallObject *self, PyObject *req_id) {
+    if (PySet_GET_SIZE(self->protect_spent) && PySet_Discard(self->protect_spent, req_id) < 0)
+        return NULL;
+    if (PyDict_GET_SIZE(self->rounds)) {
+        PyObject *rnd = _PyDict_Pop(self->rounds, req_id, Py_None);
+        if (!rnd)
+            return NULL;
+        int r = rnd == Py_None ? 0 : tail_call(self->guard, "_release", rnd);
+        Py_DECREF(rnd);
+        if (r < 0)
+            return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -173,7 +211,7 @@ static PyObject *guard_call_vectorcall(PyObject *callable, PyObject *const *args
         return end_step_fast(self, given[0]);
     if (count_step(self, 0) < 0 || waiting_pop(self->waiting, given[0]) < 0)
         return NULL;
-    Py_RETURN_NONE;
+    return finish_rest(self, given[0]);
 }
 
 static PyObject *guard_call_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {

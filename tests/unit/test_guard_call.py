@@ -157,4 +157,5 @@ def test_scheduled_ids_whose_truth_raises_go_to_the_method() -> None:
     ids = NoTruth(["r0"])
     call(ids, ())
     call((), NoTruth())
-    assert [c[0] for c in calls][0] is ids and len(calls) == 2 and len(waiting) == 4 and guard._step == 10
+    assert calls[0][0] is ids and len(calls) == 2
+    assert len(waiting) == 4 and guard._step == 10

@@ -212,3 +212,37 @@ def test_a_deleted_hot_context_keeps_the_call_off_the_c_path() -> None:
     del guard._hot.ctx
     call("req-0")
     assert calls == ["req-0"] and "req-0" in guard._waiting
+
+
+@pytest.mark.parametrize("kind", ["finish", "end_step"])
+def test_what_a_finalizer_opens_during_the_pop_is_handled_as_the_method_does(kind: str) -> None:
+    # The method tests protect_spent, rounds (finish), pending and unloaded
+    # (end_step) after its pop: a finalizer that fills them then is seen.
+    def run(native: bool) -> tuple[Any, ...]:
+        guard = _guard([])
+
+        class Ctx:
+            req_id = "r"
+
+            def __del__(self) -> None:
+                rnd = SimpleNamespace(
+                    pinned=set(), landing={1}, in_flight_n=0, ctx=None, generation=0
+                )
+                guard._rounds["r"] = rnd  # type: ignore[assignment]
+                guard._protect_spent.add("r")
+                guard._pending.append(([], "r"))
+
+        guard._waiting["r"] = Ctx()  # type: ignore[assignment]
+        if kind == "finish":
+            (guard.finish_call() if native else guard.finish)("r")
+        else:
+            (guard.end_step_call() if native else guard.end_step)(["r"], set())
+        rnd = guard._rounds.get("r")
+        return (
+            _state(guard)[:2],
+            set(guard._protect_spent),
+            list(guard._pending),
+            None if rnd is None else (rnd.landing, rnd.in_flight_n),
+        )
+
+    assert run(True) == run(False)
