@@ -71,11 +71,22 @@ static int guard_idle(GuardCallObject *self) {
     return self->kind == GUARD_FINISH || (PyList_GET_SIZE(self->pending) == 0 && PyDict_GET_SIZE(self->unloaded) == 0);
 }
 
+/* d.pop(k, None), a new reference (NULL with an exception set). */
+static PyObject *dict_pop_or_none(PyObject *d, PyObject *k) {
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject *v;
+    int r = PyDict_Pop(d, k, &v);
+    return r < 0 ? NULL : r ? v : Py_NewRef(Py_None);
+#else
+    return _PyDict_Pop(d, k, Py_None);
+#endif
+}
+
 /* waiting.pop(req_id, None). 0, or -1 with an exception set. */
 static int waiting_pop(PyObject *waiting, PyObject *req_id) {
     /* Not PyDict_DelItem less its KeyError: a KeyError the id's own __hash__
      * or __eq__ raises propagates from dict.pop, as it must from here. */
-    PyObject *gone = _PyDict_Pop(waiting, req_id, Py_None);
+    PyObject *gone = dict_pop_or_none(waiting, req_id);
     if (!gone)
         return -1;
     Py_DECREF(gone); /* the context (its finalizer runs here, as after pop) */
@@ -148,7 +159,7 @@ static PyObject *finish_rest(GuardCallObject *self, PyObject *req_id) {
     if (PySet_GET_SIZE(self->protect_spent) && PySet_Discard(self->protect_spent, req_id) < 0)
         return NULL;
     if (PyDict_GET_SIZE(self->rounds)) {
-        PyObject *rnd = _PyDict_Pop(self->rounds, req_id, Py_None);
+        PyObject *rnd = dict_pop_or_none(self->rounds, req_id);
         if (!rnd)
             return NULL;
         int r = rnd == Py_None ? 0 : tail_call(self->guard, "_release", rnd);
