@@ -26,6 +26,9 @@
  *   end_step: guard._quiet = False; guard._step += 1; each scheduled id
  *     taken out of `waiting` (absent ids ignored);
  *   finish: guard._quiet = False; req_id taken out of `waiting`.
+ * Before either, an end of step that schedules and preempts nothing while
+ * the guard is quiet, with the CPU tier's generation unchanged, only counts
+ * the step, as the method's first lines do (quiet_step), rounds open or not.
  * (What an id's __hash__/__eq__ or a context's finalizer fills during the
  * pops is then handled as the method does: finish_rest, end_step's tail.)
  * (The Python end_step in that state ends by recording its quiet state, an
@@ -61,7 +64,7 @@ typedef struct {
     vectorcallfunc vectorcall;
 } GuardCallObject;
 
-static PyObject *str_step, *str_quiet, *one;
+static PyObject *str_step, *str_quiet, *str_generation, *str_quiet_generation, *one;
 
 /* Whether the guard has nothing but its waiting map in use (see above). The
  * types were checked when the object was made. */
@@ -179,6 +182,46 @@ static int plain_ids(PyObject *ids) {
            PyFrozenSet_CheckExact(ids);
 }
 
+/* The method's first lines, for an end of step with both id collections
+ * plain (plain_ids): one that schedules and preempts nothing, after an end
+ * of step that found the guard quiet (`guard._quiet`), with the CPU tier's
+ * generation unchanged since (`guard._generation()`, a C callable the guard
+ * keeps beside its view, or None without a view, against
+ * `guard._quiet_generation`), only counts the step, whatever rounds are
+ * open. 1 when so answered, 0 when not, -1 with an exception set. */
+static int quiet_step(GuardCallObject *self, PyObject *fresh, PyObject *preempted) {
+    if ((fresh && PyObject_Length(fresh) != 0) || (preempted && PyObject_Length(preempted) != 0))
+        return 0;
+    PyObject *quiet = PyObject_GetAttr(self->guard, str_quiet);
+    if (!quiet)
+        return -1;
+    int is_quiet = PyObject_IsTrue(quiet);
+    Py_DECREF(quiet);
+    if (is_quiet <= 0)
+        return is_quiet;
+    PyObject *generation = PyObject_GetAttr(self->guard, str_generation);
+    if (!generation)
+        return -1;
+    int same = 1;
+    if (generation != Py_None) {
+        PyObject *now = PyObject_CallNoArgs(generation);
+        PyObject *then = now ? PyObject_GetAttr(self->guard, str_quiet_generation) : NULL;
+        same = then ? PyObject_RichCompareBool(now, then, Py_EQ) : -1;
+        Py_XDECREF(now);
+        Py_XDECREF(then);
+    }
+    Py_DECREF(generation);
+    if (same <= 0)
+        return same;
+    /* `self._step += 1` alone: the guard stays quiet. */
+    PyObject *step = PyObject_GetAttr(self->guard, str_step);
+    PyObject *next = step ? PyNumber_InPlaceAdd(step, one) : NULL;
+    int r = next ? PyObject_SetAttr(self->guard, str_step, next) : -1;
+    Py_XDECREF(step);
+    Py_XDECREF(next);
+    return r < 0 ? -1 : 1;
+}
+
 /* The call's arguments by position or by the method's names: `names` lists
  * them, `out` gets each (NULL when not given). -1 with TypeError when a name
  * is not the method's, repeated, or more are given. */
@@ -211,8 +254,12 @@ static PyObject *guard_call_vectorcall(PyObject *callable, PyObject *const *args
     int fast = 0;
     if (self->kind == GUARD_END_STEP) {
         if (call_args(args, nargsf, kwnames, end_names, 2, given) == 0 && plain_ids(given[0]) &&
-            plain_ids(given[1]) && guard_idle(self))
-            fast = !given[1] || PyObject_Length(given[1]) == 0;
+            plain_ids(given[1])) {
+            int quiet = quiet_step(self, given[0], given[1]);
+            if (quiet)
+                return quiet < 0 ? NULL : Py_NewRef(Py_None);
+            fast = guard_idle(self) && (!given[1] || PyObject_Length(given[1]) == 0);
+        }
     } else if (call_args(args, nargsf, kwnames, finish_names, 1, given) == 0 && given[0] && guard_idle(self)) {
         fast = 1;
     }
@@ -236,8 +283,7 @@ static PyObject *guard_call_new(PyTypeObject *type, PyObject *args, PyObject *kw
         return NULL;
     int k = strcmp(kind, "end_step") == 0 ? GUARD_END_STEP : strcmp(kind, "finish") == 0 ? GUARD_FINISH : -1;
     if (k < 0) {
-        PyErr_Format(PyExc_ValueError, "GuardCall: kind must be 'end_step' or 'finish', not %R",
-                     PyTuple_GET_ITEM(args, 0));
+        PyErr_Format(PyExc_ValueError, "GuardCall: kind must be 'end_step' or 'finish', not '%s'", kind);
         return NULL;
     }
     if (!PyCallable_Check(slow) || nvt_hot_request_idle(hot) < 0)
@@ -307,7 +353,9 @@ static PyTypeObject GuardCallType = {
 
 int nvt_guard_calls_add(PyObject *m) {
     if ((!str_step && !(str_step = PyUnicode_InternFromString("_step"))) ||
-        (!str_quiet && !(str_quiet = PyUnicode_InternFromString("_quiet"))) || (!one && !(one = PyLong_FromLong(1))))
+        (!str_quiet && !(str_quiet = PyUnicode_InternFromString("_quiet"))) ||
+        (!str_generation && !(str_generation = PyUnicode_InternFromString("_generation"))) ||
+        (!str_quiet_generation && !(str_quiet_generation = PyUnicode_InternFromString("_quiet_generation"))) || (!one && !(one = PyLong_FromLong(1))))
         return -1;
     if (PyType_Ready(&GuardCallType) < 0)
         return -1;

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable
+from functools import partial
 from types import FrameType
 from typing import Any
 
@@ -167,6 +168,11 @@ class PrimaryView:
     def generation(self) -> int:
         """Changes when vLLM resets the CPU tier (pins taken before are void)."""
         return int(getattr(self._primary, "_cache_generation", 0))
+
+    def generation_call(self) -> Callable[[], Any]:
+        """``generation`` as one C call (``getattr`` bound by a partial): the
+        guard's native end of step reads it every quiet step."""
+        return partial(getattr, self._primary, "_cache_generation", 0)
 
     def pin(self, keys: list[Any], ctx: Any) -> None:
         """Pin ready chunks (ref_cnt + 1), as a cascade read does."""

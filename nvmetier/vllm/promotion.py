@@ -170,6 +170,9 @@ class PromotionGuard(RequestPlanner):
         # generation moved).
         self._quiet = False
         self._quiet_generation: int | None = None
+        # The view's generation as one C call (None without a view): what
+        # the native end of step compares (GuardCall, native/nvt_guard_calls.c).
+        self._generation: Callable[[], int] | None = None
         # Promotion jobs of planned rounds in flight: job id -> keys (PENDING
         # in the CPU tier until load_finished: _pin_landed need not ask about
         # them every step). Their union is taken only when a round's landing
@@ -207,6 +210,9 @@ class PromotionGuard(RequestPlanner):
         self._quiet = False
         self._cool()
         self._view = view
+        # (A view without the C call, a test's, is asked through its method.)
+        generation_call = getattr(view, "generation_call", None)
+        self._generation = view.generation if generation_call is None else generation_call()
         self._on_disk = on_disk
         self._on_disk_many = on_disk_many
         self._lease_many = lease_many
@@ -570,7 +576,9 @@ class PromotionGuard(RequestPlanner):
         native/nvt_guard_calls.c): while no round is open (nothing planned,
         pinned, noted or protected), the step's scheduled requests leave the
         waiting map and the step is counted in C; any other call is this
-        method. For vLLM's scheduler thread, where a frame per step counts.
+        method. An end of step that schedules and preempts nothing while the
+        guard is quiet (its first lines) is counted in C too, rounds open or
+        not. For vLLM's scheduler thread, where a frame per step counts.
         (A subclass that overrides ``end_step`` gets its own method.)"""
         if type(self).end_step is not PromotionGuard.end_step:
             return self.end_step

@@ -246,3 +246,81 @@ def test_what_a_finalizer_opens_during_the_pop_is_handled_as_the_method_does(kin
         )
 
     assert run(True) == run(False)
+
+
+class _View:
+    """The two calls of a CPU tier view a quiet end of step reads."""
+
+    def __init__(self) -> None:
+        self._cache_generation = 0
+
+    def generation(self) -> int:
+        return int(self._cache_generation)
+
+    def generation_call(self) -> Any:
+        return lambda: self._cache_generation
+
+
+def _quiet_guard() -> tuple[PromotionGuard, list[Any], Any, _View]:
+    """A guard with a round open whose last end of step left it quiet."""
+    guard = _guard(IDS)
+    view = _View()
+    guard._view = view  # type: ignore[assignment]
+    guard._generation = view.generation_call()
+    guard._rounds["req-0"] = object()  # type: ignore[assignment]
+    guard._set_quiet(True)
+    calls: list[Any] = []
+    call = GuardCall("end_step", guard, lambda *a: calls.append(a), *guard._idle_state())
+    return guard, calls, call, view
+
+
+def test_a_quiet_step_with_rounds_open_is_counted_in_c() -> None:
+    guard, calls, call, _view = _quiet_guard()
+    for ids in ((), [], set(), frozenset()):
+        call(ids, ids)
+    call()
+    assert calls == [] and guard._step == 5 and guard._quiet is True
+    assert list(guard._waiting) == IDS  # nothing else touched
+
+
+@pytest.mark.parametrize("change", ["scheduled", "preempted", "generation", "not_quiet", "odd_ids"])
+def test_anything_but_a_quiet_step_goes_to_the_method(change: str) -> None:
+    guard, calls, call, view = _quiet_guard()
+    fresh: Any = []
+    preempted: Any = []
+    if change == "scheduled":
+        fresh = ["req-1"]
+    elif change == "preempted":
+        preempted = ["req-1"]
+    elif change == "generation":
+        view._cache_generation = 1  # vLLM reset its CPU tier since
+    elif change == "not_quiet":
+        guard._quiet = False
+    else:
+        fresh = {}  # not a list, tuple or set: the method decides
+    call(fresh, preempted)
+    assert calls == [(fresh, preempted)] and guard._step == 0
+
+
+def test_a_quiet_step_counts_as_the_method_does_without_a_view() -> None:
+    guard, twin = _guard(IDS), _guard(IDS)
+    for g in (guard, twin):
+        g._rounds["req-0"] = object()  # type: ignore[assignment]
+        g._set_quiet(True)
+    guard.end_step_call()([], [])
+    twin.end_step([], [])
+    assert guard._step == twin._step == 1 and guard._quiet is twin._quiet is True
+
+
+def test_the_views_generation_call_answers_as_generation() -> None:
+    from nvmetier.vllm.cpu_view import PrimaryView
+
+    primary = SimpleNamespace(_cache_generation=7)
+    view = PrimaryView.__new__(PrimaryView)
+    view._primary = primary  # type: ignore[attr-defined]
+    call = view.generation_call()
+    assert call() == view.generation() == 7
+    primary._cache_generation = 8
+    assert call() == view.generation() == 8
+    del primary._cache_generation
+    assert call() == view.generation() == 0
