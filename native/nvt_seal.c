@@ -306,5 +306,10 @@ int nvt_keys_open(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
         *checksum = get_le(trailer + NVT_TRL_TAG, 8);
         return 0;
     }
+    /* GCM decrypts before it verifies: `dst` holds the ciphertext's bytes
+     * under the keystream, unauthenticated (a flipped bit on disk is the
+     * same bit flipped here). None of it stays where a reader could take
+     * it: zeroed, as the whole load fails. */
+    memset(dst, 0, (size_t)len);
     return rc == 1 ? -EBADMSG : -EIO;
 }

@@ -139,11 +139,14 @@ int nvt_keys_seal(nvt_keys *k, uint64_t seed, uint32_t file_idx, uint64_t file_o
 
 /* Open `len` sealed bytes of `src` into `dst` (may be `src`) with the
  * slot's `trailer`. 0 (checksum set), -EBADMSG (not a trailer, a tag that
- * does not verify, an epoch that never existed: dst holds garbage),
+ * does not verify, an epoch that never existed: dst untouched before a
+ * decryption, zeroed after one whose tag failed: no unauthenticated
+ * plaintext is left in it),
  * -EKEYREVOKED (an epoch this table knows existed and was destroyed, by a
  * purge, a retention or a full `keys` file: nothing can open it, dst
  * untouched), -ENOKEY (an epoch newer than this table knows while keys_gen
- * moved since the table was read: reload, then retry), -EIO (libcrypto).
+ * moved since the table was read: reload, then retry), -EIO (libcrypto;
+ * dst zeroed as for a tag that failed).
  *
  * -EKEYREVOKED is decided from the trailer's epoch alone (no key, so no tag
  * to check): whoever can write the data files can make any chunk claim a

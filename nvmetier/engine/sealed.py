@@ -362,7 +362,7 @@ class Sealing:
         completion's checksum (the tag's head).
 
         Raises:
-            OSError: EBADMSG (``row`` then holds garbage), EKEYREVOKED,
+            OSError: EBADMSG (``row`` then holds no plaintext), EKEYREVOKED,
                 ENOKEY (as ``open_into``).
         """
         return self.open_into(row, trailer, seed, None, file_idx, file_off)
@@ -381,7 +381,9 @@ class Sealing:
 
         Raises:
             OSError: EBADMSG when the trailer or the tag does not verify or
-                the epoch never existed (``dst`` then holds garbage);
+                the epoch never existed (``dst`` then holds zeros where a
+                decryption was tried, its earlier bytes otherwise: never an
+                unauthenticated plaintext);
                 EKEYREVOKED when the epoch is known destroyed (the keys file
                 says so, or this table held it: ``dst`` untouched); ENOKEY
                 for an epoch not loaded yet.
