@@ -489,3 +489,58 @@ def test_a_slot_image_moved_to_another_slot_never_opens(rig) -> None:
     assert got[2].result == -errno.EBADMSG and got[3].result == ROW
     if hasattr(rig.engine, "auth_failures"):
         assert rig.engine.auth_failures == 1
+
+
+def _neighbours_survive_a_failed_open(r: Rig, engine=None) -> None:
+    """Slots 0..4 sealed from rows 0..4; slot 2's ciphertext tampered; read
+    back into rows 9..13 (row 11 fails) with rows 8 and 14 sentinels, while
+    writes of rows 0..4 (only read) run in the same batch. The failed row is
+    zeros; every other row holds exactly what it should."""
+    plain = [os.urandom(ROW) for _ in range(5)]
+    for i, p in enumerate(plain):
+        r.primary[i * ROW : (i + 1) * ROW] = p
+    assert all(
+        c.result == ROW
+        for c in r.run(
+            [Op(i, OP_WRITE, 0, i * SLOT, i * ROW, ROW, 50 + i) for i in range(5)], engine
+        ).values()
+    )
+    at = 2 * SLOT + ROW - 1  # the last ciphertext byte: the tail of the zeroing
+    os.pwrite(r.fd, bytes([os.pread(r.fd, 1, at)[0] ^ 1]), at)
+    r.primary[8 * ROW : 15 * ROW] = b"\x5a" * (7 * ROW)
+    ops = [Op(20 + i, OP_READ, 0, i * SLOT, (9 + i) * ROW, ROW, 50 + i) for i in range(5)]
+    ops += [Op(30 + i, OP_WRITE, 0, (40 + i) * SLOT, i * ROW, ROW, 60 + i) for i in range(5)]
+    got = r.run(ops, engine)
+    assert got[22].result == -errno.EBADMSG
+    assert all(got[i].result == ROW for i in (20, 21, 23, 24, 30, 31, 32, 33, 34))
+    assert bytes(r.primary[11 * ROW : 12 * ROW]) == bytes(ROW)
+    for i in (0, 1, 3, 4):
+        assert bytes(r.primary[(9 + i) * ROW : (10 + i) * ROW]) == plain[i]
+    for i in range(5):
+        assert bytes(r.primary[i * ROW : (i + 1) * ROW]) == plain[i]  # only read
+    assert bytes(r.primary[8 * ROW : 9 * ROW]) == b"\x5a" * ROW
+    assert bytes(r.primary[14 * ROW : 15 * ROW]) == b"\x5a" * ROW
+
+
+def test_a_failed_open_zeroes_its_row_and_no_neighbour(rig) -> None:
+    _neighbours_survive_a_failed_open(rig)
+
+
+def test_a_failed_open_through_sealing_engine_zeroes_its_row_and_no_neighbour(tmp_path) -> None:
+    r = Rig(tmp_path, "threads")
+    try:
+        old = SealingEngine(
+            memoryview(r.primary),
+            row_bytes=ROW,
+            slot_bytes=SLOT,
+            sealing=r.sealing,
+            make_inner=lambda buf: ThreadEngine(buf, [r.fd], n_threads=2),
+            n_bounce=3,
+            n_threads=2,
+        )
+        try:
+            _neighbours_survive_a_failed_open(r, old)
+        finally:
+            old.close()
+    finally:
+        r.close()

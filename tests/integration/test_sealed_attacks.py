@@ -10,6 +10,7 @@ unwraps, then counter-mode decryption of every slot with its trailer's nonce).
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -633,3 +634,111 @@ def test_a_damaged_keys_file_is_a_clear_error_never_silent(tmp_path, buffer, dam
     with open(_data_path(root), "rb") as f:
         data = f.read()
     assert not any(c in data for c in chunks_of(keys))
+
+
+# ------------------------------------------------- a failed open's destination
+# nvt_keys_open zeroes its destination after a decryption whose tag failed
+# (no unauthenticated plaintext left in a row or span) and touches nothing on
+# an early refusal. These drive the key table directly (no store): each case
+# takes milliseconds.
+_SID = b"S" * 16
+_DIGEST = 0x5EA1
+_LEN = 4096 + 123  # not a block multiple: the zeroing covers the tail block too
+
+
+def _table(epochs, max_epoch=None, seal=-1, **kw):
+    from nvmetier import _crypto
+
+    t = _crypto.Keys(_SID, _DIGEST)
+    far = time.time_ns() + 3600 * 10**9
+    top = max(e for e, _k in epochs) if max_epoch is None else max_epoch
+    t.set([(e, k, bytes([e]) * 8) for e, k in epochs], seal, far, 1 << 30, top, **kw)
+    return t
+
+
+def _sealed_image(seed=11, file_idx=1, off=8192):
+    k1, k2 = os.urandom(32), os.urandom(32)
+    sealer = _table([(1, k1), (2, k2)], seal=2)
+    plain = os.urandom(_LEN)
+    slot = bytearray(_LEN + 64)
+    sealer.seal(seed, file_idx, off, plain, slot)
+    return (k1, k2), plain, slot, (seed, file_idx, off)
+
+
+@pytest.mark.parametrize("where", ["ciphertext", "tag", "aad"])
+def test_a_failed_tag_zeroes_only_len_bytes_of_dst_and_leaves_src(where) -> None:
+    """Staged (src != dst, dst longer): the tag fails, dst's first len bytes
+    are zeros, its tail and the source span untouched; in place, the row is
+    zeros. Breaks if the zeroing runs past len (a neighbour's bytes) or
+    into the source, or leaves plaintext bits in the row."""
+    (k1, k2), plain, slot, (seed, fi, off) = _sealed_image()
+    if where == "ciphertext":
+        slot[100] ^= 1
+    elif where == "tag":
+        slot[_LEN + 20] ^= 0x80
+    opener = _table([(1, k1), (2, k2)])
+    src = bytes(slot[:_LEN])
+    dst = bytearray(b"\xaa" * (_LEN + 300))
+    with pytest.raises(OSError) as exc:
+        opener.open(seed + (where == "aad"), fi, off, bytes(slot[_LEN:]), src, dst)
+    assert exc.value.errno == errno.EBADMSG
+    assert bytes(dst[:_LEN]) == bytes(_LEN)
+    assert bytes(dst[_LEN:]) == b"\xaa" * 300
+    assert src == bytes(slot[:_LEN])
+    row = bytearray(slot[:_LEN])
+    with pytest.raises(OSError):
+        opener.open(seed + (where == "aad"), fi, off, bytes(slot[_LEN:]), row, row)
+    assert bytes(row) == bytes(_LEN)
+    # The untampered image still opens: nothing shared was damaged.
+    if where == "aad":
+        assert opener.open(seed, fi, off, bytes(slot[_LEN:]), src, dst) >= 0
+        assert bytes(dst[:_LEN]) == plain
+
+
+def test_an_early_refusal_touches_nothing_and_enokey_retries_on_the_same_bytes() -> None:
+    """ENOKEY (an epoch announced since the table was read), EKEYREVOKED, an
+    epoch that never existed and a bad trailer leave dst as it was (in
+    place: the ciphertext), so the retry after a reload opens those very
+    bytes. Breaks if a refusal zeroed (or decrypted into) the row: the
+    reload's retry would fail its tag and free a good slot."""
+    (k1, k2), plain, slot, (seed, fi, off) = _sealed_image()
+    trailer = bytes(slot[_LEN:])
+    gen = bytearray(4)
+    stale = _table([(1, k1)], gen_seen=0)  # read before epoch 2 was announced
+    stale.watch(gen, 0)
+    gen[0] = 1  # announced since
+    row = bytearray(slot[:_LEN])
+    for t, tr, want in [
+        (stale, trailer, errno.ENOKEY),
+        (_table([(1, k1)], max_epoch=2, destroyed=(2,)), trailer, errno.EKEYREVOKED),
+        (_table([(1, k1)]), trailer, errno.EBADMSG),  # epoch 2 never existed here
+        (_table([(1, k1), (2, k2)]), b"XXXX" + trailer[4:], errno.EBADMSG),
+    ]:
+        with pytest.raises(OSError) as exc:
+            t.open(seed, fi, off, tr, row, row)
+        assert exc.value.errno == want
+        assert bytes(row) == bytes(slot[:_LEN])
+        dst = bytearray(b"\x55" * _LEN)
+        with pytest.raises(OSError):
+            t.open(seed, fi, off, tr, bytes(row), dst)
+        assert dst == b"\x55" * _LEN
+    stale.set([(1, k1, b"\x01" * 8), (2, k2, b"\x02" * 8)], -1, 0, 0, 2, gen_seen=1)
+    stale.open(seed, fi, off, trailer, row, row)  # the reload's retry
+    assert bytes(row) == plain
+    stale.watch(None)
+
+
+def test_a_short_dst_or_trailer_is_refused_before_anything_is_written() -> None:
+    (k1, k2), _plain, slot, (seed, fi, off) = _sealed_image()
+    slot[5] ^= 1  # would fail its tag, were it tried
+    t = _table([(1, k1), (2, k2)])
+    dst = bytearray(b"\x33" * (_LEN - 1))
+    with pytest.raises(OSError) as exc:
+        t.open(seed, fi, off, bytes(slot[_LEN:]), bytes(slot[:_LEN]), dst)
+    assert exc.value.errno == errno.EINVAL and dst == b"\x33" * (_LEN - 1)
+    dst = bytearray(b"\x33" * _LEN)
+    with pytest.raises(OSError) as exc:
+        t.open(seed, fi, off, bytes(slot[_LEN : _LEN + 63]), bytes(slot[:_LEN]), dst)
+    assert exc.value.errno == errno.EINVAL and dst == b"\x33" * _LEN
+    with pytest.raises((TypeError, BufferError)):
+        t.open(seed, fi, off, bytes(slot[_LEN:]), bytes(slot[:_LEN]), bytes(_LEN))
