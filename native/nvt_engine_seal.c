@@ -61,8 +61,9 @@ int nvt_seal_read_ready(nvt_engine *e, nvt_slot *s) {
 
 /* Open a sealed read into its row (from its arena span, or in place): its
  * length, with the tag's head as checksum; -EBADMSG when the trailer or the
- * tag does not verify or its epoch never existed (the row then holds no
- * plaintext, and the table never serves it; counted in auth_failures); -EKEYREVOKED
+ * tag does not verify or its epoch never existed (a decryption whose tag
+ * failed leaves the row zeroed; a refusal before any decryption leaves it
+ * as it was; the table never serves it; counted in auth_failures); -EKEYREVOKED
  * when its epoch is known destroyed (a purge or a retention: not an
  * authentication failure, not counted); -ENOKEY for an epoch not loaded
  * yet. */
