@@ -82,6 +82,18 @@ class Rig:
                 out[c.op_id] = c
         return out
 
+    def sealing_engine(self, n_bounce: int, n_threads: int) -> SealingEngine:
+        """The Python SealingEngine over this rig's files and key table."""
+        return SealingEngine(
+            memoryview(self.primary),
+            row_bytes=ROW,
+            slot_bytes=SLOT,
+            sealing=self.sealing,
+            make_inner=lambda buf: ThreadEngine(buf, [self.fd], n_threads=2),
+            n_bounce=n_bounce,
+            n_threads=n_threads,
+        )
+
     def close(self) -> None:
         self.engine.close()
         self.sealing.close()
@@ -186,15 +198,7 @@ def test_the_slot_format_is_sealing_engines(tmp_path, engine) -> None:
     try:
         want = bytes(r.primary[:ROW])
         assert r.run([Op(1, OP_WRITE, 0, 0, 0, ROW, 9)])[1].result == ROW
-        old = SealingEngine(
-            memoryview(r.primary),
-            row_bytes=ROW,
-            slot_bytes=SLOT,
-            sealing=r.sealing,
-            make_inner=lambda buf: ThreadEngine(buf, [r.fd], n_threads=2),
-            n_bounce=2,
-            n_threads=1,
-        )
+        old = r.sealing_engine(n_bounce=2, n_threads=1)
         try:
             assert r.run([Op(2, OP_READ, 0, 0, ROW, ROW, 9)], old)[2].result == ROW
             assert bytes(r.primary[ROW : 2 * ROW]) == want
@@ -529,15 +533,7 @@ def test_a_failed_open_zeroes_its_row_and_no_neighbour(rig) -> None:
 def test_a_failed_open_through_sealing_engine_zeroes_its_row_and_no_neighbour(tmp_path) -> None:
     r = Rig(tmp_path, "threads")
     try:
-        old = SealingEngine(
-            memoryview(r.primary),
-            row_bytes=ROW,
-            slot_bytes=SLOT,
-            sealing=r.sealing,
-            make_inner=lambda buf: ThreadEngine(buf, [r.fd], n_threads=2),
-            n_bounce=3,
-            n_threads=2,
-        )
+        old = r.sealing_engine(n_bounce=3, n_threads=2)
         try:
             _neighbours_survive_a_failed_open(r, old)
         finally:
