@@ -96,22 +96,26 @@ static int waiting_pop(PyObject *waiting, PyObject *req_id) {
     return 0;
 }
 
-/* guard._step += 1 and guard._quiet = False. 0, or -1 with an exception set. */
-static int count_step(GuardCallObject *self, int step) {
-    if (PyObject_SetAttr(self->guard, str_quiet, Py_False) < 0)
-        return -1;
-    if (!step)
-        return 0;
+/* `guard._step += 1`. 0, or -1 with an exception set. */
+static int add_step(GuardCallObject *self) {
     PyObject *now = PyObject_GetAttr(self->guard, str_step);
     if (!now)
         return -1;
-    PyObject *next = PyNumber_InPlaceAdd(now, one); /* `self._step += 1` */
+    PyObject *next = PyNumber_InPlaceAdd(now, one);
     Py_DECREF(now);
     if (!next)
         return -1;
     int r = PyObject_SetAttr(self->guard, str_step, next);
     Py_DECREF(next);
     return r;
+}
+
+/* guard._quiet = False, then (with `step`) guard._step += 1. 0, or -1 with
+ * an exception set. */
+static int count_step(GuardCallObject *self, int step) {
+    if (PyObject_SetAttr(self->guard, str_quiet, Py_False) < 0)
+        return -1;
+    return step ? add_step(self) : 0;
 }
 
 /* obj.name(arg) (or obj.name()), its result dropped. 0, or -1 with an
@@ -213,13 +217,7 @@ static int quiet_step(GuardCallObject *self, PyObject *fresh, PyObject *preempte
     Py_DECREF(generation);
     if (same <= 0)
         return same;
-    /* `self._step += 1` alone: the guard stays quiet. */
-    PyObject *step = PyObject_GetAttr(self->guard, str_step);
-    PyObject *next = step ? PyNumber_InPlaceAdd(step, one) : NULL;
-    int r = next ? PyObject_SetAttr(self->guard, str_step, next) : -1;
-    Py_XDECREF(step);
-    Py_XDECREF(next);
-    return r < 0 ? -1 : 1;
+    return add_step(self) < 0 ? -1 : 1; /* the step alone: the guard stays quiet */
 }
 
 /* The call's arguments by position or by the method's names: `names` lists
