@@ -664,6 +664,14 @@ def _check_locked(
     if not index_ok:
         return
     with open(os.path.join(res.path, INDEX_NAME), "rb") as f:
+        # Sized again on this very file: an ephemeral store's last close may
+        # have removed it and a new open created it since _check_files.
+        if os.fstat(f.fileno()).st_size < sb.index_bytes:
+            res.operational_error = (
+                f"store {res.path!r}: its index changed while it was checked (an ephemeral "
+                "store removed and created again by its users); run nvmetier fsck again"
+            )
+            return
         index = mmap.mmap(f.fileno(), sb.index_bytes, access=mmap.ACCESS_READ)
     try:
         live = _check_records(res, sb, index)
