@@ -9,6 +9,7 @@
 #
 #   scripts/bench-node.sh                  # loop drives (root), counts 1,2,4,8
 #   scripts/bench-node.sh --quick          # small runs: a check that it works
+#   scripts/bench-node.sh --levels vllm --counts 2,8 --rounds 3   # medians of 3 alternated rounds
 #   scripts/bench-node.sh --drives /mnt/nvme0,/mnt/nvme1,/mnt/nvme2,/mnt/nvme3
 #   scripts/bench-node.sh --dry-run        # the plan, what is skipped and why
 #   (every option: scripts/bench-node.sh --help, after the setup below)

@@ -21,6 +21,14 @@ Budget: the runs share ``--budget-s`` (default 390 s: with the setup, under
 a minute, the whole command stays under 8 minutes). Each run's bytes are cut,
 when needed, to what the rate measured so far moves in its share of the time
 left; a run that would move under 64 MiB a drive is skipped, with why.
+
+Rounds (``--rounds N``): each run is ``nvmetier bench --rounds N``, the tier
+(or vLLM) and fio alternated N times, the order rotated each round, because
+one round on a loop drive says little (fio's own GB/s moves by up to 25%
+between rounds). A row then gives the median over the rounds, its range, and
+the median of the per-round ratios to fio. ``--bytes-per-drive`` is a round's; the
+budget holds the N rounds together (a run's bytes are cut to what N rounds
+move in its share).
 """
 
 from __future__ import annotations
@@ -94,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--bytes-per-drive",
         default=None,
         type=parse_size,
-        help=f"bytes each drive moves per run (default {FULL_PER_DRIVE >> 20} MiB, "
+        help=f"bytes each drive moves per run and round (default {FULL_PER_DRIVE >> 20} MiB, "
         f"--quick {QUICK_PER_DRIVE >> 20} MiB), cut to fit --budget-s",
     )
     p.add_argument("--quick", action="store_true", help="small runs: a check that it works")
@@ -120,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fio",
         default="auto",
         help="auto (the fio on PATH), none (no fio rows), or the path of a fio executable",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="each run's targets (ours and fio) alternated this many times, the order "
+        "rotated; rows give medians, ranges and the median per-round ratio to fio",
     )
     p.add_argument("--out", default=None, help="the JSON file (default bench-out/node-UTC.json)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the JSON; run none")
@@ -225,6 +240,8 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.bs % 4096:
         raise SystemExit(f"bench-node: --bs {args.bs} is not a multiple of 4096")
+    if args.rounds < 1:
+        raise SystemExit(f"bench-node: --rounds {args.rounds}: give 1 or more (1: one round)")
     per_drive = args.bytes_per_drive or (QUICK_PER_DRIVE if args.quick else FULL_PER_DRIVE)
     per_drive = max(args.bs, per_drive // args.bs * args.bs)
     cpus = os.cpu_count() or 1
@@ -282,6 +299,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         "bs": args.bs,
         "bytes_per_drive": per_drive,
         "budget_s": args.budget_s,
+        "rounds": args.rounds,
         "fio": fio_desc,
         "fio_path": fio_path,
         "python": sys.executable,
@@ -331,45 +349,91 @@ def bench_argv(args: argparse.Namespace, p: dict[str, Any], run: dict[str, Any],
         argv += ["--load-requests", str(args.load_requests)]
         if not args.fs_tier:
             argv.append("--no-fs-tier")
+    if args.rounds > 1:
+        argv += ["--rounds", str(args.rounds)]
     return argv
 
 
+def _median(xs: list[float]) -> float:
+    v = sorted(xs)
+    k = len(v)
+    return v[k // 2] if k % 2 else (v[k // 2 - 1] + v[k // 2]) / 2
+
+
 def rows_of(report: dict[str, Any], n: int, level: str) -> list[dict[str, Any]]:
-    """One row per target: store and load GB/s and CPU s/GB."""
-    by: dict[str, dict[str, Any]] = {}
+    """One row per target: store and load GB/s and CPU s/GB. With several
+    rounds (``--rounds``), each figure is the median over the rounds, with
+    the GB/s range and, where fio ran in the same report, the median of the
+    per-round ratios to fio (each round's GB/s over fio's in that round)."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in report.get("results", []):
-        cpu = r["cpu"]
-        target = r["target"]
+        side = "store" if r["phase"] == "write" else "load"
+        groups.setdefault((r["target"], side), []).append(r)
+    by: dict[str, dict[str, Any]] = {}
+    for (target, side), rs in groups.items():
         if target == "fio":
-            kind, s_per_gb = "fio", cpu["usr_s_per_gb"] + cpu["sys_s_per_gb"]
-        elif "tier_s_per_gb" in cpu:
-            kind, s_per_gb = "tier", cpu["tier_s_per_gb"]
+            kind = "fio"
+        elif "tier_s_per_gb" in rs[0]["cpu"]:
+            kind = "tier"
         else:
-            kind, s_per_gb = "process", cpu["usr_s_per_gb"] + cpu["sys_s_per_gb"]
+            kind = "process"
         row = by.setdefault(
             target,
             {"drives": n, "level": level, "target": target, "cpu_of": kind, "errors": 0},
         )
-        side = "store" if r["phase"] == "write" else "load"
-        row[f"{side}_gbps"] = round(r["bw_gbps"], 3)
-        row[f"{side}_cpu_s_per_gb"] = round(s_per_gb, 4)
-        row[f"{side}_bytes"] = r["bytes"]
-        row["errors"] += r.get("errors", 0)
-        xxh3 = r.get("extra", {}).get("xxh3_s_per_gb")
-        if xxh3 is not None:  # one XXH3 pass over the bytes, measured in the run
-            row["xxh3_s_per_gb"] = xxh3
-        prof = r.get("extra", {}).get("cpu_profile")
-        if prof:  # --profile: the tier's threads split, XXH3 cold apart (item 2's floor)
-            beyond = prof.get("beyond_its_xxh3_s_per_gb")
-            if beyond is not None:
-                row[f"{side}_beyond_xxh3_s_per_gb"] = beyond
-            row[f"{side}_within_floor"] = prof.get("within_floor")
-            row["xxh3_cold_s_per_gb"] = prof["xxh3"]["cold_s_per_gb"]
+        gbps = [r["bw_gbps"] for r in rs]
+        s_per_gb = [
+            r["cpu"]["tier_s_per_gb"]
+            if kind == "tier"
+            else r["cpu"]["usr_s_per_gb"] + r["cpu"]["sys_s_per_gb"]
+            for r in rs
+        ]
+        row[f"{side}_gbps"] = round(_median(gbps), 3)
+        row[f"{side}_cpu_s_per_gb"] = round(_median(s_per_gb), 4)
+        row[f"{side}_bytes"] = rs[0]["bytes"]  # a round's
+        row["errors"] += sum(r.get("errors", 0) for r in rs)
+        extras = [r.get("extra", {}) for r in rs]
+        if len(rs) > 1:
+            row[f"{side}_rounds"] = len(rs)
+            row[f"{side}_gbps_range"] = [round(min(gbps), 3), round(max(gbps), 3)]
+            fio = {
+                f.get("extra", {}).get("round"): f["bw_gbps"] for f in groups.get(("fio", side), [])
+            }
+            ratios = [
+                r["bw_gbps"] / fio[e.get("round")]
+                for r, e in zip(rs, extras, strict=True)
+                if target != "fio" and fio.get(e.get("round"))
+            ]
+            if ratios:
+                row[f"{side}_vs_fio"] = round(_median(ratios), 2)
+                row[f"{side}_vs_fio_rounds"] = [round(x, 2) for x in ratios]
+        # One XXH3 pass over the bytes, measured in the run.
+        xxh3 = [e["xxh3_s_per_gb"] for e in extras if e.get("xxh3_s_per_gb") is not None]
+        if xxh3:
+            row["xxh3_s_per_gb"] = round(_median(xxh3), 4)
+        profs = [e["cpu_profile"] for e in extras if e.get("cpu_profile")]
+        if profs:  # --profile: the tier's threads split, XXH3 cold apart (item 2's floor)
+            beyond = [
+                x["beyond_its_xxh3_s_per_gb"]
+                for x in profs
+                if x.get("beyond_its_xxh3_s_per_gb") is not None
+            ]
+            if beyond:
+                row[f"{side}_beyond_xxh3_s_per_gb"] = round(_median(beyond), 4)
+            within = [x.get("within_floor") for x in profs]
+            # Several rounds: within only if within in every round.
+            row[f"{side}_within_floor"] = (
+                within[0] if len(within) == 1 else all(w is True for w in within)
+            )
+            row["xxh3_cold_s_per_gb"] = round(
+                _median([x["xxh3"]["cold_s_per_gb"] for x in profs]), 4
+            )
     return list(by.values())
 
 
 def add_fio_ratios(rows: list[dict[str, Any]]) -> None:
-    """``store_vs_fio``/``load_vs_fio``: GB/s over fio's at the same drive count."""
+    """``store_vs_fio``/``load_vs_fio``: GB/s over fio's at the same drive count
+    (a row whose rounds ran beside fio keeps its median per-round ratio)."""
     fio = {r["drives"]: r for r in rows if r["target"] == "fio"}
     for r in rows:
         f = fio.get(r["drives"])
@@ -378,7 +442,7 @@ def add_fio_ratios(rows: list[dict[str, Any]]) -> None:
         for side in ("store", "load"):
             ours, theirs = r.get(f"{side}_gbps"), f.get(f"{side}_gbps")
             if ours is not None and theirs:
-                r[f"{side}_vs_fio"] = round(ours / theirs, 2)
+                r.setdefault(f"{side}_vs_fio", round(ours / theirs, 2))
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
@@ -456,14 +520,16 @@ def run_all(args: argparse.Namespace, p: dict[str, Any], out: dict[str, Any]) ->
         n, level = run["drives"], run["level"]
         left = args.budget_s - (time.monotonic() - t_start)
         fits = bytes_that_fit(left, run, todo, rate)
-        size = min(run["planned_bytes"], fits) // (args.bs * n) * (args.bs * n)
+        size = min(run["planned_bytes"], fits // args.rounds) // (args.bs * n) * (args.bs * n)
         floor = max(FLOOR_PER_DRIVE // args.bs * args.bs, args.bs) * n
         record: dict[str, Any] = {**run, "bytes": size, "loadavg_before": _loadavg()}
         out["runs"].append(record)
         if size < min(floor, run["planned_bytes"]):
             record["skipped"] = (
                 f"out of time: {left:.0f} s left of --budget-s {args.budget_s:.0f} would move "
-                f"{fits >> 20} MiB, under {floor >> 20} MiB"
+                f"{fits // args.rounds >> 20} MiB"
+                + (f" a round ({args.rounds} rounds)" if args.rounds > 1 else "")
+                + f", under {floor >> 20} MiB"
             )
             out["skipped"].append(
                 {"what": f"{level} level at {n} drives", "why": record["skipped"]}
@@ -474,8 +540,9 @@ def run_all(args: argparse.Namespace, p: dict[str, Any], out: dict[str, Any]) ->
             record["cut"] = f"{run['planned_bytes'] >> 20} MiB cut to {size >> 20} MiB to fit"
         argv = bench_argv(args, p, run, size, engine)
         record["command"] = "nvmetier bench " + " ".join(argv)
-        print(f"bench-node: {n} drive(s), {level} level, {size >> 20} MiB: {record['command']}",
-              flush=True)  # fmt: skip
+        each = f" x {args.rounds} rounds" if args.rounds > 1 else ""
+        print(f"bench-node: {n} drive(s), {level} level, {size >> 20} MiB{each}: "
+              f"{record['command']}", flush=True)  # fmt: skip
         t0 = time.monotonic()
         with tempfile.TemporaryFile("w+") as so, tempfile.TemporaryFile("w+") as se:
             code = "import sys; from nvmetier.bench import main; sys.exit(main(sys.argv[1:]))"
@@ -495,7 +562,7 @@ def run_all(args: argparse.Namespace, p: dict[str, Any], out: dict[str, Any]) ->
             print(f"bench-node: {level} at {n} drives failed (rc {rc}):\n{record['error']}",
                   flush=True)  # fmt: skip
             continue
-        rate[level] = size / max(1.0, wall - FIXED_S[level])
+        rate[level] = size * args.rounds / max(1.0, wall - FIXED_S[level])
         out.setdefault("machine", report.get("machine"))
         record["notes"] = report.get("notes", [])
         record["fio_engine"] = report.get("fio_engine")
@@ -526,7 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"bench-node: {p['drive_kind']}; drive counts {','.join(map(str, p['counts']))}; "
         f"levels {','.join(p['levels']) or 'none'}; bs {args.bs >> 10} KiB; "
-        f"{p['bytes_per_drive'] >> 20} MiB per drive per run; budget {args.budget_s:.0f} s; "
+        f"{p['bytes_per_drive'] >> 20} MiB per drive per run"
+        f"{f' and round, {args.rounds} rounds' if args.rounds > 1 else ''}; "
+        f"budget {args.budget_s:.0f} s; "
         f"{p['cpus']} CPUs; load average {out['loadavg']}; fio: {p['fio']}",
         flush=True,
     )
@@ -559,6 +628,13 @@ def main(argv: list[str] | None = None) -> int:
             "same pass over bytes not in cache, as the I/O workers meet them; beyond XXH3 "
             "st/ld: the tier's CPU per GB beyond its own XXH3 pass (--profile), stores/loads "
             "(issue 29 item 2 asks the tier to stay within XXH3 cold + 0.02)."
+            + (
+                f" {args.rounds} rounds: every figure is the median over the rounds; store/fio "
+                "and load/fio the median of the per-round ratios where fio ran in the same "
+                "run (the JSON keeps each round's ratio and the GB/s range)."
+                if args.rounds > 1
+                else ""
+            )
         )
     for r in out["rows"]:
         if r.get("errors"):

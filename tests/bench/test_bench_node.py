@@ -224,3 +224,111 @@ def test_first_run_of_a_vllm_only_plan_gets_its_share() -> None:
     # A measured rate replaces the guess; out of time, nothing fits.
     assert bn.bytes_that_fit(260.0, first, todo, {"vllm": 1e9}) == int(1e9 * expected_s)
     assert bn.bytes_that_fit(60.0, first, todo, {"vllm": 1e9}) == 0
+
+
+def _result(target: str, phase: str, rnd: int, gbps: float, s_per_gb: float, **extra) -> dict:
+    cpu = (
+        {"usr_s_per_gb": s_per_gb, "sys_s_per_gb": 0.0}
+        if target == "fio"
+        else {"usr_s_per_gb": 1.0, "sys_s_per_gb": 1.0, "tier_s_per_gb": s_per_gb}
+    )
+    return {
+        "target": target,
+        "phase": phase,
+        "bytes": 1 << 30,
+        "bw_gbps": gbps,
+        "cpu": cpu,
+        "errors": extra.pop("errors", 0),
+        "extra": {"round": rnd, **extra},
+    }
+
+
+def test_rounds_give_medians_ranges_and_the_median_per_round_ratio_to_fio() -> None:
+    """Three rounds: each figure is the median over them, and the ratio to fio
+    the median of each round's ratio (not the ratio of the medians: fio's GB/s
+    moves between rounds as much as ours)."""
+    bn = _runner()
+    prof = {"beyond_its_xxh3_s_per_gb": 0.02, "within_floor": True, "xxh3": {"cold_s_per_gb": 0.1}}
+    ours_load = [(4.0, 0.15), (8.0, 0.13), (6.0, 0.14)]
+    fio_load = [8.0, 4.0, 5.0]  # per-round ratios 0.5, 2.0, 1.2 -> 1.2; medians 6.0/5.0 -> 1.2
+    ours_store = [(3.0, 0.16), (3.0, 0.17), (3.0, 0.18)]
+    fio_store = [2.0, 6.0, 3.0]  # ratios 1.5, 0.5, 1.0 -> 1.0; medians 3.0 / 3.0 -> 1.0
+    results = []
+    for rnd in range(3):
+        within = rnd != 1  # one round over the floor
+        results += [
+            _result("nvmetier-uring", "write", rnd, *ours_store[rnd], xxh3_s_per_gb=0.04,
+                    cpu_profile={**prof, "within_floor": within}),
+            _result("nvmetier-uring", "read", rnd, *ours_load[rnd], xxh3_s_per_gb=0.04,
+                    cpu_profile=prof, errors=rnd),
+            _result("fio", "write", rnd, fio_store[rnd], 0.07),
+            _result("fio", "read", rnd, fio_load[rnd], 0.01),
+        ]  # fmt: skip
+    # Ratios that differ from the ratio of the medians: round 2's fio is slow.
+    results[-1]["bw_gbps"] = 2.0  # fio load ratios 0.5, 2.0, 3.0 -> 2.0; medians 6.0/4.0 = 1.5
+    rows = {r["target"]: r for r in bn.rows_of({"results": results}, 2, "vllm")}
+    ours, fio = rows["nvmetier-uring"], rows["fio"]
+    assert ours["load_gbps"] == 6.0 and ours["load_gbps_range"] == [4.0, 8.0]
+    assert ours["load_rounds"] == ours["store_rounds"] == 3
+    assert ours["load_cpu_s_per_gb"] == 0.14 and ours["store_cpu_s_per_gb"] == 0.17
+    assert ours["load_vs_fio"] == 2.0 and ours["load_vs_fio_rounds"] == [0.5, 2.0, 3.0]
+    assert ours["store_vs_fio"] == 1.0 and ours["store_vs_fio_rounds"] == [1.5, 0.5, 1.0]
+    assert ours["errors"] == 0 + 1 + 2
+    assert ours["store_within_floor"] is False and ours["load_within_floor"] is True
+    assert ours["cpu_of"] == "tier" and fio["cpu_of"] == "fio"
+    assert fio["load_gbps"] == 4.0 and "load_vs_fio" not in fio
+    # The per-round median is kept where add_fio_ratios would take the medians' ratio.
+    bn.add_fio_ratios(list(rows.values()))
+    assert ours["load_vs_fio"] == 2.0
+    # One round: as before, the figures of that round, no range.
+    one = bn.rows_of({"results": results[:4]}, 2, "vllm")
+    ours1 = next(r for r in one if r["target"] == "nvmetier-uring")
+    assert ours1["load_gbps"] == 4.0 and "load_gbps_range" not in ours1
+    bn.add_fio_ratios(one)
+    assert ours1["load_vs_fio"] == 0.5 and ours1["store_vs_fio"] == 1.5
+
+
+def test_rounds_reach_the_bench_and_share_the_runs_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--rounds 3``: every run asks ``nvmetier bench --rounds 3``, and a run
+    whose share of the budget moves B bytes gets B / 3 a round."""
+    bn = _runner()
+    drives = _drives(tmp_path, 2)
+    seen: list[list[str]] = []
+    fits = 3 * (192 << 20)  # three rounds of 192 MiB over 2 drives (the plan: 4 GiB)
+
+    def fake_run(cmd: list[str], **kw: object) -> subprocess.CompletedProcess:
+        argv = cmd[3:]
+        seen.append(argv)
+        size = bn.parse_size(argv[argv.index("--size") + 1])
+        rounds = int(argv[argv.index("--rounds") + 1]) if "--rounds" in argv else 1
+        res = [
+            _result("nvmetier-threads", ph, rnd, 1.0, 0.1)
+            for rnd in range(rounds)
+            for ph in ("write", "read")
+        ]
+        for r in res:
+            r["bytes"] = size
+        kw["stdout"].write(json.dumps({"results": res, "machine": {}}))  # type: ignore[union-attr]
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bn.subprocess, "run", fake_run)
+    monkeypatch.setattr(bn, "bytes_that_fit", lambda *a: fits)
+    out = tmp_path / "node.json"
+    args = ["--drives", ",".join(drives), "--counts", "2", "--levels", "tier", "--fio", "none"]
+    assert bn.main([*args, "--engine", "threads", "--rounds", "3", "--out", str(out)]) == 0
+    (argv,) = seen
+    assert argv[argv.index("--rounds") + 1] == "3"
+    doc = json.loads(out.read_text())
+    assert doc["plan"]["rounds"] == 3
+    assert doc["runs"][0]["bytes"] == 192 << 20 and "cut" in doc["runs"][0]
+    (row,) = doc["rows"]
+    assert row["store_rounds"] == row["load_rounds"] == 3
+    # One round asks for none.
+    seen.clear()
+    monkeypatch.setattr(bn, "bytes_that_fit", lambda *a: 1 << 40)
+    assert bn.main([*args, "--engine", "threads", "--out", str(out)]) == 0
+    assert "--rounds" not in seen[0]
+    with pytest.raises(SystemExit, match=r"--rounds 0: give 1 or more"):
+        bn.main(["--dry-run", "--drives", str(tmp_path), "--rounds", "0"])
