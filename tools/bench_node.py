@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from statistics import median
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -354,12 +355,6 @@ def bench_argv(args: argparse.Namespace, p: dict[str, Any], run: dict[str, Any],
     return argv
 
 
-def _median(xs: list[float]) -> float:
-    v = sorted(xs)
-    k = len(v)
-    return v[k // 2] if k % 2 else (v[k // 2 - 1] + v[k // 2]) / 2
-
-
 def rows_of(report: dict[str, Any], n: int, level: str) -> list[dict[str, Any]]:
     """One row per target: store and load GB/s and CPU s/GB. With several
     rounds (``--rounds``), each figure is the median over the rounds, with
@@ -388,8 +383,8 @@ def rows_of(report: dict[str, Any], n: int, level: str) -> list[dict[str, Any]]:
             else r["cpu"]["usr_s_per_gb"] + r["cpu"]["sys_s_per_gb"]
             for r in rs
         ]
-        row[f"{side}_gbps"] = round(_median(gbps), 3)
-        row[f"{side}_cpu_s_per_gb"] = round(_median(s_per_gb), 4)
+        row[f"{side}_gbps"] = round(median(gbps), 3)
+        row[f"{side}_cpu_s_per_gb"] = round(median(s_per_gb), 4)
         row[f"{side}_bytes"] = rs[0]["bytes"]  # a round's
         row["errors"] += sum(r.get("errors", 0) for r in rs)
         extras = [r.get("extra", {}) for r in rs]
@@ -405,12 +400,12 @@ def rows_of(report: dict[str, Any], n: int, level: str) -> list[dict[str, Any]]:
                 if target != "fio" and fio.get(e.get("round"))
             ]
             if ratios:
-                row[f"{side}_vs_fio"] = round(_median(ratios), 2)
+                row[f"{side}_vs_fio"] = round(median(ratios), 2)
                 row[f"{side}_vs_fio_rounds"] = [round(x, 2) for x in ratios]
         # One XXH3 pass over the bytes, measured in the run.
         xxh3 = [e["xxh3_s_per_gb"] for e in extras if e.get("xxh3_s_per_gb") is not None]
         if xxh3:
-            row["xxh3_s_per_gb"] = round(_median(xxh3), 4)
+            row["xxh3_s_per_gb"] = round(median(xxh3), 4)
         profs = [e["cpu_profile"] for e in extras if e.get("cpu_profile")]
         if profs:  # --profile: the tier's threads split, XXH3 cold apart (item 2's floor)
             beyond = [
@@ -419,14 +414,14 @@ def rows_of(report: dict[str, Any], n: int, level: str) -> list[dict[str, Any]]:
                 if x.get("beyond_its_xxh3_s_per_gb") is not None
             ]
             if beyond:
-                row[f"{side}_beyond_xxh3_s_per_gb"] = round(_median(beyond), 4)
+                row[f"{side}_beyond_xxh3_s_per_gb"] = round(median(beyond), 4)
             within = [x.get("within_floor") for x in profs]
             # Several rounds: within only if within in every round.
             row[f"{side}_within_floor"] = (
                 within[0] if len(within) == 1 else all(w is True for w in within)
             )
             row["xxh3_cold_s_per_gb"] = round(
-                _median([x["xxh3"]["cold_s_per_gb"] for x in profs]), 4
+                median([x["xxh3"]["cold_s_per_gb"] for x in profs]), 4
             )
     return list(by.values())
 
