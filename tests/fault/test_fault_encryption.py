@@ -92,7 +92,14 @@ def test_a_sealing_writer_killed_mid_store_leaves_nothing_wrong(tmp_path, sharer
     assert read_journal(journal).wrong == []
     got = survivor.call("promote", keys=BASE + stored.stored)
     assert not got["wrong"]
-    assert set(stored.stored) <= set(got["hit"])  # every completed store is served
+    # Every completed store is served. (Once, on two xdist workers, the
+    # stores of this victim were misses here, not seen again in 28 reruns:
+    # the survivor's counters say why if it happens again.)
+    missed = sorted(set(stored.stored) - set(got["hit"]))
+    assert not missed, (
+        f"completed stores not served: {missed} of {len(stored.stored)}; "
+        f"misses {got['miss']}; survivor's counters {survivor.call('stats')}"
+    )
     fresh = list(range(5000, 5016))
     assert survivor.call("store", keys=fresh)["present"] == fresh
     survivor.call("close")
