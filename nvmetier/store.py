@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from nvmetier import budget, crypto, purge_log, staging_probe
+from nvmetier import budget, crypto, staging_probe
 from nvmetier import format as fmt
 from nvmetier.config import TierConfig
 from nvmetier.engine import IoEngine, make_engine, resolve_engine_name
@@ -50,6 +50,7 @@ from nvmetier.errors import ConfigError, NvmeTierError, StoreIOError
 from nvmetier.files import StoreFiles
 from nvmetier.keyring import KEYRING_FILE, Keyring, KeyringError
 from nvmetier.memory import describe_primary, huge_page_bytes, staging_wanted
+from nvmetier.store_events import PurgeEvents, unseal_events
 from nvmetier.store_outcomes import (  # re-exported: the names this module always had
     COUNTERS,
     JobOutcome,
@@ -60,10 +61,6 @@ from nvmetier.store_outcomes import (  # re-exported: the names this module alwa
 )
 
 logger = logging.getLogger(__name__)
-
-# Table.states_many's answers (native/nvt_layout.h's slot states; 255: the
-# key's set could not be locked in its bound).
-_WRITING, _READY, _STATE_UNKNOWN = 1, 2, 255
 
 _MAX_LOOKUP_COUNTS = 1 << 20
 # The layout identity's "encryption" of a sealed store (format.md).
@@ -300,13 +297,10 @@ class BlockStore:
         # job's successful_keys, KV events) is turned back into its keys.
         self._job_keys: dict[int, dict[bytes, bytes]] = {}
         self._known: dict[bytes, bytes] = {}
-        # Keys (table names) of a purge this process took the events of that
-        # were being written again when it took them: their removal waits
-        # until the write ends (take_events).
-        self._purge_pending: list[bytes] = []
-        # Purges taken whose removals could not be read (counted in
-        # kv_events_lost beside the table's own).
-        self._purge_events_lost = 0
+        # The removals of `nvmetier purge` runs, announced as KV events.
+        self._purges = PurgeEvents(
+            self.files.dirs[0], self._stats, self._known if self._keys is not None else None
+        )
 
     def _open_keys(self, operator: crypto.KeySet, store_name: str) -> crypto.StoreKeys:
         """The store's keyring (created with the store) and its secrets.
@@ -608,116 +602,17 @@ class BlockStore:
         """``(removed, keys)`` pairs since the last call (if events enabled),
         in the order to replay them: one stored event per store job, handed
         out once the job's ops are done, and a key's removal always after the
-        stored event that announced it.
-
-        Also the removals of an ``nvmetier purge`` of this store: the first
-        sharer with events on to see a new purge generation takes it (one
-        compare-and-swap in the table header) and emits the purge log's keys;
-        the others emit nothing for it. The log is read here, on the
-        scheduler thread, once per purge (96 bytes per removed chunk, just
-        written: in the page cache).
-
-        The purge announces itself after it removed the keys (it logs them
-        last), so a key may have been written again in between, and its new
-        stored event queued before the removal is: a removal queued behind it
-        would leave a replay without a key the store holds. So a purged key
-        held again when the purge is taken is announced stored again right
-        after its removal, and one being written again waits for the write
-        to end (its removal then, and its stored event again if it landed)."""
+        stored event that announced it; and the removals of an ``nvmetier
+        purge`` of this store (``nvmetier.store_events``)."""
         table = self._table
         if table is None:
             return []
         if self.config.enable_kv_events:
-            keys: list[bytes] = []
-            gen, taken = table.purge_generation()
-            if gen != taken:
-                keys = self._claim_purged(table, gen, taken)
-                if self._keys is not None and keys:
-                    keys = [k for k in keys if k in self._known]  # MACs it can name
-            if self._purge_pending:
-                keys = self._purge_pending + keys
-            if keys:
-                # A key named twice (pending and purged again, or by two
-                # purges merged into one log) is one removal and one store.
-                self._push_purged(table, list(dict.fromkeys(keys)))
+            self._purges.take(table)
         events: list[tuple[bool, list[bytes]]] = table.take_events()
         if self._keys is not None and events:
-            events = self._unseal_events(events)
+            events = unseal_events(self._known, events)
         return events
-
-    def _claim_purged(self, table: Any, gen: int, taken: int) -> list[bytes]:
-        """The removals of the purges after ``taken`` that this process
-        claims. The log is read first and the claim moves the table's taken
-        generation to the last purge that log covers (compare-and-swap from
-        ``taken``): claimed first, a purge landing before the read saw its
-        predecessor taken and replaced the log with its own keys, and the
-        claimed purge's removals were never emitted. A purge landing after
-        the read merges the untaken log into its own; its generation is then
-        past the claim and the next take emits the whole (removals emitted
-        twice: a replay ends the same)."""
-        first, last, logged = purge_log.read_log(self.files.dirs[0])
-        ahead = (last - taken) & 0xFFFFFFFF
-        if first == last == 0 or ahead >= 1 << 31:
-            # No log (or not readable, or older than the claim: impossible
-            # unless it was replaced by hand): take the purges, emit nothing.
-            if table.claim_purge_events(taken, gen) is not None:
-                self._purge_events_lost += 1
-            return []
-        if ahead == 0:  # the log's purge is taken; its generation not bumped yet
-            return []
-        if table.claim_purge_events(taken, last) is None:
-            return []  # another sharer took it
-        if 0 < (first - 1 - taken) & 0xFFFFFFFF < 1 << 31:
-            self._purge_events_lost += 1  # the log starts after a purge not taken
-        return logged
-
-    def _push_purged(self, table: Any, keys: list[bytes]) -> None:
-        """Queue a purge's removals of ``keys`` behind the table's events (a
-        purged key's stored event may still be open there, its job not
-        finished, and the removal must follow it), each key held again since
-        announced stored after it, and keep those being written again for
-        the next call."""
-        pending: list[bytes] = []
-        done: list[bytes] = []
-        again: list[bytes] = []
-        for k, state in zip(keys, table.states_many(keys), strict=True):
-            if state in (_WRITING, _STATE_UNKNOWN):  # its set was busy: asked again too
-                pending.append(k)
-            else:
-                done.append(k)
-                if state == _READY:
-                    again.append(k)
-        self._purge_pending = pending
-        if not done:
-            return
-        self._stats["purge_removals_emitted"] += len(done)
-        table.push_removed(done)
-        if again:
-            table.push_stored(again)
-
-    def _unseal_events(
-        self, events: list[tuple[bool, list[bytes]]]
-    ) -> list[tuple[bool, list[bytes]]]:
-        """The table's events name key MACs: the keys this process knows
-        (it submitted them) are reported, a removal of one it never saw
-        (another process's chunk) cannot be named and is left out. A removal
-        does not forget the key: a submit of it may already have been made
-        again (its MAC remembered then), and that job's stored event, handed
-        out after the removal, must still name it. The key moves to the
-        newest end instead (``_macs`` drops the oldest past the bound), as
-        it did when a removal forgot it and the next submit remembered it."""
-        known = self._known
-        out = []
-        for removed, macs in events:
-            keys = [k for k in map(known.get, macs) if k is not None]
-            if removed:
-                for m in macs:
-                    k = known.pop(m, None)
-                    if k is not None:
-                        known[m] = k
-            if keys:
-                out.append((removed, keys))
-        return out
 
     def has_pending_work(self) -> bool:
         return self._table is not None and bool(self._table.inflight()[1])
@@ -820,7 +715,7 @@ class BlockStore:
         used = ready = 0
         if table is not None:
             out.update(table.counters())
-            out["kv_events_lost"] += self._purge_events_lost
+            out["kv_events_lost"] += self._purges.lost
             used, ready, _watches, _jobs = table.usage()
         out["hits"] += self._hits_leased
         outstanding = jobs = 0
