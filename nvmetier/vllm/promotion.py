@@ -26,7 +26,8 @@ storm that loads nothing (issue 21), or fewer tokens than no disk tier.
 
 The plan itself (how a request's load end, promotions and pins are chosen)
 is ``nvmetier.vllm.promotion_plan``'s, whose docstring says how; this module
-answers from it and keeps its pins until vLLM loads the request.
+answers from it and keeps its pins until vLLM loads the request (what a
+step's end does to the rounds' pins: ``nvmetier.vllm.promotion_rounds``).
 
 A HIT whose key is in no ``submit_load`` by the end of the step (``note_loaded``
 never saw it) is a chunk vLLM found no CPU slot for: counted in
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from itertools import compress, repeat
@@ -49,13 +49,14 @@ from typing import Any
 
 from nvmetier._table import GuardCall
 from nvmetier._table import HotRequest as _Hot
-from nvmetier.vllm.cpu_view import ABSENT, READY, PrimaryView
+from nvmetier.vllm.cpu_view import ABSENT, PrimaryView
 from nvmetier.vllm.promotion_plan import (
     NOT_LOADED_LOG_INTERVAL_S,
     NOWHERE,
     RequestPlanner,
     _Round,
 )
+from nvmetier.vllm.promotion_rounds import RoundKeeper
 from nvmetier.vllm.sizing import (  # re-exported: the names this module always had
     check_cpu_tier_size,
     group_chunking,
@@ -92,7 +93,7 @@ MAX_PLANS = 3
 # above as ``_Hot``, the name of the Python class it replaced.
 
 
-class PromotionGuard(RequestPlanner):
+class PromotionGuard(RoundKeeper):
     """Answers HIT only for the disk hits vLLM will promote and load.
 
     Args:
@@ -674,44 +675,6 @@ class PromotionGuard(RequestPlanner):
             view = self._view
             self._quiet_generation = None if view is None else view.generation()
 
-    def _rounds_waiting(self, view: PrimaryView) -> bool:
-        """Whether no round has anything for ``_pin_landed`` or
-        ``_expire_idle`` to do: each waits on keys all in promotions in
-        flight (of the CPU tier's current generation), or holds no pin."""
-        generation = None
-        for rnd in self._rounds.values():
-            landing = rnd.landing
-            if landing:
-                if rnd.in_flight_n != len(landing):
-                    return False
-                if generation is None:
-                    generation = view.generation()
-                if rnd.generation != generation:
-                    return False
-            elif rnd.pinned and not rnd.closed:
-                return False
-        return True
-
-    def _count_unloaded(self) -> None:
-        """End of a step: the HITs no load took are counted (and warned of,
-        at most once a minute); a round without a CPU tier view closes."""
-        rounds = self._rounds
-        n = len(self._unloaded)
-        reqs = set(self._unloaded.values())
-        self._unloaded.clear()
-        self.hits_not_loaded += n
-        self._not_logged += n
-        self._not_logged_reqs += len(reqs)
-        if self._view is None:
-            for req_id in reqs:
-                rnd = rounds.get(req_id)
-                if rnd is not None:
-                    rnd.closed = True
-        now = time.monotonic()
-        if now - self._last_log >= NOT_LOADED_LOG_INTERVAL_S:
-            self._last_log = now
-            self._warn_not_loaded()
-
     def finish(self, req_id: str) -> None:
         """The request finished: drop its pins and forget its round."""
         self._quiet = False
@@ -746,48 +709,6 @@ class PromotionGuard(RequestPlanner):
             "promotion_pins": sum(len(r.pinned) for r in self._rounds.values()),
         }
 
-    def _pin_landed(self) -> None:
-        """Pin the planned chunks that became ready since (landed promotions,
-        finished writes); forget those that are gone (a failed read)."""
-        view = self._view
-        if view is None:
-            return
-        generation = None
-        for rnd in self._rounds.values():
-            if not rnd.landing:
-                continue
-            if generation is None:
-                generation = view.generation()
-            if rnd.generation != generation:
-                rnd.pinned.clear()
-                rnd.landing.clear()
-                continue
-            if rnd.in_flight_n == len(rnd.landing):
-                continue  # all of it still in promotions in flight
-            # A key of a promotion in flight stays PENDING until load_finished.
-            if self._load_jobs:
-                rest: Iterable[Any] = rnd.landing.difference(*self._load_jobs.values())
-                if not rest:
-                    # Nothing of it can be ready before a load_finished, which
-                    # clears this (as a landing that grows does): until then
-                    # a check per step, not this set difference.
-                    rnd.in_flight_n = len(rnd.landing)
-                    continue
-            else:
-                rest = list(rnd.landing)
-            ready = []
-            state = self._state
-            for key in rest:
-                where = state(key)
-                if where == READY:
-                    ready.append(key)
-                    rnd.landing.discard(key)
-                elif where == ABSENT:
-                    rnd.landing.discard(key)
-            if ready:
-                view.pin(ready, rnd.ctx)
-                rnd.pinned.update(ready)
-
     def _expire_idle(self) -> None:
         """End the rounds whose request stays unscheduled with every
         promotion landed, so their pins do not hold the CPU tier for good."""
@@ -805,19 +726,6 @@ class PromotionGuard(RequestPlanner):
                 self._close(rnd)
         for req_id in gone:
             del self._rounds[req_id]
-
-    def _close(self, rnd: _Round) -> None:
-        self._release(rnd)
-        rnd.closed = True
-        rnd.planned = set()
-
-    def _release(self, rnd: _Round) -> None:
-        view = self._view
-        if rnd.pinned and view is not None and view.generation() == rnd.generation:
-            view.unpin(rnd.pinned, rnd.ctx)
-        rnd.pinned = set()
-        rnd.landing = set()
-        rnd.in_flight_n = -1
 
 
 def _all_absent(keys: list[Any]) -> list[int]:
