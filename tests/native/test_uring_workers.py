@@ -130,6 +130,7 @@ def test_a_job_over_idle_workers_wakes_them_all_through_the_first(
     assert all(w["ops"] > 0 for w in engine.worker_stats())
 
 
+@pytest.mark.serial  # a busy core beside it delays the submit past worker 0's hashing
 def test_an_idle_workers_op_does_not_wait_for_another_workers_hashing(tmp_path) -> None:
     """Worker 0 has reaped a backlog of big checksummed reads and hashes them
     (idle: nothing in flight, so `sleeping`); a job then gives an op to it
