@@ -339,6 +339,10 @@ class NvmeTierManager(SecondaryTierManager):
     @store.setter
     def store(self, store: BlockStore) -> None:
         self._store = store
+        # A sealed store's refresh marks every key (its table's keys are MACs
+        # made per call, other objects than the load jobs'): its loads' key
+        # lists are not kept (_loads_of).
+        self._keeps_loads = not store.sealed
         # lookup runs once per chunk on the scheduler thread: call the native
         # table directly unless the store counts lookups (admit_after_lookups).
         # (A sealed store's calls map keys to their MACs first, natively.)
@@ -591,7 +595,7 @@ class NvmeTierManager(SecondaryTierManager):
         keys = job_metadata.keys
         ctx = job_metadata.req_context
         self._guard.note_load_job(job_id, keys, ctx)
-        if self._refresh_chunks and ctx is not None:
+        if self._refresh_chunks and ctx is not None and self._keeps_loads:
             loads = self._loads_of.get(ctx.req_id)
             if loads is None:
                 self._loads_of[ctx.req_id] = [keys]

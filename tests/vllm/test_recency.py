@@ -98,11 +98,7 @@ def test_with_the_refresh_off_a_prefix_hit_only_above_the_disk_is_evicted_first(
 def test_a_sealed_stores_prefix_hit_only_in_the_cpu_tier_stays_on_disk(
     tmp_path, make_engine
 ) -> None:
-    pytest.importorskip("nvmetier._crypto")
-    key_file = tmp_path / "key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    eng = engine(make_engine, str(tmp_path / "kv"), encryption={"key_file": str(key_file)})
+    eng = engine(make_engine, str(tmp_path / "kv"), **_sealing(tmp_path))
     assert eng.tiers[0].store.sealed
     run_rounds(eng, "cpu")
     assert not any(on_disk(eng, tail(0) + tail(1)))
@@ -164,25 +160,45 @@ def test_request_keys_of_an_untracked_request_are_none() -> None:
     assert request_keys(ReqContext(req_id="untracked"), 4096) == []
 
 
-def _restarted_with_prefix_on_disk(tmp_path, make_engine) -> SimulatedEngine:
+def _restarted_with_prefix_on_disk(tmp_path, make_engine, **tier_kw: Any) -> SimulatedEngine:
     """An engine restarted (the CPU tier empty) on a disk holding PREFIX."""
     root = str(tmp_path / "kv")
-    eng = engine(make_engine, root)
+    eng = engine(make_engine, root, **tier_kw)
     serve(ConnectorModel(eng, reads_land_in_step=True), "r0", PREFIX + tail(0))
     eng.shutdown()
-    restarted = engine(make_engine, root)
+    restarted = engine(make_engine, root, **tier_kw)
     assert all(on_disk(restarted, PREFIX))
     return restarted
 
 
+def _sealing(tmp_path) -> dict[str, Any]:
+    pytest.importorskip("nvmetier._crypto")
+    key_file = tmp_path / "key"
+    key_file.write_bytes(os.urandom(32))
+    key_file.chmod(0o600)
+    return {"encryption": {"key_file": str(key_file)}}
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
 def test_a_loaded_head_stays_more_recent_than_the_requests_other_chunks(
-    tmp_path, make_engine
+    tmp_path, make_engine, sealed: bool
 ) -> None:
     """Of a request's chunks in one disk set, the head must end up the most
     recent (``request_keys``), also when the head came from disk and the rest
     from the CPU tier: a head the load marked, then left out of the refresh
-    that marks the rest later, is evicted before its own tail."""
-    restarted = _restarted_with_prefix_on_disk(tmp_path, make_engine)
+    that marks the rest later, is evicted before its own tail. (A sealed
+    store's refresh marks every key again: it keeps no load's key list.)"""
+    tier_kw = _sealing(tmp_path) if sealed else {}
+    restarted = _restarted_with_prefix_on_disk(tmp_path, make_engine, **tier_kw)
+    tier = restarted.tiers[0]
+    submit_load = tier.submit_load
+    kept: list[int] = []
+
+    def watched(job: Any) -> None:
+        submit_load(job)
+        kept.append(len(tier._loads_of))
+
+    tier.submit_load = watched
     model = ConnectorModel(restarted, reads_land_in_step=True)
     rest = tail(50)
     serve(model, "rest", rest)  # computed: in the CPU tier and on disk
@@ -196,3 +212,5 @@ def test_a_loaded_head_stays_more_recent_than_the_requests_other_chunks(
             break
     assert not all(on_disk(restarted, mine))
     assert all(on_disk(restarted, PREFIX)), "the head went before the request's own tail"
+    assert kept, "the request loaded nothing from disk"
+    assert (max(kept) == 0) == sealed  # a plain store keeps the loads' keys for the refresh
