@@ -8,7 +8,6 @@ Every sharer is a separate vLLM instance (``tests/vllm/sharer.py``)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -19,20 +18,13 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 pytest.importorskip("nvmetier._crypto")
 
-from tests.vllm.conftest import nvme_tier
+from tests.vllm.conftest import new_key, nvme_tier
 from tests.vllm.sharer import Sharer, read_journal
 
 pytestmark = pytest.mark.timeout(300)
 
 MODEL = "nvmetier/sealed-model"
 BASE = list(range(48))
-
-
-def new_key(tmp_path, name: str) -> str:
-    path = tmp_path / name
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return str(path)
 
 
 def _tier(root: str, key_path: str) -> dict[str, Any]:

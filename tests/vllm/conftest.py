@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -10,6 +11,15 @@ import pytest
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 from nvmetier.vllm.harness import SimulatedEngine, make_config
+
+
+def new_key(tmp_path: Any, name: str = "key") -> str:
+    """A fresh key file (32 random bytes, mode 0600) for a sealed tier's
+    ``encryption: {key_file: ...}``; its path."""
+    path = tmp_path / name
+    path.write_bytes(os.urandom(32))
+    path.chmod(0o600)
+    return str(path)
 
 
 def nvme_tier(root: Any, **kw: Any) -> dict[str, Any]:

@@ -14,16 +14,9 @@ pytest.importorskip("nvmetier._crypto")
 from vllm.v1.kv_offload.base import LookupResult, Medium
 
 from nvmetier.vllm.harness import key_of
-from tests.vllm.conftest import nvme_tier
+from tests.vllm.conftest import new_key, nvme_tier
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def new_key(tmp_path, name: str = "key") -> str:
-    path = tmp_path / name
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return str(path)
 
 
 def sealed_tier(tmp_path, key_path: str, **kw):

@@ -9,7 +9,6 @@ waiting only on promotions in flight are not asked about every step. About
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from nvmetier.vllm import METRIC_PREFIX
 from nvmetier.vllm.cpu_view import ABSENT, PENDING, READY
 from nvmetier.vllm.harness import key_of, record_positions
-from tests.vllm.conftest import nvme_tier
+from tests.vllm.conftest import new_key, nvme_tier
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,13 +59,6 @@ class Calls:
 def hits_counted(tier: Any) -> float:
     values = tier.get_stats().reduce()
     return float(values.get(f"{METRIC_PREFIX}hits:{(tier.tier_label,)}", 0))
-
-
-def new_key(tmp_path) -> str:
-    path = tmp_path / "key"
-    path.write_bytes(os.urandom(32))
-    path.chmod(0o600)
-    return str(path)
 
 
 @pytest.mark.parametrize("kind", ["plain", "sealed", "admission"])

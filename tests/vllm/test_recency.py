@@ -11,7 +11,6 @@ installed vLLM (0.33 in ``.venv``, 0.32 in ``.venv-serve``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +20,7 @@ from vllm.v1.kv_offload.base import ReqContext
 from nvmetier.vllm import METRIC_PREFIX
 from nvmetier.vllm.harness import SimulatedEngine, key_of
 from nvmetier.vllm.recency import request_keys
-from tests.vllm.conftest import nvme_tier
+from tests.vllm.conftest import new_key, nvme_tier
 from tests.vllm.connector_model import TOKENS_PER_CHUNK, ConnectorModel
 
 pytestmark = pytest.mark.timeout(180)
@@ -173,10 +172,7 @@ def _restarted_with_prefix_on_disk(tmp_path, make_engine, **tier_kw: Any) -> Sim
 
 def _sealing(tmp_path) -> dict[str, Any]:
     pytest.importorskip("nvmetier._crypto")
-    key_file = tmp_path / "key"
-    key_file.write_bytes(os.urandom(32))
-    key_file.chmod(0o600)
-    return {"encryption": {"key_file": str(key_file)}}
+    return {"encryption": {"key_file": new_key(tmp_path)}}
 
 
 @pytest.mark.parametrize("sealed", [False, True], ids=["plain", "sealed"])
